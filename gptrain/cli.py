@@ -1,0 +1,160 @@
+"""The ``gptrain`` command: a table of subcommands, each a plain function over parsed arguments."""
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Callable
+
+
+def _preprocess_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="gptrain preprocess",
+                                description="JSONL -> Megatron indexed dataset (tools/preprocess_data.py flags)")
+    p.add_argument("--input", nargs="+", required=True, help="JSONL files or globs (.gz .xz .bz2 .zst read too)")
+    p.add_argument("--output-prefix", required=True)
+    p.add_argument("--json-keys", nargs="+", default=["text"])
+    p.add_argument("--vocab-file", default=None, help="gpt2-vocab.json (default: the built-in GPT-2 files)")
+    p.add_argument("--merge-file", default=None, help="gpt2-merges.txt")
+    p.add_argument("--tokenizer-type", default="GPT2BPETokenizer")
+    p.add_argument("--append-eod", action="store_true")
+    p.add_argument("--workers", type=int, default=None, help="tokenizing threads (default: all cores)")
+    p.add_argument("--chunk-size", type=int, default=64, help="documents per task, at least")
+    p.add_argument("--dataset-impl", default="mmap")
+    p.add_argument("--log-interval", type=int, default=100000)
+    p.add_argument("--strict", action="store_true", help="stop at the first bad line instead of skipping it")
+    p.add_argument("--overwrite", action="store_true")
+    p.add_argument("--no-progress", action="store_true")
+    return p
+
+
+def cmd_preprocess(argv: list[str]) -> int:
+    import os
+
+    from gptrain.data.preprocess import PreprocessConfig, PreprocessError, preprocess
+
+    args = _preprocess_parser().parse_args(argv)
+    if args.tokenizer_type != "GPT2BPETokenizer":
+        return _fail(f"--tokenizer-type {args.tokenizer_type}: only GPT2BPETokenizer is supported")
+    if args.dataset_impl != "mmap":
+        return _fail(f"--dataset-impl {args.dataset_impl}: only mmap (Megatron's MMIDIDX format) is written")
+    try:
+        config = PreprocessConfig(
+            inputs=args.input, output_prefix=args.output_prefix, json_keys=args.json_keys,
+            vocab_file=args.vocab_file, merge_file=args.merge_file, append_eod=args.append_eod,
+            workers=args.workers or os.cpu_count() or 1, chunk_size=args.chunk_size,
+            log_interval=args.log_interval, strict=args.strict, overwrite=args.overwrite,
+            progress=False if args.no_progress else None,
+        )
+        report = preprocess(config)
+    except (PreprocessError, ValueError, FileNotFoundError) as err:
+        return _fail(str(err))
+    print(report.summary())
+    for key, prefix in config.output_prefixes().items():
+        print(f"wrote {prefix}.bin, {prefix}.idx, {prefix}.json")
+    return 0
+
+
+def cmd_merge_datasets(argv: list[str]) -> int:
+    from gptrain.data.merge import merge_datasets
+
+    p = argparse.ArgumentParser(prog="gptrain merge-datasets", description="concatenate indexed datasets")
+    p.add_argument("--input", nargs="+", required=True, help="a directory of .bin/.idx pairs, or prefixes")
+    p.add_argument("--output-prefix", required=True)
+    p.add_argument("--overwrite", action="store_true")
+    args = p.parse_args(argv)
+    try:
+        merged = merge_datasets(args.input, args.output_prefix, overwrite=args.overwrite)
+    except (OSError, ValueError) as err:
+        return _fail(str(err))
+    print(f"merged into {args.output_prefix}: {merged.num_documents} documents, {merged.num_tokens} tokens")
+    return 0
+
+
+def cmd_data(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="gptrain data", description="data utilities")
+    sub = p.add_subparsers(dest="action", required=True)
+    b = sub.add_parser("builtin", help="export the built-in corpus (Python's documentation) as JSONL")
+    b.add_argument("--output", required=True)
+    i = sub.add_parser("inspect", help="statistics and a decoded document of an indexed dataset")
+    i.add_argument("prefix")
+    i.add_argument("--document", type=int, default=None)
+    i.add_argument("--vocab-file", default=None)
+    i.add_argument("--merge-file", default=None)
+    c = sub.add_parser("build-cache", help="build the dataset index maps of a training config ahead of a run",
+                       add_help=False)
+    args, rest = p.parse_known_args(argv)
+    try:
+        if args.action == "builtin":
+            from gptrain.data.builtin import write_builtin_corpus
+
+            docs, size = write_builtin_corpus(args.output)
+            print(f"wrote {args.output}: {docs} documents, {size / 1e6:.2f} MB")
+        elif args.action == "inspect":
+            from gptrain.data.inspect_data import describe
+            from gptrain.tokenizer import GPT2Tokenizer
+
+            tokenizer = GPT2Tokenizer(args.vocab_file, args.merge_file) if args.document is not None else None
+            print(describe(args.prefix, args.document, tokenizer))
+        elif args.action == "build-cache":
+            from gptrain.train.run import build_cache
+
+            return build_cache(rest)
+    except (OSError, ValueError, IndexError) as err:
+        return _fail(str(err))
+    if rest and args.action != "build-cache":
+        return _fail(f"unrecognized arguments: {' '.join(rest)}")
+    return 0
+
+
+def cmd_train(argv: list[str]) -> int:
+    from gptrain.train.run import train_main
+
+    return train_main(argv)
+
+
+def cmd_bench(argv: list[str]) -> int:
+    from gptrain.bench import bench_main
+
+    return bench_main(argv)
+
+
+def cmd_demo(argv: list[str]) -> int:
+    from gptrain.demo import demo_main
+
+    return demo_main(argv)
+
+
+def _fail(message: str) -> int:
+    print(f"gptrain: error: {message}", file=sys.stderr)
+    return 2
+
+
+COMMANDS: dict[str, tuple[Callable[[list[str]], int], str]] = {
+    "demo": (cmd_demo, "the main job on built-in data: prepare, train a small GPT, evaluate, sample"),
+    "preprocess": (cmd_preprocess, "JSONL -> Megatron .bin/.idx (tools/preprocess_data.py flags)"),
+    "merge-datasets": (cmd_merge_datasets, "concatenate indexed datasets"),
+    "data": (cmd_data, "builtin corpus | inspect a dataset | build-cache"),
+    "train": (cmd_train, "pretrain a GPT (pretrain_gpt.py flags)"),
+    "bench": (cmd_bench, "training throughput against a plain PyTorch baseline"),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print("usage: gptrain COMMAND [flags]\n\ncommands:")
+        for name, (_, help_text) in COMMANDS.items():
+            print(f"  {name:<15} {help_text}")
+        return 0 if argv else 2
+    name, rest = argv[0], argv[1:]
+    if name == "--version":
+        from gptrain import __version__
+
+        print(__version__)
+        return 0
+    if name not in COMMANDS:
+        return _fail(f"unknown command {name!r}; commands: {', '.join(COMMANDS)}")
+    return COMMANDS[name][0](rest)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,76 @@
+import tiktoken
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from tiktoken.load import data_gym_to_mergeable_bpe_ranks
+
+from gptrain.tokenizer import GPT2_PATTERN, GPT2Tokenizer, default_vocab_files
+
+FIXED = [
+    "", " ", "   ", "\n", "\n\n\n", "\t\t x", "hello world", "Hello  world\n\n  indented",
+    "trailing spaces   ", "emoji 😀🎉👍🏽 family 👨‍👩‍👧", "CJK 東京都 中文字符 한국어", "combining e\u0301 a\u0300\u0323",
+    "<|endoftext|>", "a<|endoftext|>b", "I'll we've they're it's S'S", "numbers 3.14159 2024-11-21 1e10",
+    "\u00a0nbsp\u2003em space\u3000ideographic", "RTL עברית العربية", "\x00\x01 control \x7f",
+    "mixed\r\nnewlines\rhere", "a" * 500, "🙂" * 50,
+]
+
+
+def tiktoken_reference() -> tiktoken.Encoding:
+    vocab, merges = default_vocab_files()
+    ranks = data_gym_to_mergeable_bpe_ranks(str(merges), str(vocab))
+    return tiktoken.Encoding("gpt2-ref", pat_str=GPT2_PATTERN, mergeable_ranks=ranks,
+                             special_tokens={"<|endoftext|>": 50256})
+
+
+REF = tiktoken_reference()
+
+
+def test_vocabulary_facts(tokenizer):
+    assert tokenizer.vocab_size == 50257
+    assert tokenizer.eod == 50256
+    assert tokenizer.encode("<|endoftext|>", allow_special=True) == [50256]
+    # inside a document it is ordinary text, as in Megatron's tokenizer
+    assert tokenizer.encode("<|endoftext|>") == [27, 91, 437, 1659, 5239, 91, 29]
+    assert tokenizer.encode("") == []
+    assert tokenizer.encode("Hello world") == [15496, 995]
+
+
+def test_fixed_cases_match_references(tokenizer, hf_reference_tokenizer):
+    for text in FIXED:
+        ids = tokenizer.encode(text)
+        assert ids == REF.encode_ordinary(text), text
+        assert ids == hf_reference_tokenizer.encode(text).ids, text
+        assert tokenizer.encode_array(text).tolist() == ids
+        assert tokenizer.decode(ids) == text
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.text(alphabet=st.characters(blacklist_categories=("Cs",)), max_size=200))
+def test_any_unicode_matches_tiktoken_and_round_trips(tokenizer, text):
+    ids = tokenizer.encode(text)
+    assert ids == REF.encode_ordinary(text)
+    assert tokenizer.decode(ids) == text
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.sampled_from([" ", "  ", "\n", "\t", "a", "ab", "'s", "1", "22", "!", "é", "東", "😀", "\u00a0"]),
+                max_size=60).map("".join))
+def test_whitespace_and_mixed_runs_match_hf(tokenizer, hf_reference_tokenizer, text):
+    assert tokenizer.encode(text) == hf_reference_tokenizer.encode(text).ids
+
+
+def test_explicit_files_equal_default(tmp_path):
+    vocab, merges = default_vocab_files()
+    (tmp_path / "gpt2-vocab.json").write_bytes(vocab.read_bytes())
+    (tmp_path / "gpt2-merges.txt").write_bytes(merges.read_bytes())
+    tok = GPT2Tokenizer(tmp_path / "gpt2-vocab.json", tmp_path / "gpt2-merges.txt")
+    assert tok.encode("same ids either way") == GPT2Tokenizer().encode("same ids either way")
+    assert tok.fingerprint == GPT2Tokenizer().fingerprint
+
+
+def test_missing_file_is_a_clear_error(tmp_path):
+    import pytest
+
+    with pytest.raises(FileNotFoundError, match="--vocab-file"):
+        GPT2Tokenizer(tmp_path / "nope.json", tmp_path / "nope.txt")
+    with pytest.raises(ValueError, match="both"):
+        GPT2Tokenizer(tmp_path / "nope.json", None)

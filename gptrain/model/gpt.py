@@ -1,0 +1,163 @@
+"""GPT-2 as Megatron-LM builds it, in plain PyTorch (no parallel code: ``gptrain.parallel`` transforms it).
+
+Token + learned position embeddings, pre-LayerNorm blocks (causal self-attention through
+``scaled_dot_product_attention``, a 4h GELU MLP, biases everywhere), a final LayerNorm, and an
+output layer tied to the word embeddings. The vocabulary is padded (Megatron's rule) for fast
+matrix shapes; padded rows never receive probability mass: the loss and the returned logits
+only ever see the first ``vocab_size`` columns.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from gptrain.model.loss import lm_cross_entropy
+
+
+def padded_vocab_size(vocab_size: int, divisible_by: int = 128, tensor_parallel: int = 1) -> int:
+    """Megatron's ``_vocab_size_with_padding``: round up to a multiple of divisible_by x TP."""
+    multiple = divisible_by * tensor_parallel
+    return ((vocab_size + multiple - 1) // multiple) * multiple
+
+
+@dataclass
+class GPTConfig:
+    num_layers: int = 24
+    hidden_size: int = 1024
+    num_attention_heads: int = 16
+    ffn_hidden_size: int | None = None  # default 4 x hidden
+    seq_length: int = 1024
+    max_position_embeddings: int | None = None  # default seq_length
+    vocab_size: int = 50257
+    make_vocab_size_divisible_by: int = 128
+    tensor_parallel_size: int = 1  # only for the vocabulary padding rule
+    init_method_std: float = 0.02
+    attention_dropout: float = 0.1
+    hidden_dropout: float = 0.1
+    layernorm_epsilon: float = 1e-5
+    fused_cross_entropy: bool = True  # chunked loss that never holds all fp32 logits at once
+    recompute_activations: bool = False
+
+    def __post_init__(self):
+        if self.ffn_hidden_size is None:
+            self.ffn_hidden_size = 4 * self.hidden_size
+        if self.max_position_embeddings is None:
+            self.max_position_embeddings = self.seq_length
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError(f"--hidden-size {self.hidden_size} is not divisible by "
+                             f"--num-attention-heads {self.num_attention_heads}")
+        if self.seq_length > self.max_position_embeddings:
+            raise ValueError(f"--seq-length {self.seq_length} exceeds --max-position-embeddings "
+                             f"{self.max_position_embeddings}")
+        for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+
+    @property
+    def padded_vocab_size(self) -> int:
+        return padded_vocab_size(self.vocab_size, self.make_vocab_size_divisible_by, self.tensor_parallel_size)
+
+    def num_parameters(self) -> int:
+        h, f, L = self.hidden_size, self.ffn_hidden_size, self.num_layers
+        per_layer = 4 * h + (3 * h * h + 3 * h) + (h * h + h) + (h * f + f) + (f * h + h)
+        return self.padded_vocab_size * h + self.max_position_embeddings * h + L * per_layer + 2 * h
+
+    def flops_per_token(self) -> float:
+        """Model FLOPs per token, forward + backward (DESIGN.md section 5)."""
+        non_embedding = self.num_parameters() - (self.padded_vocab_size + self.max_position_embeddings) * self.hidden_size
+        output_layer = self.padded_vocab_size * self.hidden_size
+        return 6.0 * (non_embedding + output_layer) + 12.0 * self.num_layers * self.hidden_size * self.seq_length
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.num_heads = cfg.num_attention_heads
+        self.qkv = nn.Linear(cfg.hidden_size, 3 * cfg.hidden_size)
+        self.proj = nn.Linear(cfg.hidden_size, cfg.hidden_size)
+        self.attention_dropout = cfg.attention_dropout
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, h = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, self.num_heads, h // self.num_heads).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                           dropout_p=self.attention_dropout if self.training else 0.0)
+        return self.proj(y.transpose(1, 2).reshape(b, s, h))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.fc1 = nn.Linear(cfg.hidden_size, cfg.ffn_hidden_size)
+        self.fc2 = nn.Linear(cfg.ffn_hidden_size, cfg.hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # tanh GELU: Megatron's fused bias-GELU and Hugging Face GPT-2's "gelu_new"
+        return self.fc2(F.gelu(self.fc1(x), approximate="tanh"))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.ln1 = nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon)
+        self.attn = CausalSelfAttention(cfg)
+        self.ln2 = nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon)
+        self.mlp = MLP(cfg)
+        self.hidden_dropout = cfg.hidden_dropout
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + F.dropout(self.attn(self.ln1(x)), self.hidden_dropout, self.training)
+        return x + F.dropout(self.mlp(self.ln2(x)), self.hidden_dropout, self.training)
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.word_embeddings = nn.Embedding(cfg.padded_vocab_size, cfg.hidden_size)
+        self.position_embeddings = nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size)
+        # keyed by index so names stay stable when pipeline stages drop layers
+        self.layers = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.num_layers)})
+        self.final_layernorm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon)
+
+    @torch.no_grad()
+    def init_weights(self, seed: int) -> None:
+        """Megatron's init: N(0, std) weights, output projections N(0, std / sqrt(2 L)), zero biases.
+
+        Drawn on the CPU from one generator in a fixed order, so the full weights depend only on the
+        seed, never on the device or on how the model is later sharded.
+        """
+        gen = torch.Generator(device="cpu").manual_seed(seed)
+        scaled_std = self.cfg.init_method_std / math.sqrt(2.0 * self.cfg.num_layers)
+        for name, param in self.named_parameters():
+            if name.endswith("bias"):
+                value = torch.zeros(param.shape)
+            elif "layernorm" in name or ".ln" in name:
+                value = torch.ones(param.shape)
+            else:
+                std = scaled_std if name.endswith(("attn.proj.weight", "mlp.fc2.weight")) else self.cfg.init_method_std
+                value = torch.empty(param.shape).normal_(0.0, std, generator=gen)
+            param.copy_(value.to(param.dtype))
+
+    def hidden_states(self, tokens: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(tokens.shape[1], device=tokens.device)
+        x = self.word_embeddings(tokens) + self.position_embeddings(positions)
+        x = F.dropout(x, self.cfg.hidden_dropout, self.training)
+        for block in self.layers.values():
+            if self.cfg.recompute_activations and self.training:
+                x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
+            else:
+                x = block(x)
+        return self.final_layernorm(x)
+
+    def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits over the real vocabulary, or with ``labels`` the mean token cross-entropy."""
+        h = self.hidden_states(tokens)
+        if labels is not None:
+            return lm_cross_entropy(h, self.word_embeddings.weight, labels, self.cfg.vocab_size,
+                                    fused=self.cfg.fused_cross_entropy)
+        return F.linear(h, self.word_embeddings.weight[: self.cfg.vocab_size])

@@ -15,7 +15,7 @@ import datetime as dt
 import json
 import os
 import platform
-import resource
+
 import subprocess
 import sys
 import tempfile
@@ -45,10 +45,10 @@ def build_corpus(path: Path, target_mb: float) -> list[str]:
 
 
 def time_command(src: Path, prefix: Path, workers: int) -> tuple[float, int]:
-    code = ("import resource, sys, time; from gptrain.cli import main; t = time.perf_counter(); "
+    code = ("import sys, time; from gptrain.cli import main; t = time.perf_counter(); "
             f"rc = main(['preprocess', '--input', {str(src)!r}, '--output-prefix', {str(prefix)!r}, "
             f"'--append-eod', '--workers', '{workers}', '--no-progress', '--overwrite']); "
-            "print(time.perf_counter() - t, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss); sys.exit(rc)")
+            "print(time.perf_counter() - t, [int(l.split()[1]) for l in open('/proc/self/status') if l.startswith('VmHWM')][0]); sys.exit(rc)")
     start = time.perf_counter()
     out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout
     wall = time.perf_counter() - start  # the whole command, interpreter start-up included

@@ -193,10 +193,11 @@ def test_merge_and_inspect_cli(tmp_path, corpus, capsys):
 
 
 def _peak_rss_kb(src, prefix):
-    code = ("import resource, sys; from gptrain.cli import main; "
+    # VmHWM, not ru_maxrss: the latter survives exec and would report this test process's peak
+    code = ("import sys; from gptrain.cli import main; "
             f"rc = main(['preprocess', '--input', {str(src)!r}, '--output-prefix', {str(prefix)!r}, "
             "'--append-eod', '--workers', '2', '--no-progress']); "
-            "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss); sys.exit(rc)")
+            "print([int(l.split()[1]) for l in open('/proc/self/status') if l.startswith('VmHWM')][0]); sys.exit(rc)")
     out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout
     return int(out.strip().splitlines()[-1])
 

@@ -1,0 +1,287 @@
+"""Typed run configuration and the thin Megatron ``pretrain_gpt.py`` flag translation onto it.
+
+The dataclasses are the source of truth (checked in ``__post_init__``); ``parse_megatron_args``
+only maps flag names onto them. A Megatron flag gptrain does not implement is refused with its
+name, never silently ignored; flags that change nothing here are accepted with the reason.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass, field
+
+from gptrain.model.gpt import GPTConfig
+
+
+@dataclass
+class DataConfig:
+    data_path: list[str] = field(default_factory=list)
+    split: str = "969,30,1"
+    mock_data: bool = False
+    vocab_file: str | None = None
+    merge_file: str | None = None
+    data_cache_path: str | None = None
+    seed: int = 1234
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1.5e-4
+    min_lr: float = 0.0
+    weight_decay: float = 0.01
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0
+    lr_decay_style: str = "linear"
+    lr_decay_iters: int | None = None
+    lr_warmup_iters: int = 0
+    lr_warmup_fraction: float | None = None
+
+    def __post_init__(self):
+        if self.lr_decay_style not in ("constant", "linear", "cosine", "inverse-square-root"):
+            raise ValueError(f"--lr-decay-style {self.lr_decay_style}: use constant, linear, cosine or "
+                             "inverse-square-root")
+        if self.lr_warmup_fraction is not None and self.lr_warmup_iters:
+            raise ValueError("give --lr-warmup-fraction or --lr-warmup-iters, not both")
+        if self.min_lr > self.lr:
+            raise ValueError(f"--min-lr {self.min_lr} is above --lr {self.lr}")
+
+
+@dataclass
+class PrecisionConfig:
+    fp16: bool = False
+    bf16: bool = False
+    loss_scale: float | None = None  # static scale; None means dynamic
+    initial_loss_scale: float = 2.0 ** 32
+    min_loss_scale: float = 1.0
+    loss_scale_window: int = 1000
+    hysteresis: int = 2
+
+    def __post_init__(self):
+        if self.fp16 and self.bf16:
+            raise ValueError("--fp16 and --bf16 are exclusive")
+
+    @property
+    def name(self) -> str:
+        return "fp16" if self.fp16 else "bf16" if self.bf16 else "fp32"
+
+
+@dataclass
+class TrainConfig:
+    micro_batch_size: int = 1
+    global_batch_size: int | None = None
+    train_iters: int | None = None
+    train_samples: int | None = None
+    eval_interval: int = 1000
+    eval_iters: int = 100
+    log_interval: int = 100
+    save: str | None = None
+    load: str | None = None
+    save_interval: int | None = None
+    exit_interval: int | None = None
+    exit_duration_in_mins: float | None = None
+    max_nan_iterations: int = 10
+    tensorboard_dir: str | None = None
+    compile: bool = False
+    peak_tflops: float | None = None
+    device: str | None = None  # default: cuda if available
+    no_load_optim: bool = False
+    no_load_rng: bool = False
+    finetune: bool = False
+
+    def __post_init__(self):
+        if self.global_batch_size is None:
+            self.global_batch_size = self.micro_batch_size
+        if self.micro_batch_size < 1 or self.global_batch_size % self.micro_batch_size:
+            raise ValueError(f"--global-batch-size {self.global_batch_size} must be a multiple of "
+                             f"--micro-batch-size {self.micro_batch_size} (times the data-parallel size)")
+        if self.train_iters is None and self.train_samples is None:
+            raise ValueError("give --train-iters or --train-samples")
+        if self.train_iters is None:
+            self.train_iters = self.train_samples // self.global_batch_size
+        if self.log_interval < 1:
+            raise ValueError("--log-interval must be positive")
+
+    @property
+    def num_micro_batches(self) -> int:
+        return self.global_batch_size // self.micro_batch_size
+
+
+@dataclass
+class RunConfig:
+    model: GPTConfig
+    data: DataConfig
+    optim: OptimConfig
+    precision: PrecisionConfig
+    train: TrainConfig
+
+    def to_dict(self) -> dict:
+        return {name: dataclasses.asdict(getattr(self, name)) for name in ("model", "data", "optim", "precision", "train")}
+
+
+# flags that exist in Megatron and change nothing here, with the reason printed once
+ACCEPTED_NO_OP = {
+    "--use-flash-attn": "attention always runs through scaled_dot_product_attention (flash on GPU)",
+    "--attention-softmax-in-fp32": "SDPA computes the softmax in fp32",
+    "--no-masked-softmax-fusion": "no separate softmax kernel", "--no-bias-gelu-fusion": "fused by torch.compile",
+    "--no-bias-dropout-fusion": "fused by torch.compile", "--no-gradient-accumulation-fusion": "not applicable",
+    "--apply-query-key-layer-scaling": "a fp16 overflow guard that SDPA does not need",
+    "--accumulate-allreduce-grads-in-fp32": "gradients are fp32 already", "--no-async-tensor-model-parallel-allreduce":
+    "single device",
+}
+ACCEPTED_NO_OP_WITH_VALUE = {
+    "--data-impl": ("mmap",), "--dataset-impl": ("mmap",), "--DDP-impl": ("local", "torch"),
+    "--distributed-backend": ("nccl", "gloo"), "--tokenizer-type": ("GPT2BPETokenizer",),
+    "--tensor-model-parallel-size": ("1",), "--pipeline-model-parallel-size": ("1",),
+    "--num-workers": None, "--distributed-timeout-minutes": None,
+}
+NOT_IMPLEMENTED = {
+    "--tensor-model-parallel-size": "tensor parallelism is not built yet (only size 1 runs)",
+    "--pipeline-model-parallel-size": "pipeline parallelism is not built yet (only size 1 runs)",
+    "--sequence-parallel": "sequence parallelism comes with tensor parallelism, not built yet",
+    "--num-layers-per-virtual-pipeline-stage": "interleaved pipelines are not built yet",
+    "--deepspeed": "DeepSpeed is not used; ZeRO sharding is not built yet",
+    "--deepspeed_config": "DeepSpeed is not used", "--zero-stage": "ZeRO sharding is not built yet",
+    "--use-distributed-optimizer": "the sharded optimizer is not built yet",
+    "--fp8-format": "use --fp8", "--rampup-batch-size": "batch-size ramp-up is not implemented",
+    "--swiglu": "only the GPT-2 MLP is implemented", "--use-rotary-position-embeddings": "only learned positions",
+    "--position-embedding-type": "only learned absolute positions", "--normalization": "only LayerNorm",
+    "--untie-embeddings-and-output-weights": "the output layer is tied to the embeddings",
+    "--split-sentences": "sentence splitting is not implemented", "--reset-position-ids": "not implemented",
+    "--reset-attention-mask": "not implemented", "--eod-mask-loss": "not implemented",
+    "--override-opt_param-scheduler": "not implemented", "--use-checkpoint-opt_param-scheduler": "not implemented",
+    "--recompute-granularity": "use --recompute-activations (full block recompute)",
+}
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="gptrain train", description="GPT pretraining with pretrain_gpt.py flags",
+                                allow_abbrev=False)
+    a = p.add_argument
+    # model
+    a("--num-layers", type=int, default=24)
+    a("--hidden-size", type=int, default=1024)
+    a("--num-attention-heads", type=int, default=16)
+    a("--ffn-hidden-size", type=int, default=None)
+    a("--seq-length", type=int, default=1024)
+    a("--max-position-embeddings", type=int, default=None)
+    a("--make-vocab-size-divisible-by", type=int, default=128)
+    a("--init-method-std", type=float, default=0.02)
+    a("--attention-dropout", type=float, default=0.1)
+    a("--hidden-dropout", type=float, default=0.1)
+    a("--layernorm-epsilon", type=float, default=1e-5)
+    a("--recompute-activations", "--checkpoint-activations", action="store_true", dest="recompute_activations")
+    a("--no-fused-cross-entropy", action="store_true", help="plain cross-entropy over materialised logits")
+    # data
+    a("--data-path", nargs="+", default=[])
+    a("--split", default="969,30,1")
+    a("--mock-data", action="store_true")
+    a("--vocab-file", default=None)
+    a("--merge-file", default=None)
+    a("--data-cache-path", default=None)
+    a("--seed", type=int, default=1234)
+    # optimisation
+    a("--micro-batch-size", type=int, default=1)
+    a("--global-batch-size", type=int, default=None)
+    a("--train-iters", type=int, default=None)
+    a("--train-samples", type=int, default=None)
+    a("--lr", type=float, default=1.5e-4)
+    a("--min-lr", type=float, default=0.0)
+    a("--weight-decay", type=float, default=0.01)
+    a("--adam-beta1", type=float, default=0.9)
+    a("--adam-beta2", type=float, default=0.999)
+    a("--adam-eps", type=float, default=1e-8)
+    a("--clip-grad", type=float, default=1.0)
+    a("--lr-decay-style", default="linear")
+    a("--lr-decay-iters", type=int, default=None)
+    a("--lr-warmup-iters", type=int, default=0)
+    a("--lr-warmup-fraction", type=float, default=None)
+    a("--optimizer", default="adam", choices=["adam"])
+    # precision
+    a("--fp16", action="store_true")
+    a("--bf16", action="store_true")
+    a("--loss-scale", type=float, default=None)
+    a("--initial-loss-scale", type=float, default=2.0 ** 32)
+    a("--min-loss-scale", type=float, default=1.0)
+    a("--loss-scale-window", type=int, default=1000)
+    a("--hysteresis", type=int, default=2)
+    # run
+    a("--eval-interval", type=int, default=1000)
+    a("--eval-iters", type=int, default=100)
+    a("--log-interval", type=int, default=100)
+    a("--save", default=None)
+    a("--load", default=None)
+    a("--save-interval", type=int, default=None)
+    a("--exit-interval", type=int, default=None)
+    a("--exit-duration-in-mins", type=float, default=None)
+    a("--max-nan-iterations", type=int, default=10)
+    a("--tensorboard-dir", default=None)
+    a("--compile", action="store_true", help="torch.compile the model")
+    a("--peak-tflops", type=float, default=None, help="device peak for MFU (default: known from the device name)")
+    a("--device", default=None, help="cpu, cuda, cuda:1 (default: cuda when available)")
+    a("--no-load-optim", action="store_true")
+    a("--no-load-rng", action="store_true")
+    a("--finetune", action="store_true")
+    # accepted for compatibility (see ACCEPTED_NO_OP*)
+    for flag in ACCEPTED_NO_OP:
+        a(flag, action="store_true", help=argparse.SUPPRESS)
+    for flag in ACCEPTED_NO_OP_WITH_VALUE:
+        a(flag, default=None, help=argparse.SUPPRESS)
+    return p
+
+
+def parse_megatron_args(argv: list[str]) -> tuple[RunConfig, list[str]]:
+    """Translate ``pretrain_gpt.py`` flags; returns the config and notes on accepted no-op flags."""
+    for flag in NOT_IMPLEMENTED:
+        if flag in argv and flag not in ACCEPTED_NO_OP_WITH_VALUE:
+            raise ValueError(f"{flag} is a Megatron flag gptrain does not implement: {NOT_IMPLEMENTED[flag]}")
+        if flag in ACCEPTED_NO_OP_WITH_VALUE and flag in argv:
+            value = argv[argv.index(flag) + 1] if argv.index(flag) + 1 < len(argv) else ""
+            if value != "1":
+                raise ValueError(f"{flag} {value}: {NOT_IMPLEMENTED[flag]}")
+    known_flags = {o for action in _parser()._actions for o in action.option_strings}
+    unknown = [x.split("=")[0] for x in argv if x.startswith("--") and x.split("=")[0] not in known_flags]
+    if unknown:
+        raise ValueError(f"unknown flag(s) {', '.join(unknown)}: gptrain refuses flags it does not implement "
+                         "rather than ignoring them (see `gptrain train --help`)")
+    args = _parser().parse_args(argv)
+    notes = []
+    for flag, reason in ACCEPTED_NO_OP.items():
+        if flag in argv:
+            notes.append(f"{flag}: accepted, {reason}")
+    for flag, allowed in ACCEPTED_NO_OP_WITH_VALUE.items():
+        value = getattr(args, flag.lstrip("-").replace("-", "_"), None)
+        if value is not None and allowed is not None and value not in allowed:
+            raise ValueError(f"{flag} {value}: only {' or '.join(allowed)} is supported")
+    if not args.mock_data and not args.data_path:
+        raise ValueError("give --data-path PREFIX (or weight/prefix pairs), or --mock-data")
+    model = GPTConfig(
+        num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
+        ffn_hidden_size=args.ffn_hidden_size, seq_length=args.seq_length,
+        max_position_embeddings=args.max_position_embeddings,
+        make_vocab_size_divisible_by=args.make_vocab_size_divisible_by, init_method_std=args.init_method_std,
+        attention_dropout=args.attention_dropout, hidden_dropout=args.hidden_dropout,
+        layernorm_epsilon=args.layernorm_epsilon, recompute_activations=args.recompute_activations,
+        fused_cross_entropy=not args.no_fused_cross_entropy,
+    )
+    data = DataConfig(data_path=args.data_path, split=args.split, mock_data=args.mock_data,
+                      vocab_file=args.vocab_file, merge_file=args.merge_file,
+                      data_cache_path=args.data_cache_path, seed=args.seed)
+    optim = OptimConfig(lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay, adam_beta1=args.adam_beta1,
+                        adam_beta2=args.adam_beta2, adam_eps=args.adam_eps, clip_grad=args.clip_grad,
+                        lr_decay_style=args.lr_decay_style, lr_decay_iters=args.lr_decay_iters,
+                        lr_warmup_iters=args.lr_warmup_iters, lr_warmup_fraction=args.lr_warmup_fraction)
+    precision = PrecisionConfig(fp16=args.fp16, bf16=args.bf16, loss_scale=args.loss_scale,
+                                initial_loss_scale=args.initial_loss_scale, min_loss_scale=args.min_loss_scale,
+                                loss_scale_window=args.loss_scale_window, hysteresis=args.hysteresis)
+    train = TrainConfig(
+        micro_batch_size=args.micro_batch_size, global_batch_size=args.global_batch_size,
+        train_iters=args.train_iters, train_samples=args.train_samples, eval_interval=args.eval_interval,
+        eval_iters=args.eval_iters, log_interval=args.log_interval, save=args.save, load=args.load,
+        save_interval=args.save_interval, exit_interval=args.exit_interval,
+        exit_duration_in_mins=args.exit_duration_in_mins, max_nan_iterations=args.max_nan_iterations,
+        tensorboard_dir=args.tensorboard_dir, compile=args.compile, peak_tflops=args.peak_tflops,
+        device=args.device, no_load_optim=args.no_load_optim, no_load_rng=args.no_load_rng, finetune=args.finetune,
+    )
+    return RunConfig(model, data, optim, precision, train), notes

@@ -1,0 +1,94 @@
+"""What training reports: Megatron's log lines character for character, throughput (tokens/s per
+device, TFLOP/s, MFU), the memory line, and TensorBoard scalars."""
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+
+# dense bf16/fp16 tensor-core peaks from the datasheets, TFLOP/s
+PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "H800": 989.0, "A100": 312.0, "A800": 312.0, "L40S": 362.0,
+               "A10": 125.0, "V100": 125.0, "4090": 165.0}
+
+
+def device_peak_tflops(device: torch.device, override: float | None) -> float | None:
+    if override is not None:
+        return override
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    for key, value in PEAK_TFLOPS.items():
+        if key in name:
+            return value
+    return None
+
+
+def iteration_line(iteration: int, train_iters: int, consumed: int, ms_per_iter: float, lr: float, gbs: int,
+                   loss: float | None, loss_scale: float, grad_norm: float | None, skipped: int, nans: int) -> str:
+    s = f" iteration {iteration:8d}/{train_iters:8d} |"
+    s += f" consumed samples: {consumed:12d} |"
+    s += f" elapsed time per iteration (ms): {ms_per_iter:.1f} |"
+    s += f" learning rate: {lr:.3E} |"
+    s += f" global batch size: {gbs:5d} |"
+    if loss is not None:
+        s += f" lm loss: {loss:.6E} |"
+    s += f" loss scale: {loss_scale:.1f} |"
+    if grad_norm is not None:
+        s += f" grad norm: {grad_norm:.3f} |"
+    s += f" number of skipped iterations: {skipped:3d} |"
+    s += f" number of nan iterations: {nans:3d} |"
+    return s
+
+
+def throughput_suffix(tokens_per_s: float, tflops: float, peak: float | None, eta_s: float | None) -> str:
+    s = f" tokens per GPU per second: {tokens_per_s:.0f} | TFLOP/s per GPU: {tflops:.1f} |"
+    if peak:
+        s += f" MFU: {100.0 * tflops / peak:.1f}% |"
+    if eta_s is not None:
+        h, rem = divmod(int(eta_s), 3600)
+        s += f" ETA: {h}:{rem // 60:02d}:{rem % 60:02d} |"
+    return s
+
+
+def validation_block(where: str, loss: float) -> str:
+    ppl = math.exp(min(20.0, loss))
+    line = f" validation loss at {where} | lm loss value: {loss:.6E} | lm loss PPL: {ppl:.6E} | "
+    bar = "-" * (len(line) + 1)
+    return f"{bar}\n{line}\n{bar}"
+
+
+def memory_line(rank: int, iteration: int, device: torch.device) -> str | None:
+    if device.type != "cuda":
+        return None
+    mb = 1024 * 1024
+    return (f"[Rank {rank}] (after {iteration} iterations) memory (MB) | "
+            f"allocated: {torch.cuda.memory_allocated(device) / mb} | "
+            f"max allocated: {torch.cuda.max_memory_allocated(device) / mb} | "
+            f"reserved: {torch.cuda.memory_reserved(device) / mb} | "
+            f"max reserved: {torch.cuda.max_memory_reserved(device) / mb}")
+
+
+class TensorBoard:
+    """Scalars vs iteration and vs consumed samples, Megatron's tag names; written by one rank."""
+
+    def __init__(self, log_dir: str | None, rank: int = 0):
+        self.writer = None
+        if log_dir and rank == 0:
+            from torch.utils.tensorboard import SummaryWriter
+
+            os.makedirs(log_dir, exist_ok=True)
+            self.writer = SummaryWriter(log_dir=log_dir, max_queue=1000)
+
+    def scalars(self, values: dict[str, float], iteration: int, samples: int) -> None:
+        if self.writer is None:
+            return
+        for tag, value in values.items():
+            if value is None:
+                continue
+            self.writer.add_scalar(tag, value, iteration)
+            self.writer.add_scalar(f"{tag} vs samples", value, samples)
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()

@@ -1,0 +1,145 @@
+"""``gptrain train``: build tokenizer, data, model and trainer from pretrain_gpt.py flags, and run."""
+from __future__ import annotations
+
+import os
+import random
+import sys
+
+import numpy as np
+import torch
+
+from gptrain.config import RunConfig, parse_megatron_args
+from gptrain.data.blend import BlendedDataset, parse_data_path, samples_per_dataset
+from gptrain.data.gpt_dataset import GPTDataset, MockGPTDataset, parse_split
+from gptrain.data.indexed import IndexedDataset
+from gptrain.data.provenance import check_tokenizer
+from gptrain.model.gpt import GPT
+from gptrain.tokenizer import GPT2Tokenizer
+from gptrain.train.loop import Trainer, TrainingStopped
+
+
+def target_samples(cfg: RunConfig) -> tuple[int, int, int]:
+    """Megatron's dataset target sizes for train / validation / test."""
+    t = cfg.train
+    train = t.train_iters * t.global_batch_size
+    valid = (t.train_iters // t.eval_interval + 1) * t.eval_iters * t.global_batch_size if t.eval_interval else 0
+    test = t.eval_iters * t.global_batch_size
+    return train, valid, test
+
+
+def build_datasets(cfg: RunConfig, tokenizer: GPT2Tokenizer, log=print):
+    targets = target_samples(cfg)
+    log("> building train, validation, and test datasets ...")
+    log(" > datasets target sizes (minimum size):")
+    log(f"    train:      {targets[0]}\n    validation: {targets[1]}\n    test:       {targets[2]}")
+    if cfg.data.mock_data:
+        return [MockGPTDataset(name, max(n, 1), cfg.model.seq_length, tokenizer.vocab_size, cfg.data.seed)
+                if n else None for name, n in zip(("train", "valid", "test"), targets)]
+    weights, prefixes = parse_data_path(cfg.data.data_path)
+    per_split: list[list] = [[], [], []]
+    for weight, prefix in zip(weights, prefixes):
+        indexed = IndexedDataset(prefix)
+        warning = check_tokenizer(prefix, tokenizer)
+        if warning:
+            log(f"WARNING: {warning}")
+        if indexed.num_tokens and int(np.max(indexed.sizes)) >= 0 and indexed.dtype.itemsize and \
+                tokenizer.vocab_size > np.iinfo(indexed.dtype).max + 1:
+            raise ValueError(f"{prefix}: token dtype {indexed.dtype} cannot hold a {tokenizer.vocab_size} vocabulary")
+        log(f"    number of documents: {indexed.num_documents}")
+        ranges = parse_split(cfg.data.split, indexed.num_documents)
+        log(" > dataset split:")
+        for name, (lo, hi) in zip(("train", "validation", "test"), ranges):
+            log(f"    {name}:\n     document indices in [{lo}, {hi}) total of {hi - lo} documents")
+        for i, (name, (lo, hi)) in enumerate(zip(("train", "valid", "test"), ranges)):
+            n = samples_per_dataset([weight], targets[i])[0] if len(prefixes) > 1 else targets[i]
+            if n == 0 or hi == lo:
+                per_split[i].append(None)
+                continue
+            per_split[i].append(GPTDataset(name, indexed, np.arange(lo, hi, dtype=np.int32), n,
+                                           cfg.model.seq_length, cfg.data.seed, cfg.data.split,
+                                           cfg.data.data_cache_path, log))
+    out = []
+    for i, parts in enumerate(per_split):
+        if any(p is None for p in parts) or targets[i] == 0:
+            out.append(None)
+        elif len(parts) == 1:
+            out.append(parts[0])
+        else:
+            out.append(BlendedDataset(parts, weights, targets[i]))
+    if out[0] is None:
+        raise ValueError(f"--split {cfg.data.split} leaves no training documents")
+    log("> finished creating GPT datasets ...")
+    return out
+
+
+def pick_device(requested: str | None) -> torch.device:
+    if requested:
+        return torch.device(requested)
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def build_model(cfg: RunConfig, device: torch.device, log=print) -> GPT:
+    model = GPT(cfg.model)
+    model.init_weights(cfg.data.seed)
+    log(f" > padded vocab (size: {cfg.model.vocab_size}) with "
+        f"{cfg.model.padded_vocab_size - cfg.model.vocab_size} dummy tokens (new size: {cfg.model.padded_vocab_size})")
+    log(f" > number of parameters on (tensor, pipeline) model parallel rank (0, 0): "
+        f"{sum(p.numel() for p in model.parameters())}")
+    return model.to(device)
+
+
+def setup(argv: list[str], log=print):
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1:
+        raise ValueError(f"WORLD_SIZE={world}: data/tensor/pipeline parallel training is not built yet; "
+                         "run one process (torchrun --nproc_per_node 1)")
+    cfg, notes = parse_megatron_args(argv)
+    for note in notes:
+        log(f" > {note}")
+    tokenizer = GPT2Tokenizer(cfg.data.vocab_file, cfg.data.merge_file)
+    cfg.model.vocab_size = tokenizer.vocab_size
+    log("> building GPT2BPETokenizer tokenizer ...")
+    return cfg, tokenizer
+
+
+def train_main(argv: list[str], log=None) -> int:
+    log = log or (lambda s: print(s, flush=True))
+    try:
+        cfg, tokenizer = setup(argv, log)
+        device = pick_device(cfg.train.device)
+        log(f"using world size: 1, data-parallel-size: 1, tensor-model-parallel size: 1, "
+            f"pipeline-model-parallel size: 1 ; device {device}, precision {cfg.precision.name}")
+        log(f"setting number of micro-batches to constant {cfg.train.num_micro_batches}")
+        log(f"> setting random seeds to {cfg.data.seed} ...")
+        seed_everything(cfg.data.seed)
+        log("building GPT model ...")
+        model = build_model(cfg, device, log)
+        train_ds, valid_ds, test_ds = build_datasets(cfg, tokenizer, log)
+        trainer = Trainer(cfg, model, train_ds, valid_ds, test_ds, device, log)
+        trainer.load()
+        log("training ...")
+        trainer.train()
+    except TrainingStopped as err:
+        print(f"gptrain: training stopped: {err}", file=sys.stderr)
+        return 1
+    except (ValueError, FileNotFoundError) as err:
+        print(f"gptrain: error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def build_cache(argv: list[str]) -> int:
+    """``gptrain data build-cache`` with the training flags: build the index maps, train nothing."""
+    try:
+        cfg, tokenizer = setup(argv)
+        build_datasets(cfg, tokenizer)
+    except (ValueError, FileNotFoundError) as err:
+        print(f"gptrain: error: {err}", file=sys.stderr)
+        return 2
+    return 0

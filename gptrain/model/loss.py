@@ -59,11 +59,16 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         return (grad_h * grad_out).to(ctx.h_dtype), (grad_w * grad_out).to(ctx.w_dtype), None, None, None
 
 
+@torch.compiler.disable  # runs eagerly between compiled regions: a loop of large matmuls gains nothing
+def _fused(h, weight, labels, vocab_size):
+    return _FusedLinearCrossEntropy.apply(h, weight, labels, vocab_size, _compute_dtype(h))
+
+
 def lm_cross_entropy(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, vocab_size: int,
                      fused: bool = True) -> torch.Tensor:
     """Mean cross-entropy of logits ``h @ weight[:vocab_size].T`` over all tokens of ``labels``."""
     h2, y = h.reshape(-1, h.shape[-1]), labels.reshape(-1)
     if fused:
-        return _FusedLinearCrossEntropy.apply(h2, weight, y, vocab_size, _compute_dtype(h2))
+        return _fused(h2, weight, y, vocab_size)
     logits = F.linear(h2, weight[:vocab_size])
     return F.cross_entropy(logits.float(), y)

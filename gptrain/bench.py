@@ -1,0 +1,161 @@
+"""``gptrain bench``: training throughput of gptrain's real step against a plain PyTorch baseline.
+
+Both run in this process on synthetic tokens, same shape, same micro-batch: gptrain through
+``Trainer.train_step`` (the code ``gptrain train`` runs), the baseline as the simplest strong recipe
+(a nanoGPT-style module, bf16 autocast, SDPA, fused AdamW, torch.compile, plain cross-entropy).
+Prints ms/iteration, tokens/s per device, TFLOP/s, MFU against the datasheet peak and against a
+bf16 matmul ceiling measured here, peak memory, and the ratio.
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from gptrain.config import parse_megatron_args
+from gptrain.data.gpt_dataset import MockGPTDataset
+from gptrain.model.gpt import GPT
+from gptrain.train import metrics
+from gptrain.train.loop import MicroBatchLoader, Trainer
+
+
+class BaselineGPT(nn.Module):
+    """The simplest strong GPT-2: nn.Linear/LayerNorm/SDPA, tied head, plain cross-entropy."""
+
+    def __init__(self, vocab: int, seq: int, hidden: int, heads: int, layers: int):
+        super().__init__()
+        self.heads = heads
+        self.wte, self.wpe = nn.Embedding(vocab, hidden), nn.Embedding(seq, hidden)
+        self.blocks = nn.ModuleList(nn.ModuleDict(dict(
+            ln1=nn.LayerNorm(hidden), qkv=nn.Linear(hidden, 3 * hidden), proj=nn.Linear(hidden, hidden),
+            ln2=nn.LayerNorm(hidden), fc=nn.Linear(hidden, 4 * hidden), out=nn.Linear(4 * hidden, hidden)))
+            for _ in range(layers))
+        self.ln_f = nn.LayerNorm(hidden)
+        for p in self.parameters():
+            nn.init.normal_(p, std=0.02) if p.ndim == 2 else None
+
+    def forward(self, idx, targets):
+        b, s = idx.shape
+        x = self.wte(idx) + self.wpe(torch.arange(s, device=idx.device))
+        for blk in self.blocks:
+            q, k, v = blk["qkv"](blk["ln1"](x)).view(b, s, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            x = x + blk["proj"](y.transpose(1, 2).reshape(b, s, -1))
+            x = x + blk["out"](F.gelu(blk["fc"](blk["ln2"](x)), approximate="tanh"))
+        logits = F.linear(self.ln_f(x), self.wte.weight)
+        return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def matmul_ceiling_tflops(device: torch.device) -> float | None:
+    if device.type != "cuda":
+        return None
+    n = 8192
+    a, b = torch.randn(n, n, device=device, dtype=torch.bfloat16), torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    _sync(device)
+    start = time.perf_counter()
+    for _ in range(10):
+        a @ b
+    _sync(device)
+    return 2 * n ** 3 * 10 / (time.perf_counter() - start) / 1e12
+
+
+def _measure(step, warmup: int, iters: int, device) -> tuple[float, float]:
+    for _ in range(warmup):
+        step()
+    _sync(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    start = time.perf_counter()
+    for _ in range(iters):
+        step()
+    _sync(device)
+    seconds = (time.perf_counter() - start) / iters
+    peak = torch.cuda.max_memory_allocated(device) / 2 ** 30 if device.type == "cuda" else float("nan")
+    return seconds, peak
+
+
+def bench_gptrain(argv: list[str], warmup: int, iters: int):
+    cfg, _ = parse_megatron_args(argv + ["--mock-data", "--train-iters", str(warmup + iters)])
+    device = torch.device(cfg.train.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    model = GPT(cfg.model)
+    model.init_weights(cfg.data.seed)
+    model.to(device)
+    data = MockGPTDataset("train", 10 ** 9, cfg.model.seq_length, cfg.model.vocab_size, cfg.data.seed)
+    trainer = Trainer(cfg, model, data, None, None, device, log=lambda s: None)
+    loader = MicroBatchLoader(data, 0, cfg.train.micro_batch_size, device)
+    try:
+        seconds, peak = _measure(lambda: trainer.train_step(loader), warmup, iters, device)
+    finally:
+        loader.close()
+    tokens = cfg.train.global_batch_size * cfg.model.seq_length
+    del trainer, model
+    return cfg, device, seconds, peak, tokens
+
+
+def bench_baseline(cfg, device, warmup: int, iters: int, compile_model: bool = True):
+    m = cfg.model
+    model = BaselineGPT(m.padded_vocab_size, m.seq_length, m.hidden_size, m.num_attention_heads, m.num_layers).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    fwd = torch.compile(model) if compile_model else model
+    mbs, n_micro = cfg.train.micro_batch_size, cfg.train.num_micro_batches
+    gen = torch.Generator(device="cpu").manual_seed(0)
+
+    def step():
+        for _ in range(n_micro):
+            batch = torch.randint(0, m.vocab_size, (mbs, m.seq_length + 1), generator=gen).to(device, non_blocking=True)
+            with torch.autocast(device.type, dtype=torch.bfloat16):
+                loss = fwd(batch[:, :-1], batch[:, 1:]) / n_micro
+            loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    seconds, peak = _measure(step, warmup, iters, device)
+    del model, opt
+    return seconds, peak
+
+
+def bench_main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="gptrain bench", description=__doc__.splitlines()[0])
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--no-baseline", action="store_true")
+    p.add_argument("--baseline-no-compile", action="store_true")
+    args, model_flags = p.parse_known_args(argv)
+    cfg, device, seconds, peak_mem, tokens = bench_gptrain(model_flags, args.warmup, args.iters)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    rows = [("gptrain (train step)", seconds, peak_mem)]
+    if not args.no_baseline:
+        b_seconds, b_peak = bench_baseline(cfg, device, args.warmup, args.iters, not args.baseline_no_compile)
+        rows.append(("baseline (plain PyTorch)", b_seconds, b_peak))
+    datasheet = metrics.device_peak_tflops(device, cfg.train.peak_tflops)
+    ceiling = matmul_ceiling_tflops(device)
+    fpt = cfg.model.flops_per_token()
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    print(f"device: {name}; model: {cfg.model.num_layers} layers, hidden {cfg.model.hidden_size}, seq "
+          f"{cfg.model.seq_length}, {cfg.model.num_parameters():,} parameters; micro-batch "
+          f"{cfg.train.micro_batch_size}, global batch {cfg.train.global_batch_size}, {cfg.precision.name}, "
+          f"compile {cfg.train.compile}; {fpt / 1e9:.3f} GFLOP/token; matmul ceiling "
+          f"{'n/a' if ceiling is None else f'{ceiling:.0f} TFLOP/s'}")
+    print("| what | ms/iter | tokens/s/device | TFLOP/s | MFU (datasheet) | MFU (matmul ceiling) | peak mem GiB |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for label, sec, mem in rows:
+        tps = tokens / sec
+        tflops = tps * fpt / 1e12
+        mfu = f"{100 * tflops / datasheet:.1f}%" if datasheet else "n/a"
+        mfu_c = f"{100 * tflops / ceiling:.1f}%" if ceiling else "n/a"
+        print(f"| {label} | {1000 * sec:.1f} | {tps:,.0f} | {tflops:.1f} | {mfu} | {mfu_c} | {mem:.2f} |")
+    if len(rows) == 2:
+        print(f"gptrain / baseline tokens/s: {rows[1][1] / rows[0][1]:.3f}x")
+    return 0

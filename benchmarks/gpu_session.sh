@@ -21,7 +21,8 @@ if [ "$1" = a ]; then
       --log-interval 25 --eval-interval 100 --eval-iters 5 2>&1 | tee "$OUT/train_345m_$prec.txt" | grep -E "iteration|validation|memory|padded|parameters"
   done
 else
-  $G bench $SEED_345M --micro-batch-size 32 --global-batch-size 32 --bf16 --compile --warmup 6 --iters 15 2>&1 | tee "$OUT/bench_mbs32.txt"
-  $G bench $SEED_345M --micro-batch-size 16 --global-batch-size 16 --bf16 --compile --no-fused-cross-entropy --no-baseline --warmup 6 --iters 15 2>&1 | tee "$OUT/bench_mbs16_plain_ce.txt"
-  $G bench $SEED_345M --micro-batch-size 16 --global-batch-size 16 --bf16 --no-baseline --warmup 4 --iters 10 2>&1 | tee "$OUT/bench_mbs16_eager.txt"
+  ND="--hidden-dropout 0 --attention-dropout 0"  # the baseline has no dropout: compare like with like
+  $G bench $SEED_345M $ND --micro-batch-size 16 --global-batch-size 16 --bf16 --compile --warmup 6 --iters 15 2>&1 | tee "$OUT/bench_mbs16_nodrop.txt"
+  $G bench $SEED_345M $ND --micro-batch-size 16 --global-batch-size 16 --bf16 --compile --no-fused-cross-entropy --no-baseline --warmup 6 --iters 15 2>&1 | tee "$OUT/bench_mbs16_nodrop_plain_ce.txt"
+  $G bench $SEED_345M $ND --micro-batch-size 32 --global-batch-size 32 --bf16 --compile --warmup 5 --iters 10 2>&1 | tee "$OUT/bench_mbs32_nodrop.txt"
 fi

@@ -172,7 +172,8 @@ def _parser() -> argparse.ArgumentParser:
     a("--hidden-dropout", type=float, default=0.1)
     a("--layernorm-epsilon", type=float, default=1e-5)
     a("--recompute-activations", "--checkpoint-activations", action="store_true", dest="recompute_activations")
-    a("--no-fused-cross-entropy", action="store_true", help="plain cross-entropy over materialised logits")
+    a("--fused-cross-entropy", action="store_true",
+      help="chunked loss that never materialises all logits (less memory, slower on H100)")
     # data
     a("--data-path", nargs="+", default=[])
     a("--split", default="969,30,1")
@@ -263,7 +264,7 @@ def parse_megatron_args(argv: list[str]) -> tuple[RunConfig, list[str]]:
         make_vocab_size_divisible_by=args.make_vocab_size_divisible_by, init_method_std=args.init_method_std,
         attention_dropout=args.attention_dropout, hidden_dropout=args.hidden_dropout,
         layernorm_epsilon=args.layernorm_epsilon, recompute_activations=args.recompute_activations,
-        fused_cross_entropy=not args.no_fused_cross_entropy,
+        fused_cross_entropy=args.fused_cross_entropy,
     )
     data = DataConfig(data_path=args.data_path, split=args.split, mock_data=args.mock_data,
                       vocab_file=args.vocab_file, merge_file=args.merge_file,

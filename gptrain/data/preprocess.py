@@ -223,7 +223,7 @@ class _Progress:
         if self.bar is not None:
             self.bar.n = read_bytes
             self.bar.set_postfix(docs=report.documents, tokens=report.tokens, refresh=False)
-            self.bar.refresh() if self.bar.n >= self.bar.total else self.bar.update(0)
+            self.bar.refresh()
         elif report.documents >= self.next_log:
             elapsed = time.perf_counter() - self.start
             print(f"Processed {report.documents} documents ({report.documents / elapsed:.2f} docs/s, "

@@ -42,8 +42,7 @@ def build_datasets(cfg: RunConfig, tokenizer: GPT2Tokenizer, log=print):
         warning = check_tokenizer(prefix, tokenizer)
         if warning:
             log(f"WARNING: {warning}")
-        if indexed.num_tokens and int(np.max(indexed.sizes)) >= 0 and indexed.dtype.itemsize and \
-                tokenizer.vocab_size > np.iinfo(indexed.dtype).max + 1:
+        if tokenizer.vocab_size > np.iinfo(indexed.dtype).max + 1:
             raise ValueError(f"{prefix}: token dtype {indexed.dtype} cannot hold a {tokenizer.vocab_size} vocabulary")
         log(f"    number of documents: {indexed.num_documents}")
         ranges = parse_split(cfg.data.split, indexed.num_documents)

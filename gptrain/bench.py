@@ -69,7 +69,9 @@ def matmul_ceiling_tflops(device: torch.device) -> float | None:
     return 2 * n ** 3 * 10 / (time.perf_counter() - start) / 1e12
 
 
-def _measure(step, warmup: int, iters: int, device) -> tuple[float, float]:
+def _measure(step, warmup: int, iters: int, device) -> tuple[float, float, float]:
+    """Seconds per step, host seconds per step (the time to enqueue it: when it nears the step time
+    the CPU is the bottleneck and CUDA graphs would pay), and peak memory in GiB."""
     for _ in range(warmup):
         step()
     _sync(device)
@@ -78,10 +80,11 @@ def _measure(step, warmup: int, iters: int, device) -> tuple[float, float]:
     start = time.perf_counter()
     for _ in range(iters):
         step()
+    host = (time.perf_counter() - start) / iters
     _sync(device)
     seconds = (time.perf_counter() - start) / iters
     peak = torch.cuda.max_memory_allocated(device) / 2 ** 30 if device.type == "cuda" else float("nan")
-    return seconds, peak
+    return seconds, host, peak
 
 
 def bench_gptrain(argv: list[str], warmup: int, iters: int):
@@ -94,12 +97,12 @@ def bench_gptrain(argv: list[str], warmup: int, iters: int):
     trainer = Trainer(cfg, model, data, None, None, device, log=lambda s: None)
     loader = MicroBatchLoader(data, 0, cfg.train.micro_batch_size, device)
     try:
-        seconds, peak = _measure(lambda: trainer.train_step(loader), warmup, iters, device)
+        timing = _measure(lambda: trainer.train_step(loader), warmup, iters, device)
     finally:
         loader.close()
     tokens = cfg.train.global_batch_size * cfg.model.seq_length
     del trainer, model
-    return cfg, device, seconds, peak, tokens
+    return cfg, device, timing, tokens
 
 
 def bench_baseline(cfg, device, warmup: int, iters: int, compile_model: bool = True):
@@ -120,9 +123,20 @@ def bench_baseline(cfg, device, warmup: int, iters: int, compile_model: bool = T
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    seconds, peak = _measure(step, warmup, iters, device)
+    timing = _measure(step, warmup, iters, device)
     del model, opt
-    return seconds, peak
+    return timing
+
+
+def _levers(cfg) -> str:
+    p, m = cfg.precision, cfg.model
+    params = "bf16 params + fp32 main params" if p.half_params else f"{p.name} autocast, fp32 params" \
+        if p.name != "fp32" else "fp32"
+    parts = [params, f"fp8 {p.fp8}/{p.fp8_recipe}" if p.fp8 else "no fp8",
+             f"attention backend {m.attention_backend}", "fused chunked loss" if m.fused_cross_entropy else "plain loss",
+             f"recompute {m.recompute}" if m.recompute else "no recompute",
+             f"dropout {m.hidden_dropout}/{m.attention_dropout}", f"compile {cfg.train.compile}"]
+    return ", ".join(parts)
 
 
 def bench_main(argv: list[str]) -> int:
@@ -132,13 +146,13 @@ def bench_main(argv: list[str]) -> int:
     p.add_argument("--no-baseline", action="store_true")
     p.add_argument("--baseline-no-compile", action="store_true")
     args, model_flags = p.parse_known_args(argv)
-    cfg, device, seconds, peak_mem, tokens = bench_gptrain(model_flags, args.warmup, args.iters)
+    cfg, device, timing, tokens = bench_gptrain(model_flags, args.warmup, args.iters)
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    rows = [("gptrain (train step)", seconds, peak_mem)]
+    rows = [("gptrain (train step)", *timing)]
     if not args.no_baseline:
-        b_seconds, b_peak = bench_baseline(cfg, device, args.warmup, args.iters, not args.baseline_no_compile)
-        rows.append(("baseline (plain PyTorch)", b_seconds, b_peak))
+        rows.append(("baseline (plain PyTorch)",
+                     *bench_baseline(cfg, device, args.warmup, args.iters, not args.baseline_no_compile)))
     datasheet = metrics.device_peak_tflops(device, cfg.train.peak_tflops)
     ceiling = matmul_ceiling_tflops(device)
     fpt = cfg.model.flops_per_token()
@@ -148,14 +162,17 @@ def bench_main(argv: list[str]) -> int:
           f"{cfg.train.micro_batch_size}, global batch {cfg.train.global_batch_size}, {cfg.precision.name}, "
           f"compile {cfg.train.compile}; {fpt / 1e9:.3f} GFLOP/token; matmul ceiling "
           f"{'n/a' if ceiling is None else f'{ceiling:.0f} TFLOP/s'}")
-    print("| what | ms/iter | tokens/s/device | TFLOP/s | MFU (datasheet) | MFU (matmul ceiling) | peak mem GiB |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
-    for label, sec, mem in rows:
+    print(f"gptrain levers: {_levers(cfg)}")
+    print("| what | ms/iter | host ms/iter | tokens/s/device | TFLOP/s | MFU (datasheet) | MFU (matmul ceiling) "
+          "| peak mem GiB (GB) |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for label, sec, host, mem in rows:
         tps = tokens / sec
         tflops = tps * fpt / 1e12
         mfu = f"{100 * tflops / datasheet:.1f}%" if datasheet else "n/a"
         mfu_c = f"{100 * tflops / ceiling:.1f}%" if ceiling else "n/a"
-        print(f"| {label} | {1000 * sec:.1f} | {tps:,.0f} | {tflops:.1f} | {mfu} | {mfu_c} | {mem:.2f} |")
+        print(f"| {label} | {1000 * sec:.1f} | {1000 * host:.1f} | {tps:,.0f} | {tflops:.1f} | {mfu} | {mfu_c} "
+              f"| {mem:.2f} ({mem * 2 ** 30 / 1e9:.2f}) |")
     if len(rows) == 2:
         print(f"gptrain / baseline tokens/s: {rows[1][1] / rows[0][1]:.3f}x")
     return 0

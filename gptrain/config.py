@@ -57,10 +57,27 @@ class PrecisionConfig:
     min_loss_scale: float = 1.0
     loss_scale_window: int = 1000
     hysteresis: int = 2
+    # --bf16 as Megatron runs it: bf16 parameters and activations, fp32 main parameters in the
+    # optimizer. False keeps fp32 parameters under bf16 autocast (--bf16-autocast).
+    bf16_params: bool = True
+    fp8: str | None = None  # None, "hybrid" (e4m3 forward, e5m2 gradients) or "e4m3"
+    fp8_recipe: str = "tensorwise"
 
     def __post_init__(self):
         if self.fp16 and self.bf16:
             raise ValueError("--fp16 and --bf16 are exclusive")
+        if self.fp8 is not None:
+            if self.fp8 not in ("hybrid", "e4m3"):
+                raise ValueError(f"--fp8-format {self.fp8}: use hybrid or e4m3")
+            if not self.bf16:
+                raise ValueError("--fp8 needs --bf16 (the matmuls outside fp8 and the master weights run in bf16)")
+            if self.fp8_recipe not in ("tensorwise", "rowwise"):
+                raise ValueError(f"--fp8-recipe {self.fp8_recipe}: use tensorwise or rowwise (torchao's "
+                                 "float8 training recipes; Megatron's delayed/mxfp8/blockwise need TransformerEngine)")
+
+    @property
+    def half_params(self) -> bool:
+        return self.bf16 and self.bf16_params
 
     @property
     def name(self) -> str:
@@ -144,14 +161,13 @@ NOT_IMPLEMENTED = {
     "--deepspeed": "DeepSpeed is not used; ZeRO sharding is not built yet",
     "--deepspeed_config": "DeepSpeed is not used", "--zero-stage": "ZeRO sharding is not built yet",
     "--use-distributed-optimizer": "the sharded optimizer is not built yet",
-    "--fp8-format": "use --fp8", "--rampup-batch-size": "batch-size ramp-up is not implemented",
+    "--rampup-batch-size": "batch-size ramp-up is not implemented",
     "--swiglu": "only the GPT-2 MLP is implemented", "--use-rotary-position-embeddings": "only learned positions",
     "--position-embedding-type": "only learned absolute positions", "--normalization": "only LayerNorm",
     "--untie-embeddings-and-output-weights": "the output layer is tied to the embeddings",
     "--split-sentences": "sentence splitting is not implemented", "--reset-position-ids": "not implemented",
     "--reset-attention-mask": "not implemented", "--eod-mask-loss": "not implemented",
     "--override-opt_param-scheduler": "not implemented", "--use-checkpoint-opt_param-scheduler": "not implemented",
-    "--recompute-granularity": "use --recompute-activations (full block recompute)",
 }
 
 
@@ -171,9 +187,18 @@ def _parser() -> argparse.ArgumentParser:
     a("--attention-dropout", type=float, default=0.1)
     a("--hidden-dropout", type=float, default=0.1)
     a("--layernorm-epsilon", type=float, default=1e-5)
-    a("--recompute-activations", "--checkpoint-activations", action="store_true", dest="recompute_activations")
+    # Megatron's two generations of flags: --checkpoint-activations recomputed whole blocks;
+    # --recompute-activations now means selective (core attention) recompute
+    a("--checkpoint-activations", action="store_true")
+    a("--recompute-activations", action="store_true")
+    a("--recompute-granularity", choices=["full", "selective"], default=None,
+      help="full: recompute whole blocks; selective: recompute only attention (Megatron's meanings)")
+    a("--recompute-method", choices=["uniform", "block"], default=None)
+    a("--recompute-num-layers", type=int, default=None)
     a("--fused-cross-entropy", action="store_true",
-      help="chunked loss that never materialises all logits (less memory, slower on H100)")
+      help="chunked loss that never materialises all logits (less memory)")
+    a("--attention-backend", choices=["auto", "flash", "fused", "unfused", "local"], default="auto",
+      help="SDPA kernel: flash (FlashAttention-2), fused (cuDNN), unfused/local (math); auto lets PyTorch pick")
     # data
     a("--data-path", nargs="+", default=[])
     a("--split", default="969,30,1")
@@ -207,6 +232,12 @@ def _parser() -> argparse.ArgumentParser:
     a("--min-loss-scale", type=float, default=1.0)
     a("--loss-scale-window", type=int, default=1000)
     a("--hysteresis", type=int, default=2)
+    a("--bf16-autocast", action="store_true",
+      help="with --bf16: keep fp32 parameters and run under bf16 autocast instead of bf16 parameters")
+    a("--fp8", action="store_const", const="hybrid", dest="fp8_format",
+      help="fp8 matmuls in the transformer layers through torchao (same as --fp8-format hybrid)")
+    a("--fp8-format", choices=["hybrid", "e4m3"], default=None, dest="fp8_format")
+    a("--fp8-recipe", default="tensorwise")
     # run
     a("--eval-interval", type=int, default=1000)
     a("--eval-iters", type=int, default=100)
@@ -230,6 +261,17 @@ def _parser() -> argparse.ArgumentParser:
     for flag in ACCEPTED_NO_OP_WITH_VALUE:
         a(flag, default=None, help=argparse.SUPPRESS)
     return p
+
+
+def _recompute_mode(args) -> str | None:
+    """Megatron's recompute flags onto one mode: None, "full" or "selective"."""
+    if args.recompute_granularity == "full" or (args.checkpoint_activations and args.recompute_granularity is None):
+        if args.recompute_method not in (None, "uniform") or args.recompute_num_layers not in (None, 1):
+            raise ValueError("only --recompute-method uniform --recompute-num-layers 1 (every block) is implemented")
+        return "full"
+    if args.recompute_granularity == "selective" or args.recompute_activations:
+        return "selective"
+    return None
 
 
 def parse_megatron_args(argv: list[str]) -> tuple[RunConfig, list[str]]:
@@ -263,8 +305,8 @@ def parse_megatron_args(argv: list[str]) -> tuple[RunConfig, list[str]]:
         max_position_embeddings=args.max_position_embeddings,
         make_vocab_size_divisible_by=args.make_vocab_size_divisible_by, init_method_std=args.init_method_std,
         attention_dropout=args.attention_dropout, hidden_dropout=args.hidden_dropout,
-        layernorm_epsilon=args.layernorm_epsilon, recompute_activations=args.recompute_activations,
-        fused_cross_entropy=args.fused_cross_entropy,
+        layernorm_epsilon=args.layernorm_epsilon, recompute=_recompute_mode(args),
+        fused_cross_entropy=args.fused_cross_entropy, attention_backend=args.attention_backend,
     )
     data = DataConfig(data_path=args.data_path, split=args.split, mock_data=args.mock_data,
                       vocab_file=args.vocab_file, merge_file=args.merge_file,
@@ -275,7 +317,8 @@ def parse_megatron_args(argv: list[str]) -> tuple[RunConfig, list[str]]:
                         lr_warmup_iters=args.lr_warmup_iters, lr_warmup_fraction=args.lr_warmup_fraction)
     precision = PrecisionConfig(fp16=args.fp16, bf16=args.bf16, loss_scale=args.loss_scale,
                                 initial_loss_scale=args.initial_loss_scale, min_loss_scale=args.min_loss_scale,
-                                loss_scale_window=args.loss_scale_window, hysteresis=args.hysteresis)
+                                loss_scale_window=args.loss_scale_window, hysteresis=args.hysteresis,
+                                bf16_params=not args.bf16_autocast, fp8=args.fp8_format, fp8_recipe=args.fp8_recipe)
     train = TrainConfig(
         micro_batch_size=args.micro_batch_size, global_batch_size=args.global_batch_size,
         train_iters=args.train_iters, train_samples=args.train_samples, eval_interval=args.eval_interval,

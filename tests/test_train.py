@@ -111,8 +111,9 @@ def losses(lines):
     return out
 
 
-def test_exact_resume_fp32_with_dropout(tmp_path, data_prefix):
-    base = TINY + ["--data-path", data_prefix, "--data-cache-path", str(tmp_path / "cache"), "--train-iters", "20",
+@pytest.mark.parametrize("precision", [[], ["--bf16"]], ids=["fp32", "bf16-main-params"])
+def test_exact_resume_with_dropout(tmp_path, data_prefix, precision):
+    base = TINY + precision + ["--data-path", data_prefix, "--data-cache-path", str(tmp_path / "cache"), "--train-iters", "20",
                    "--eval-interval", "5", "--eval-iters", "1", "--device", "cpu"]
     full = []
     assert run_train(base, full) == 0

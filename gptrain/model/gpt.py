@@ -14,8 +14,20 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+import torch.utils.checkpoint
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from gptrain.model.loss import lm_cross_entropy
+
+
+# Megatron's --attention-backend names onto PyTorch's SDPA kernels (None: PyTorch's own choice)
+SDPA_BACKENDS = {
+    "auto": None,
+    "flash": [SDPBackend.FLASH_ATTENTION],
+    "fused": [SDPBackend.CUDNN_ATTENTION],
+    "unfused": [SDPBackend.MATH],
+    "local": [SDPBackend.MATH],
+}
 
 
 def padded_vocab_size(vocab_size: int, divisible_by: int = 128, tensor_parallel: int = 1) -> int:
@@ -39,10 +51,10 @@ class GPTConfig:
     attention_dropout: float = 0.1
     hidden_dropout: float = 0.1
     layernorm_epsilon: float = 1e-5
-    # chunked loss that never holds all fp32 logits at once: saves memory, but measured 15% slower on
-    # an H100 than the compiled plain loss (benchmarks/RESULTS.md), so it is opt-in
+    # chunked loss that never holds the whole batch's logits (benchmarks/RESULTS.md has its cost)
     fused_cross_entropy: bool = False
-    recompute_activations: bool = False
+    recompute: str | None = None  # None, "full" (whole blocks) or "selective" (core attention)
+    attention_backend: str = "auto"  # Megatron's names: auto, flash, fused (cuDNN), unfused/local (math)
 
     def __post_init__(self):
         if self.ffn_hidden_size is None:
@@ -55,6 +67,10 @@ class GPTConfig:
         if self.seq_length > self.max_position_embeddings:
             raise ValueError(f"--seq-length {self.seq_length} exceeds --max-position-embeddings "
                              f"{self.max_position_embeddings}")
+        if self.recompute not in (None, "full", "selective"):
+            raise ValueError(f"recompute {self.recompute!r}: use full or selective")
+        if self.attention_backend not in SDPA_BACKENDS:
+            raise ValueError(f"--attention-backend {self.attention_backend}: use one of {', '.join(SDPA_BACKENDS)}")
         for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
@@ -82,12 +98,23 @@ class CausalSelfAttention(nn.Module):
         self.qkv = nn.Linear(cfg.hidden_size, 3 * cfg.hidden_size)
         self.proj = nn.Linear(cfg.hidden_size, cfg.hidden_size)
         self.attention_dropout = cfg.attention_dropout
+        self.backends = SDPA_BACKENDS[cfg.attention_backend]
+        self.recompute_core = cfg.recompute == "selective"
+
+    def core_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        dropout = self.attention_dropout if self.training else 0.0
+        if self.backends is None or q.device.type != "cuda":
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout)
+        with sdpa_kernel(self.backends):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, h = x.shape
         q, k, v = self.qkv(x).view(b, s, 3, self.num_heads, h // self.num_heads).permute(2, 0, 3, 1, 4)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                           dropout_p=self.attention_dropout if self.training else 0.0)
+        if self.recompute_core and self.training:
+            y = torch.utils.checkpoint.checkpoint(self.core_attention, q, k, v, use_reentrant=False)
+        else:
+            y = self.core_attention(q, k, v)
         return self.proj(y.transpose(1, 2).reshape(b, s, h))
 
 
@@ -125,6 +152,7 @@ class GPT(nn.Module):
         # keyed by index so names stay stable when pipeline stages drop layers
         self.layers = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.num_layers)})
         self.final_layernorm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon)
+        self.compile_loss = False  # the trainer sets it with --compile: the fused loss's chunk kernel compiles
 
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:
@@ -150,7 +178,7 @@ class GPT(nn.Module):
         x = self.word_embeddings(tokens) + self.position_embeddings(positions)
         x = F.dropout(x, self.cfg.hidden_dropout, self.training)
         for block in self.layers.values():
-            if self.cfg.recompute_activations and self.training:
+            if self.cfg.recompute == "full" and self.training:
                 x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
             else:
                 x = block(x)
@@ -161,5 +189,5 @@ class GPT(nn.Module):
         h = self.hidden_states(tokens)
         if labels is not None:
             return lm_cross_entropy(h, self.word_embeddings.weight, labels, self.cfg.vocab_size,
-                                    fused=self.cfg.fused_cross_entropy)
+                                    fused=self.cfg.fused_cross_entropy, compiled=self.compile_loss)
         return F.linear(h, self.word_embeddings.weight[: self.cfg.vocab_size])

@@ -2,16 +2,51 @@
 
 ``lm_cross_entropy`` returns the mean token cross-entropy of ``h @ W.T`` against ``labels``,
 counting only the first ``vocab_size`` columns (the padded rows of W get no probability and no
-gradient). The fused path computes the loss and both gradients chunk by chunk in the forward pass,
-so the (tokens x vocabulary) fp32 logits of the whole batch never exist at once: at micro-batch 16
-and seq 1024 that is 3.3 GB saved, plus the bf16 copy and its gradient.
+gradient). The logits are computed at the padded width and the padding masked to -inf: a width of
+50257 would give the matmul unaligned rows.
+
+The fused path computes the loss and both gradients chunk by chunk in the forward pass, so the
+(tokens x vocabulary) logits of the whole batch never exist at once: at micro-batch 16 and seq
+1024 that saves the 1.6 GB bf16 logits, their gradient and the fp32 copies of the plain loss. Each
+chunk's softmax and gradient run as one compiled kernel when ``compiled`` is set.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-CHUNK_ELEMENTS = 1 << 27  # logits per chunk: 512 MB in fp32
+CHUNK_ELEMENTS = 1 << 27  # logits per chunk at most (256 MB in bf16)
+
+
+def _mask_padding(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    if logits.shape[-1] == vocab_size:
+        return logits
+    column = torch.arange(logits.shape[-1], device=logits.device)
+    return logits.masked_fill(column >= vocab_size, float("-inf"))
+
+
+def _chunk_loss_and_grads(h_chunk, w, y, vocab_size: int, inv_tokens: float):
+    """Summed loss of one chunk, d(mean loss)/d h_chunk, and this chunk's share of d/d w."""
+    logits = _mask_padding((h_chunk @ w.T).float(), vocab_size)
+    lse = torch.logsumexp(logits, dim=-1)
+    loss = (lse - logits.gather(1, y[:, None]).squeeze(1)).sum()
+    # d(mean loss)/d logits = (softmax - onehot) / tokens
+    probs = torch.exp(logits - lse[:, None])
+    column = torch.arange(logits.shape[-1], device=logits.device)
+    g = ((probs - (column[None, :] == y[:, None]).float()) * inv_tokens).to(w.dtype)
+    return loss, g @ w, g.T @ h_chunk
+
+
+_compiled_chunk = None
+
+
+def _chunk_fn(compiled: bool):
+    global _compiled_chunk
+    if not compiled:
+        return _chunk_loss_and_grads
+    if _compiled_chunk is None:
+        _compiled_chunk = torch.compile(_chunk_loss_and_grads, dynamic=False)
+    return _compiled_chunk
 
 
 def _compute_dtype(t: torch.Tensor) -> torch.dtype:
@@ -23,52 +58,51 @@ def _compute_dtype(t: torch.Tensor) -> torch.dtype:
 
 class _FusedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, h, weight, labels, vocab_size: int, dtype: torch.dtype):
+    def forward(ctx, h, weight, labels, vocab_size: int, dtype: torch.dtype, compiled: bool):
         n_tokens = h.shape[0]
-        chunk = max(1, CHUNK_ELEMENTS // weight.shape[0])
-        need_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
+        # a power of two tokens per chunk keeps every chunk but perhaps the last one shape (one compile)
+        chunk = 1 << max(0, (CHUNK_ELEMENTS // weight.shape[0]).bit_length() - 1)
+        fn = _chunk_fn(compiled)
         with torch.autocast(h.device.type, enabled=False):
             w = weight.to(dtype)
             hc = h.to(dtype)
             total = torch.zeros((), dtype=torch.float32, device=h.device)
-            grad_h = torch.empty_like(hc) if need_grad else None
-            grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=h.device) if need_grad else None
+            grad_h = torch.empty_like(hc)
+            grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=h.device)
             for start in range(0, n_tokens, chunk):
-                h_chunk = hc[start : start + chunk]
-                y = labels[start : start + chunk]
-                logits = (h_chunk @ w.T).float()
-                logits[:, vocab_size:] = float("-inf")
-                lse = torch.logsumexp(logits, dim=-1)
-                total += (lse - logits.gather(1, y[:, None]).squeeze(1)).sum()
-                if need_grad:
-                    # d(mean loss)/d logits = (softmax - onehot) / n_tokens
-                    probs = logits.sub_(lse[:, None]).exp_()
-                    probs.scatter_add_(1, y[:, None], torch.full_like(lse[:, None], -1.0))
-                    g = probs.div_(n_tokens).to(dtype)
-                    grad_h[start : start + chunk] = g @ w
-                    # a bf16 product rounded once per chunk, as autocast's own weight gradients are
-                    grad_w += (g.T @ h_chunk).float()
-        if need_grad:
-            ctx.save_for_backward(grad_h, grad_w)
+                loss, gh, gw = fn(hc[start : start + chunk], w, labels[start : start + chunk], vocab_size,
+                                  1.0 / n_tokens)
+                total += loss
+                grad_h[start : start + chunk] = gh
+                # a bf16 product rounded once per chunk, as autocast's own weight gradients are
+                grad_w += gw
+        ctx.save_for_backward(grad_h, grad_w)
         ctx.h_dtype, ctx.w_dtype = h.dtype, weight.dtype
         return total / n_tokens
 
     @staticmethod
     def backward(ctx, grad_out):
         grad_h, grad_w = ctx.saved_tensors
-        return (grad_h * grad_out).to(ctx.h_dtype), (grad_w * grad_out).to(ctx.w_dtype), None, None, None
+        return (grad_h * grad_out).to(ctx.h_dtype), (grad_w * grad_out).to(ctx.w_dtype), None, None, None, None
 
 
-@torch.compiler.disable  # runs eagerly between compiled regions: a loop of large matmuls gains nothing
-def _fused(h, weight, labels, vocab_size):
-    return _FusedLinearCrossEntropy.apply(h, weight, labels, vocab_size, _compute_dtype(h))
+@torch.compiler.disable  # a loop of large matmuls between compiled regions; the chunk kernel compiles alone
+def _fused(h, weight, labels, vocab_size, compiled):
+    if not torch.is_grad_enabled() or not (h.requires_grad or weight.requires_grad):
+        with torch.no_grad():
+            return _plain(h, weight, labels, vocab_size)
+    return _FusedLinearCrossEntropy.apply(h, weight, labels, vocab_size, _compute_dtype(h), compiled)
+
+
+def _plain(h, weight, labels, vocab_size):
+    logits = _mask_padding(F.linear(h, weight), vocab_size)
+    return F.cross_entropy(logits.float(), labels)
 
 
 def lm_cross_entropy(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, vocab_size: int,
-                     fused: bool = True) -> torch.Tensor:
+                     fused: bool = True, compiled: bool = False) -> torch.Tensor:
     """Mean cross-entropy of logits ``h @ weight[:vocab_size].T`` over all tokens of ``labels``."""
     h2, y = h.reshape(-1, h.shape[-1]), labels.reshape(-1)
     if fused:
-        return _fused(h2, weight, y, vocab_size)
-    logits = F.linear(h2, weight[:vocab_size])
-    return F.cross_entropy(logits.float(), y)
+        return _fused(h2, weight, y, vocab_size, compiled)
+    return _plain(h2, weight, y, vocab_size)

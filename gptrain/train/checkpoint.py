@@ -1,7 +1,8 @@
 """Checkpoints in Megatron's directory layout, with no pickled code inside.
 
     SAVE/latest_checkpointed_iteration.txt   "500" (or "release")
-    SAVE/iter_0000500/model.safetensors      fp32 weights by gptrain parameter name
+    SAVE/iter_0000500/model.safetensors      fp32 weights by gptrain parameter name (the main copies
+                                             when the model itself runs in bf16)
     SAVE/iter_0000500/optimizer.safetensors  AdamW moments by parameter name, and step counts
     SAVE/iter_0000500/rng.safetensors        torch CPU/CUDA generator states, numpy's MT state
     SAVE/iter_0000500/state.json             iteration, consumed samples, lr schedule, loss scaler,
@@ -66,17 +67,27 @@ def _set_rng_state(tensors: dict[str, torch.Tensor], scalars: dict) -> None:
     random.setstate((version, tuple(internal), gauss))
 
 
-def _optimizer_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+def _params(model_or_params) -> dict[str, torch.Tensor]:
+    """The tensors a checkpoint holds, by name: a module's parameters, or a given name -> tensor map
+    (the fp32 main parameters when the model itself is bf16)."""
+    if isinstance(model_or_params, torch.nn.Module):
+        return dict(model_or_params.named_parameters())
+    return dict(model_or_params)
+
+
+def _optimizer_tensors(params: dict[str, torch.Tensor], optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
     out = {}
-    for name, param in model.named_parameters():
+    for name, param in params.items():
         state = optimizer.state.get(param, {})
         for key, value in state.items():
             out[f"{name}::{key}"] = value.detach().reshape(value.shape).to("cpu").contiguous()
     return out
 
 
-def save_checkpoint(root: str | os.PathLike, iteration: int, model: torch.nn.Module,
-                    optimizer: torch.optim.Optimizer, state: dict) -> Path:
+def save_checkpoint(root: str | os.PathLike, iteration: int, model, optimizer: torch.optim.Optimizer,
+                    state: dict) -> Path:
+    """``model``: a module, or a name -> tensor map of the parameters the optimizer updates."""
+    params = _params(model)
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     final = iteration_dir(root, iteration)
@@ -84,9 +95,9 @@ def save_checkpoint(root: str | os.PathLike, iteration: int, model: torch.nn.Mod
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir()
-    weights = {k: v.detach().to("cpu").contiguous() for k, v in model.state_dict().items()}
+    weights = {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in params.items()}
     save_file(weights, tmp / "model.safetensors")
-    save_file(_optimizer_tensors(model, optimizer), tmp / "optimizer.safetensors")
+    save_file(_optimizer_tensors(params, optimizer), tmp / "optimizer.safetensors")
     rng_tensors, rng_scalars = _rng_state()
     save_file(rng_tensors, tmp / "rng.safetensors")
     (tmp / "state.json").write_text(json.dumps({**state, "iteration": iteration, "rng": rng_scalars}, indent=1))
@@ -99,9 +110,10 @@ def save_checkpoint(root: str | os.PathLike, iteration: int, model: torch.nn.Mod
     return final
 
 
-def load_checkpoint(root: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
+def load_checkpoint(root: str | os.PathLike, model, optimizer: torch.optim.Optimizer | None,
                     load_rng: bool = True) -> dict | None:
-    """Restore into ``model`` (and ``optimizer``); return the saved state dict, or None if no checkpoint."""
+    """Restore into ``model`` (a module or a name -> tensor map, as for saving) and ``optimizer``;
+    return the saved state dict, or None if there is no checkpoint."""
     iteration = read_tracker(root)
     if iteration is None:
         return None
@@ -109,16 +121,23 @@ def load_checkpoint(root: str | os.PathLike, model: torch.nn.Module, optimizer: 
     if not (path / "model.safetensors").is_file():
         raise FileNotFoundError(f"{path}/model.safetensors is missing although {Path(root) / TRACKER} names it "
                                 "(a Megatron model_optim_rng.pt checkpoint must be imported first)")
-    device = next(model.parameters()).device
+    params = _params(model)
+    device = next(iter(params.values())).device
     weights = load_file(path / "model.safetensors", device=str(device))
-    missing, unexpected = model.load_state_dict(weights, strict=False)
+    missing, unexpected = sorted(set(params) - set(weights)), sorted(set(weights) - set(params))
     if missing or unexpected:
         raise ValueError(f"{path}: checkpoint does not fit the model (missing {missing[:3]}, "
                          f"unexpected {unexpected[:3]}): check the model flags against the saved config")
+    with torch.no_grad():
+        for name, tensor in params.items():
+            if weights[name].shape != tensor.shape:
+                raise ValueError(f"{path}: {name} has shape {tuple(weights[name].shape)} in the checkpoint and "
+                                 f"{tuple(tensor.shape)} in the model: check the model flags against the saved config")
+            tensor.copy_(weights[name])
     state = json.loads((path / "state.json").read_text())
     if optimizer is not None and (path / "optimizer.safetensors").is_file():
         saved = load_file(path / "optimizer.safetensors", device=str(device))
-        for name, param in model.named_parameters():
+        for name, param in params.items():
             entries = {k.split("::", 1)[1]: v for k, v in saved.items() if k.split("::", 1)[0] == name}
             if entries:
                 optimizer.state[param] = entries

@@ -19,9 +19,11 @@ import numpy as np
 import torch
 
 from gptrain.config import RunConfig
+from gptrain.model.fp8 import convert_to_fp8
 from gptrain.model.gpt import GPT
 from gptrain.train import metrics
 from gptrain.train.checkpoint import load_checkpoint, save_checkpoint
+from gptrain.train.main_params import MainParams
 from gptrain.train.precision import LossScaler
 from gptrain.train.schedule import LRSchedule
 
@@ -74,10 +76,11 @@ class MicroBatchLoader:
         self._thread.join(timeout=5)
 
 
-def build_optimizer(model: torch.nn.Module, cfg: RunConfig, device: torch.device) -> torch.optim.AdamW:
-    """AdamW; biases and LayerNorm parameters without weight decay (Megatron's rule)."""
+def build_optimizer(params: dict[str, torch.Tensor], cfg: RunConfig) -> torch.optim.AdamW:
+    """AdamW over the named parameters; biases and LayerNorm parameters without weight decay
+    (Megatron's rule)."""
     decay, no_decay = [], []
-    for name, p in model.named_parameters():
+    for p in params.values():
         (no_decay if p.ndim == 1 else decay).append(p)
     groups = [{"params": decay, "weight_decay": cfg.optim.weight_decay},
               {"params": no_decay, "weight_decay": 0.0}]
@@ -97,18 +100,26 @@ class Trainer:
                  log=print, tokens_per_sample: int | None = None):
         self.cfg, self.model, self.device, self.log = cfg, model, device, log
         self.train_ds, self.valid_ds, self.test_ds = train_ds, valid_ds, test_ds
-        self.optimizer = build_optimizer(model, cfg, device)
+        p = cfg.precision
+        self.fp8_layers = convert_to_fp8(model, p.fp8, p.fp8_recipe, emulate=device.type != "cuda") if p.fp8 else 0
+        # with --bf16 the model turns bf16 here and the optimizer steps fp32 main copies
+        self.main = MainParams(model, torch.bfloat16) if p.half_params else None
+        # what the optimizer updates and checkpoints hold, by name
+        self.opt_params = self.main.named() if self.main else dict(model.named_parameters())
+        self.optimizer = build_optimizer(self.opt_params, cfg)
         self.schedule = LRSchedule.from_config(cfg.optim, cfg.train)
         self.scaler = LossScaler.from_config(cfg.precision)
         self.iteration = 0
         self.consumed_train = 0
         self.consumed_valid = 0
-        self.compute_dtype = torch.bfloat16 if cfg.precision.bf16 else torch.float16 if cfg.precision.fp16 else None
+        # autocast only where the parameters stay fp32: fp16, and bf16 with --bf16-autocast
+        self.compute_dtype = None if p.half_params else torch.bfloat16 if p.bf16 else torch.float16 if p.fp16 else None
+        model.compile_loss = cfg.train.compile
         self.forward = torch.compile(model) if cfg.train.compile else model
         self.tb = metrics.TensorBoard(cfg.train.tensorboard_dir)
         self.peak = metrics.device_peak_tflops(device, cfg.train.peak_tflops)
         self.flops_per_token = cfg.model.flops_per_token()
-        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.params = list(self.opt_params.values())
         # device-side counters, read once per log interval
         zeros = lambda: torch.zeros((), device=device, dtype=torch.float32)  # noqa: E731
         self._loss_sum, self._advanced, self._nan_count, self._nan_run = zeros(), zeros(), zeros(), zeros()
@@ -139,7 +150,7 @@ class Trainer:
             return
         start = time.perf_counter()
         self.log(f"saving checkpoint at iteration {self.iteration:7d} to {self.cfg.train.save}")
-        save_checkpoint(self.cfg.train.save, self.iteration, self.model, self.optimizer, self.state())
+        save_checkpoint(self.cfg.train.save, self.iteration, self.opt_params, self.optimizer, self.state())
         self.log(f"  successfully saved checkpoint at iteration {self.iteration:7d} to {self.cfg.train.save} "
                  f"({time.perf_counter() - start:.2f} s)")
 
@@ -147,8 +158,10 @@ class Trainer:
         t = self.cfg.train
         if not t.load:
             return
-        state = load_checkpoint(t.load, self.model, None if (t.no_load_optim or t.finetune) else self.optimizer,
+        state = load_checkpoint(t.load, self.opt_params, None if (t.no_load_optim or t.finetune) else self.optimizer,
                                 load_rng=not (t.no_load_rng or t.finetune))
+        if self.main is not None:
+            self.main.copy_to_model()
         if state is None:
             self.log(f"WARNING: could not find a checkpoint in {t.load}: training from random initialization")
             return
@@ -175,6 +188,8 @@ class Trainer:
             with self._autocast():
                 loss = self.forward(tokens, labels) / n_micro
             (loss * scale if self.scaler else loss).backward()
+            if self.main is not None:
+                self.main.accumulate_grads()
             loss_acc += loss.detach().float()
         lr = self.schedule.lr()
         for group in self.optimizer.param_groups:
@@ -208,6 +223,8 @@ class Trainer:
         self.optimizer.found_inf = bad  # fused AdamW skips the update on the device when set
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        if self.main is not None:
+            self.main.copy_to_model()
         # the schedule advances now; the log interval takes back steps that turned out skipped
         self.schedule.step(self.cfg.train.global_batch_size)
         good = 1.0 - bad

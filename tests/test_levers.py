@@ -1,0 +1,146 @@
+"""The performance levers keep the numerics: bf16 main parameters, recompute, the fused loss, fp8,
+the attention-backend flag, and ``gptrain bench`` runs and prints its table."""
+import copy
+
+import pytest
+import torch
+
+from gptrain.bench import bench_main
+from gptrain.config import parse_megatron_args
+from gptrain.data.gpt_dataset import MockGPTDataset
+from gptrain.model import loss as loss_module
+from gptrain.model.gpt import GPT, GPTConfig
+from gptrain.train.loop import MicroBatchLoader, Trainer
+from gptrain.train.main_params import MainParams
+
+SMALL = dict(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32, vocab_size=1000,
+             attention_dropout=0.0, hidden_dropout=0.0)
+FLAGS = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --max-position-embeddings 32 "
+         "--micro-batch-size 2 --global-batch-size 4 --lr 1e-2 --train-iters 8 --mock-data --device cpu "
+         "--attention-dropout 0 --hidden-dropout 0").split()
+
+
+def _model(**overrides) -> GPT:
+    model = GPT(GPTConfig(**{**SMALL, **overrides}))
+    model.init_weights(0)
+    return model
+
+
+def _loss_and_grads(model, tokens):
+    model.zero_grad()
+    loss = model(tokens[:, :-1], tokens[:, 1:])
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_recompute_gives_the_same_loss_and_gradients(mode):
+    tokens = torch.randint(0, 1000, (2, 33))
+    ref_loss, ref_grads = _loss_and_grads(_model(), tokens)
+    loss, grads = _loss_and_grads(_model(recompute=mode), tokens)
+    assert torch.equal(loss, ref_loss)
+    for name, g in grads.items():
+        assert torch.allclose(g, ref_grads[name], atol=1e-7), name
+
+
+def test_recompute_flags_follow_megatron():
+    base = FLAGS
+    assert parse_megatron_args(base)[0].model.recompute is None
+    assert parse_megatron_args(base + ["--recompute-activations"])[0].model.recompute == "selective"
+    assert parse_megatron_args(base + ["--checkpoint-activations"])[0].model.recompute == "full"
+    assert parse_megatron_args(base + ["--recompute-granularity", "full", "--recompute-method", "uniform",
+                                       "--recompute-num-layers", "1"])[0].model.recompute == "full"
+    with pytest.raises(ValueError, match="recompute-method"):
+        parse_megatron_args(base + ["--recompute-granularity", "full", "--recompute-method", "block"])
+    assert parse_megatron_args(base + ["--attention-backend", "fused"])[0].model.attention_backend == "fused"
+
+
+def test_compiled_fused_loss_matches_plain(monkeypatch):
+    """The chunk kernel under torch.compile gives the plain loss and gradients (3 chunks, a ragged last one)."""
+    monkeypatch.setattr(loss_module, "CHUNK_ELEMENTS", 1024 * 20)  # 16 tokens per chunk at padded width 1024
+    h = torch.randn(40, 64, requires_grad=True)
+    w = (torch.randn(1024, 64) * 0.1).requires_grad_()
+    y = torch.randint(0, 1000, (40,))
+    results = []
+    for fused, compiled in ((False, False), (True, False), (True, True)):
+        h.grad = w.grad = None
+        loss = loss_module.lm_cross_entropy(h, w, y, 1000, fused=fused, compiled=compiled)
+        loss.backward()
+        results.append((loss.detach(), h.grad.clone(), w.grad.clone()))
+    for loss, gh, gw in results[1:]:
+        assert torch.allclose(loss, results[0][0], atol=1e-5)
+        assert torch.allclose(gh, results[0][1], atol=1e-6) and torch.allclose(gw, results[0][2], atol=1e-6)
+        assert gw[1000:].abs().max() == 0
+
+
+def test_main_params_accumulate_in_fp32_and_copy_back():
+    model = _model()
+    fp32 = {n: p.detach().clone() for n, p in model.named_parameters()}
+    main = MainParams(model, torch.bfloat16)
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+    assert all(torch.equal(main.named()[n], v) for n, v in fp32.items())  # exact fp32 init kept
+    expected = {}
+    for step in range(2):
+        tokens = torch.randint(0, 1000, (2, 33))
+        model(tokens[:, :-1], tokens[:, 1:]).backward()
+        for n, p in model.named_parameters():
+            expected[n] = expected.get(n, 0) + p.grad.float()
+        main.accumulate_grads()
+        assert all(p.grad is None for p in model.parameters())
+    for n, m in main.named().items():
+        assert m.grad.dtype == torch.float32 and torch.equal(m.grad, expected[n]), n
+    with torch.no_grad():
+        for m in main.main:
+            m.add_(1e-3)
+    main.copy_to_model()
+    assert all(torch.equal(p, m.to(torch.bfloat16)) for p, m in zip(model.parameters(), main.main))
+
+
+def _train_losses(argv, steps=8):
+    """Per-step losses on 4 fixed samples (memorised quickly, so the losses move)."""
+    cfg, _ = parse_megatron_args(argv)
+    model = GPT(cfg.model)
+    model.init_weights(cfg.data.seed)
+    data = MockGPTDataset("train", 4, cfg.model.seq_length, cfg.model.vocab_size, cfg.data.seed)
+    trainer = Trainer(cfg, model, data, None, None, torch.device("cpu"), log=lambda s: None)
+    loader = MicroBatchLoader(data, 0, cfg.train.micro_batch_size, torch.device("cpu"))
+    losses = []
+    try:
+        for _ in range(steps):
+            before = trainer._loss_sum.item()
+            trainer.train_step(loader)
+            losses.append((trainer._loss_sum.item() - before))
+    finally:
+        loader.close()
+    return trainer, losses
+
+
+def test_bf16_main_params_track_autocast_and_fp32():
+    _, fp32 = _train_losses(FLAGS)
+    trainer, main = _train_losses(FLAGS + ["--bf16"])
+    _, autocast = _train_losses(FLAGS + ["--bf16", "--bf16-autocast"])
+    assert trainer.main is not None and trainer.model.word_embeddings.weight.dtype == torch.bfloat16
+    assert trainer.optimizer.param_groups[0]["params"][0].dtype == torch.float32
+    assert fp32[-1] < fp32[0] - 2
+    for a, b, c in zip(fp32, main, autocast):
+        assert abs(a - b) < 0.005 * a and abs(a - c) < 0.005 * a
+
+
+def test_fp8_converts_the_block_linears_and_trains():
+    pytest.importorskip("torchao")
+    trainer, losses = _train_losses(FLAGS + ["--bf16", "--fp8"])
+    from torchao.float8.float8_linear import Float8Linear
+
+    fp8 = [n for n, m in trainer.model.named_modules() if isinstance(m, Float8Linear)]
+    assert trainer.fp8_layers == 8 and len(fp8) == 8 and all(n.startswith("layers.") for n in fp8)
+    _, bf16 = _train_losses(FLAGS + ["--bf16"])
+    assert all(abs(a - b) < 0.02 * b for a, b in zip(losses, bf16)) and losses[-1] < losses[0] - 2
+    with pytest.raises(ValueError, match="needs --bf16"):
+        parse_megatron_args(FLAGS + ["--fp8"])
+
+
+def test_bench_runs_and_prints_the_table(capsys):
+    assert bench_main(FLAGS + ["--bf16", "--warmup", "1", "--iters", "2", "--baseline-no-compile"]) == 0
+    out = capsys.readouterr().out
+    assert "| gptrain (train step) |" in out and "| baseline (plain PyTorch) |" in out
+    assert "gptrain / baseline tokens/s:" in out and "host ms/iter" in out

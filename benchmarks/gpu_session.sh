@@ -1,28 +1,53 @@
 #!/usr/bin/env bash
-# One device call: data, the seeds' 345M config in bf16 and fp16, and the throughput benchmark.
-# Usage on the GPU machine: bash benchmarks/gpu_session.sh PART   (PART: a | b); logs go to $OUT.
+# Device calls for issue 4. Usage on the GPU machine: bash benchmarks/gpu_session.sh PART; logs go to $OUT.
+#   c: levers at micro-batch 16 (default vs autocast, fused loss, attention backends), with the baseline
+#   d: micro-batch 32 and fp8 (BEST: extra flags chosen from part c)
+#   e: real indexed data vs synthetic step time; fp8 vs bf16 loss over 300 iterations
+# (parts a and b of the first session measured the first version; their logs are in benchmarks/logs/)
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:/tmp/site
-python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl >/dev/null 2>&1
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl >/dev/null 2>&1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 G="python3 -m gptrain"
-SEED_345M="--num-layers 24 --hidden-size 1024 --num-attention-heads 16 --seq-length 1024 --max-position-embeddings 1024"
-if [ "$1" = a ]; then
-  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/device.txt"
-  python3 -c "import torch; print('torch', torch.__version__)" | tee -a "$OUT/device.txt"
-  $G bench $SEED_345M --micro-batch-size 16 --global-batch-size 16 --bf16 --compile --warmup 8 --iters 20 2>&1 | tee "$OUT/bench_mbs16.txt"
+M345="--num-layers 24 --hidden-size 1024 --num-attention-heads 16 --seq-length 1024 --max-position-embeddings 1024"
+ND="--hidden-dropout 0 --attention-dropout 0"  # the baseline has no dropout: compare like with like
+BEST=${BEST:-}
+bench() {  # NAME LIMIT_S FLAGS...
+  local name=$1 limit=$2; shift 2
+  echo "== $name: $*" | tee "$OUT/$name.txt"
+  timeout "$limit" $G bench $M345 $ND --bf16 --compile "$@" 2>&1 | grep -v -i "warn" | tee -a "$OUT/$name.txt" | grep -E "^\| gptrain|^\| baseline|ratio|x$|Error|error" 
+}
+case "$1" in
+c)
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/device.txt"
+  python3 -c "import torch; q = torch.randn(16, 16, 1024, 64, device='cuda', dtype=torch.bfloat16)
+print('torch', torch.__version__, '| SDPA auto choice (1 flash, 2 efficient, 3 cudnn):',
+      torch._fused_sdp_choice(q, q, q, is_causal=True))" | tee -a "$OUT/device.txt"
+  bench c1_mbs16_default 180 --micro-batch-size 16 --warmup 6 --iters 15
+  bench c2_mbs16_autocast 130 --micro-batch-size 16 --warmup 6 --iters 15 --bf16-autocast --no-baseline
+  bench c3_mbs16_fusedce 130 --micro-batch-size 16 --warmup 6 --iters 15 --fused-cross-entropy --no-baseline
+  bench c4_mbs16_cudnn 130 --micro-batch-size 16 --warmup 6 --iters 15 --attention-backend fused --no-baseline
+  ;;
+d)
+  bench d1_mbs32 220 --micro-batch-size 32 --warmup 5 --iters 10 $BEST
+  bench d2_mbs32_fusedce 150 --micro-batch-size 32 --warmup 5 --iters 10 --fused-cross-entropy --no-baseline $BEST
+  bench d3_mbs16_fp8 180 --micro-batch-size 16 --warmup 6 --iters 15 --fp8 --no-baseline $BEST
+  bench d4_mbs32_fp8 180 --micro-batch-size 32 --warmup 5 --iters 10 --fp8 --no-baseline $BEST
+  ;;
+e)
   mkdir -p /tmp/d && $G data builtin --output /tmp/d/builtin.jsonl && \
     $G preprocess --input /tmp/d/builtin.jsonl --output-prefix /tmp/d/builtin --append-eod --workers 8 --no-progress
-  for prec in bf16 fp16; do
-    # seeds/000 flags, with --lr-decay-iters 5000 so the 1% warmup is 50 iterations (320000 would be 3200)
-    $G train $SEED_345M --micro-batch-size 8 --global-batch-size 8 --lr 0.00015 --train-iters 300 \
-      --lr-decay-iters 5000 --lr-decay-style cosine --min-lr 1.0e-5 --weight-decay 1e-2 --lr-warmup-fraction .01 \
-      --clip-grad 1.0 --$prec --data-path /tmp/d/builtin_text_document --data-impl mmap --split 949,50,1 \
-      --log-interval 25 --eval-interval 100 --eval-iters 5 2>&1 | tee "$OUT/train_345m_$prec.txt" | grep -E "iteration|validation|memory|padded|parameters"
+  TRAIN="$M345 --lr 0.00015 --lr-decay-iters 5000 --lr-decay-style cosine --min-lr 1.0e-5 --weight-decay 1e-2
+    --lr-warmup-fraction .01 --clip-grad 1.0 --bf16 --compile --split 949,50,1 --eval-iters 0 --eval-interval 100000"
+  # real data vs synthetic: same step, 100 iterations at micro-batch 16, logged every 20
+  for src in "--data-path /tmp/d/builtin_text_document" "--mock-data"; do
+    timeout 200 $G train $TRAIN $ND $BEST --micro-batch-size 16 --train-iters 100 --log-interval 20 $src 2>&1 \
+      | grep -E "iteration|memory" | tee -a "$OUT/e1_real_vs_mock.txt"
   done
-else
-  ND="--hidden-dropout 0 --attention-dropout 0"  # the baseline has no dropout: compare like with like
-  $G bench $SEED_345M $ND --micro-batch-size 16 --global-batch-size 16 --bf16 --compile --warmup 6 --iters 15 2>&1 | tee "$OUT/bench_mbs16_nodrop.txt"
-  $G bench $SEED_345M $ND --micro-batch-size 16 --global-batch-size 16 --bf16 --compile --no-fused-cross-entropy --no-baseline --warmup 6 --iters 15 2>&1 | tee "$OUT/bench_mbs16_nodrop_plain_ce.txt"
-  $G bench $SEED_345M $ND --micro-batch-size 32 --global-batch-size 32 --bf16 --compile --warmup 5 --iters 10 2>&1 | tee "$OUT/bench_mbs32_nodrop.txt"
-fi
+  # fp8 vs bf16: seeds/000 flags, 300 iterations, micro-batch 8, dropout as Megatron's default
+  for p in "" "--fp8"; do
+    timeout 200 $G train $TRAIN $BEST $p --micro-batch-size 8 --train-iters 300 --log-interval 25 \
+      --data-path /tmp/d/builtin_text_document 2>&1 | grep -E "iteration|memory" | tee -a "$OUT/e2_bf16_vs_fp8.txt"
+  done
+  ;;
+esac

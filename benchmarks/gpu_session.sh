@@ -29,6 +29,8 @@ print('torch', torch.__version__, '| SDPA auto choice (1 flash, 2 efficient, 3 c
   bench c4_mbs16_cudnn 130 --micro-batch-size 16 --warmup 6 --iters 15 --attention-backend fused --no-baseline
   ;;
 d)
+  timeout 150 python3 benchmarks/profile_step.py --micro-batch-size 16 --bf16 --compile $BEST 2>&1 | grep -v -i warn \
+    | tee "$OUT/d0_profile_mbs16.txt" | head -12
   bench d1_mbs32 220 --micro-batch-size 32 --warmup 5 --iters 10 $BEST
   bench d2_mbs32_fusedce 150 --micro-batch-size 32 --warmup 5 --iters 10 --fused-cross-entropy --no-baseline $BEST
   bench d3_mbs16_fp8 180 --micro-batch-size 16 --warmup 6 --iters 15 --fp8 --no-baseline $BEST

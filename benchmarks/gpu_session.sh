@@ -2,6 +2,7 @@
 # Device calls for issue 4. Usage on the GPU machine: bash benchmarks/gpu_session.sh PART; logs go to $OUT.
 #   c: levers at micro-batch 16 (default vs autocast, fused loss, attention backends), with the baseline
 #   d: micro-batch 32 and fp8 (BEST: extra flags chosen from part c)
+#   f: micro-batch 16 and 32 again with the baseline, and the profile, after an optimizer change
 #   e: real indexed data vs synthetic step time; fp8 vs bf16 loss over 300 iterations
 # (parts a and b of the first session measured the first version; their logs are in benchmarks/logs/)
 set -uo pipefail
@@ -35,6 +36,12 @@ d)
   bench d2_mbs32_fusedce 150 --micro-batch-size 32 --warmup 5 --iters 10 --fused-cross-entropy --no-baseline $BEST
   bench d3_mbs16_fp8 180 --micro-batch-size 16 --warmup 6 --iters 15 --fp8 --no-baseline $BEST
   bench d4_mbs32_fp8 180 --micro-batch-size 32 --warmup 5 --iters 10 --fp8 --no-baseline $BEST
+  ;;
+f)  # after folding the clip into AdamW and the flat fp32 main-gradient buffer
+  bench f1_mbs16 180 --micro-batch-size 16 --warmup 6 --iters 15 $BEST
+  bench f2_mbs32 220 --micro-batch-size 32 --warmup 5 --iters 10 $BEST
+  timeout 150 python3 benchmarks/profile_step.py --micro-batch-size 16 --bf16 --compile $BEST 2>&1 | grep -v -i warn \
+    | tee "$OUT/f3_profile_mbs16.txt" | head -12
   ;;
 e)
   mkdir -p /tmp/d && $G data builtin --output /tmp/d/builtin.jsonl && \

@@ -215,15 +215,21 @@ class Trainer:
                 self._nan_count += float(not loss_is_finite)
             self.optimizer.zero_grad(set_to_none=True)
             return skipped
-        if self.cfg.optim.clip_grad > 0:
-            grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.optim.clip_grad, foreach=True)
+        if self.main is not None:
+            grad_norm = self.main.grad_norm()
         else:
-            grad_norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+            grad_norm = torch.nn.utils.get_total_norm(grads, foreach=True)
         bad = (~torch.isfinite(grad_norm) | ~torch.isfinite(loss_acc)).float()
-        self.optimizer.found_inf = bad  # fused AdamW skips the update on the device when set
+        # fused AdamW skips the update on the device when found_inf is set, and divides the gradients
+        # by grad_scale: gradient clipping (Megatron's max_norm / (norm + 1e-6) when below 1) without
+        # a separate pass over the gradients
+        self.optimizer.found_inf = bad
+        if self.cfg.optim.clip_grad > 0:
+            self.optimizer.grad_scale = torch.clamp((grad_norm + 1e-6) / self.cfg.optim.clip_grad, min=1.0)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         if self.main is not None:
+            self.main.release_grads()
             self.main.copy_to_model()
         # the schedule advances now; the log interval takes back steps that turned out skipped
         self.schedule.step(self.cfg.train.global_batch_size)

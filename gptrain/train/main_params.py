@@ -20,26 +20,45 @@ class MainParams:
         self.main = [p.detach().float().clone() for p in self.model_params]
         model.to(dtype)
         self.dtype = dtype
+        self.grad_flat: torch.Tensor | None = None
 
     def named(self) -> dict[str, torch.Tensor]:
         return dict(zip(self.names, self.main))
 
     @torch.no_grad()
     def accumulate_grads(self) -> None:
-        """Move the model's half-precision gradients into fp32 main gradients (added to what is there)."""
-        acc, add = [], []
-        for m, p in zip(self.main, self.model_params):
-            if p.grad is None:
-                continue
-            if m.grad is None:
-                m.grad = p.grad.float()
-            else:
-                acc.append(m.grad)
-                add.append(p.grad)
-        if acc:
-            torch._foreach_add_(acc, add)
+        """Move the model's half-precision gradients into the fp32 main gradients (added to what is
+        there). The main gradients are views of one flat buffer, allocated at the first micro-batch
+        and released after the step: one conversion launch, and one kernel for the norm."""
+        grads = [p.grad for p in self.model_params]
+        if self.grad_flat is None:
+            self.grad_flat = torch.empty(sum(m.numel() for m in self.main), device=self.main[0].device)
+            views, offset = [], 0
+            for m in self.main:
+                views.append(self.grad_flat[offset : offset + m.numel()].view(m.shape))
+                offset += m.numel()
+            for m, view in zip(self.main, views):
+                m.grad = view
+            pairs = [(v, g) for v, g in zip(views, grads) if g is not None]
+            for v, g in zip(views, grads):
+                if g is None:
+                    v.zero_()
+            if pairs:
+                torch._foreach_copy_([v for v, _ in pairs], [g for _, g in pairs])
+        else:
+            pairs = [(m.grad, g) for m, g in zip(self.main, grads) if g is not None]
+            if pairs:
+                torch._foreach_add_([v for v, _ in pairs], [g for _, g in pairs])
         for p in self.model_params:
             p.grad = None
+
+    def grad_norm(self) -> torch.Tensor:
+        return torch.linalg.vector_norm(self.grad_flat)
+
+    def release_grads(self) -> None:
+        for m in self.main:
+            m.grad = None
+        self.grad_flat = None
 
     @torch.no_grad()
     def copy_to_model(self) -> None:

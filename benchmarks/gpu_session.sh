@@ -3,6 +3,7 @@
 #   c: levers at micro-batch 16 (default vs autocast, fused loss, attention backends), with the baseline
 #   d: micro-batch 32 and fp8 (BEST: extra flags chosen from part c)
 #   f: micro-batch 16 and 32 again with the baseline, and the profile, after an optimizer change
+#   g: micro-batch 48 and 64 with the baseline; FlashAttention-2 instead of cuDNN attention
 #   e: real indexed data vs synthetic step time; fp8 vs bf16 loss over 300 iterations
 # (parts a and b of the first session measured the first version; their logs are in benchmarks/logs/)
 set -uo pipefail
@@ -42,6 +43,11 @@ f)  # after folding the clip into AdamW and the flat fp32 main-gradient buffer
   bench f2_mbs32 220 --micro-batch-size 32 --warmup 5 --iters 10 $BEST
   timeout 150 python3 benchmarks/profile_step.py --micro-batch-size 16 --bf16 --compile $BEST 2>&1 | grep -v -i warn \
     | tee "$OUT/f3_profile_mbs16.txt" | head -12
+  ;;
+g)  # larger micro-batches (the fixed per-step optimizer cost amortised), and FlashAttention-2 vs cuDNN
+  bench g1_mbs64 280 --micro-batch-size 64 --warmup 4 --iters 8 $BEST
+  bench g2_mbs48 260 --micro-batch-size 48 --warmup 4 --iters 8 $BEST
+  bench g3_mbs16_flash 130 --micro-batch-size 16 --warmup 6 --iters 15 --attention-backend flash --no-baseline $BEST
   ;;
 e)
   mkdir -p /tmp/d && $G data builtin --output /tmp/d/builtin.jsonl && \

@@ -5,6 +5,7 @@
 #   f: micro-batch 16 and 32 again with the baseline, and the profile, after an optimizer change
 #   g: micro-batch 48 and 64 with the baseline; FlashAttention-2 instead of cuDNN attention
 #   h: micro-batch 64 with Inductor coordinate-descent tuning, with fp8, with the chunked loss
+#   i: micro-batch 16 with torch.compile mode max-autotune
 #   e: real indexed data vs synthetic step time; fp8 vs bf16 loss over 300 iterations
 # (parts a and b of the first session measured the first version; their logs are in benchmarks/logs/)
 set -uo pipefail
@@ -54,6 +55,9 @@ h)  # at micro-batch 64: Inductor's coordinate-descent tuning of its kernels, fp
   TORCHINDUCTOR_COORDINATE_DESCENT_TUNING=1 bench h1_mbs64_cdtune 300 --micro-batch-size 64 --warmup 4 --iters 8 $BEST
   bench h2_mbs64_fp8 200 --micro-batch-size 64 --warmup 4 --iters 8 --fp8 --no-baseline $BEST
   bench h3_mbs64_fusedce 150 --micro-batch-size 64 --warmup 4 --iters 8 --fused-cross-entropy --no-baseline $BEST
+  ;;
+i)  # torch.compile's max-autotune (Triton GEMM templates with fused epilogues, CUDA graphs), mbs 16
+  bench i1_mbs16_maxautotune 540 --micro-batch-size 16 --warmup 6 --iters 15 --compile-mode max-autotune --no-baseline $BEST
   ;;
 e)
   mkdir -p /tmp/d && $G data builtin --output /tmp/d/builtin.jsonl && \

@@ -101,6 +101,7 @@ class TrainConfig:
     max_nan_iterations: int = 10
     tensorboard_dir: str | None = None
     compile: bool = False
+    compile_mode: str | None = None  # torch.compile mode; None is its default
     peak_tflops: float | None = None
     device: str | None = None  # default: cuda if available
     no_load_optim: bool = False
@@ -250,6 +251,9 @@ def _parser() -> argparse.ArgumentParser:
     a("--max-nan-iterations", type=int, default=10)
     a("--tensorboard-dir", default=None)
     a("--compile", action="store_true", help="torch.compile the model")
+    a("--compile-mode", default=None, choices=["default", "reduce-overhead", "max-autotune",
+                                               "max-autotune-no-cudagraphs"],
+      help="torch.compile mode (implies --compile); max-autotune compiles for many minutes")
     a("--peak-tflops", type=float, default=None, help="device peak for MFU (default: known from the device name)")
     a("--device", default=None, help="cpu, cuda, cuda:1 (default: cuda when available)")
     a("--no-load-optim", action="store_true")
@@ -325,7 +329,8 @@ def parse_megatron_args(argv: list[str]) -> tuple[RunConfig, list[str]]:
         eval_iters=args.eval_iters, log_interval=args.log_interval, save=args.save, load=args.load,
         save_interval=args.save_interval, exit_interval=args.exit_interval,
         exit_duration_in_mins=args.exit_duration_in_mins, max_nan_iterations=args.max_nan_iterations,
-        tensorboard_dir=args.tensorboard_dir, compile=args.compile, peak_tflops=args.peak_tflops,
+        tensorboard_dir=args.tensorboard_dir, compile=args.compile or args.compile_mode is not None,
+        compile_mode=args.compile_mode, peak_tflops=args.peak_tflops,
         device=args.device, no_load_optim=args.no_load_optim, no_load_rng=args.no_load_rng, finetune=args.finetune,
     )
     return RunConfig(model, data, optim, precision, train), notes

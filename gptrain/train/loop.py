@@ -115,7 +115,7 @@ class Trainer:
         # autocast only where the parameters stay fp32: fp16, and bf16 with --bf16-autocast
         self.compute_dtype = None if p.half_params else torch.bfloat16 if p.bf16 else torch.float16 if p.fp16 else None
         model.compile_loss = cfg.train.compile
-        self.forward = torch.compile(model) if cfg.train.compile else model
+        self.forward = torch.compile(model, mode=cfg.train.compile_mode) if cfg.train.compile else model
         self.tb = metrics.TensorBoard(cfg.train.tensorboard_dir)
         self.peak = metrics.device_peak_tflops(device, cfg.train.peak_tflops)
         self.flops_per_token = cfg.model.flops_per_token()

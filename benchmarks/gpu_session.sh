@@ -6,6 +6,7 @@
 #   g: micro-batch 48 and 64 with the baseline; FlashAttention-2 instead of cuDNN attention
 #   h: micro-batch 64 with Inductor coordinate-descent tuning, with fp8, with the chunked loss
 #   i: micro-batch 16 with torch.compile mode max-autotune
+#   j: micro-batch 16 with selective and with full activation recompute
 #   e: real indexed data vs synthetic step time; fp8 vs bf16 loss over 300 iterations
 # (parts a and b of the first session measured the first version; their logs are in benchmarks/logs/)
 set -uo pipefail
@@ -58,6 +59,10 @@ h)  # at micro-batch 64: Inductor's coordinate-descent tuning of its kernels, fp
   ;;
 i)  # torch.compile's max-autotune (Triton GEMM templates with fused epilogues, CUDA graphs), mbs 16
   bench i1_mbs16_maxautotune 540 --micro-batch-size 16 --warmup 6 --iters 15 --compile-mode max-autotune --no-baseline $BEST
+  ;;
+j)  # activation recompute at micro-batch 16: selective (core attention) and full (whole blocks)
+  bench j1_mbs16_selective 130 --micro-batch-size 16 --warmup 6 --iters 15 --recompute-activations --no-baseline $BEST
+  bench j2_mbs16_full 130 --micro-batch-size 16 --warmup 6 --iters 15 --checkpoint-activations --no-baseline $BEST
   ;;
 e)
   mkdir -p /tmp/d && $G data builtin --output /tmp/d/builtin.jsonl && \

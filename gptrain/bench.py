@@ -70,8 +70,10 @@ def matmul_ceiling_tflops(device: torch.device) -> float | None:
 
 
 def _measure(step, warmup: int, iters: int, device) -> tuple[float, float, float]:
-    """Seconds per step, host seconds per step (the time to enqueue it: when it nears the step time
-    the CPU is the bottleneck and CUDA graphs would pay), and peak memory in GiB."""
+    """Seconds per step, host seconds per step (until the last step returns, before the final
+    synchronisation: far below the step time means the host runs ahead of the device; close to it
+    means either a CPU-bound step or a full launch queue, which only a profile tells apart), and
+    peak memory in GiB."""
     for _ in range(warmup):
         step()
     _sync(device)

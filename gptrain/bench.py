@@ -89,21 +89,27 @@ def _measure(step, warmup: int, iters: int, device) -> tuple[float, float, float
     return seconds, host, peak
 
 
-def bench_gptrain(argv: list[str], warmup: int, iters: int):
-    cfg, _ = parse_megatron_args(argv + ["--mock-data", "--train-iters", str(warmup + iters)])
+def synthetic_trainer(argv: list[str], iters: int) -> tuple[Trainer, MicroBatchLoader]:
+    """The real Trainer (``gptrain train``'s) on synthetic tokens, and a loader feeding it."""
+    cfg, _ = parse_megatron_args(argv + ["--mock-data", "--train-iters", str(iters)])
     device = torch.device(cfg.train.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     model = GPT(cfg.model)
     model.init_weights(cfg.data.seed)
     model.to(device)
     data = MockGPTDataset("train", 10 ** 9, cfg.model.seq_length, cfg.model.vocab_size, cfg.data.seed)
     trainer = Trainer(cfg, model, data, None, None, device, log=lambda s: None)
-    loader = MicroBatchLoader(data, 0, cfg.train.micro_batch_size, device)
+    return trainer, MicroBatchLoader(data, 0, cfg.train.micro_batch_size, device)
+
+
+def bench_gptrain(argv: list[str], warmup: int, iters: int):
+    trainer, loader = synthetic_trainer(argv, warmup + iters)
+    cfg, device = trainer.cfg, trainer.device
     try:
         timing = _measure(lambda: trainer.train_step(loader), warmup, iters, device)
     finally:
         loader.close()
     tokens = cfg.train.global_batch_size * cfg.model.seq_length
-    del trainer, model
+    del trainer
     return cfg, device, timing, tokens
 
 

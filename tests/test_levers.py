@@ -184,3 +184,25 @@ def test_clipping_folded_into_adamw_matches_clip_grad_norm(precision):
         # all weights must agree
         diff = torch.cat([(got[n] - p).abs().flatten() for n, p in reference.named_parameters()])
         assert (diff < 1e-3).float().mean() > 0.97
+
+
+def test_bf16_and_autocast_checkpoints_load_each_other(tmp_path):
+    """Both modes save fp32 weights and optimizer moments by parameter name."""
+    from safetensors.torch import load_file
+
+    from gptrain.train.run import train_main
+
+    base = FLAGS[: FLAGS.index("--train-iters")] + ["--mock-data", "--device", "cpu", "--log-interval", "1",
+                                                     "--eval-iters", "0"]
+    lines = []
+    assert train_main(base + ["--bf16", "--train-iters", "2", "--save", str(tmp_path / "a")], log=lines.append) == 0
+    saved = load_file(tmp_path / "a" / "iter_0000002" / "model.safetensors")
+    assert all(v.dtype == torch.float32 for v in saved.values())
+    lines = []
+    assert train_main(base + ["--bf16", "--bf16-autocast", "--train-iters", "3", "--load", str(tmp_path / "a"),
+                              "--save", str(tmp_path / "b")], log=lines.append) == 0
+    assert any("successfully loaded checkpoint" in line and "iteration 2" in line for line in lines)
+    assert [line.split("/")[0].split()[-1] for line in lines if line.startswith(" iteration")] == ["3"]
+    lines = []
+    assert train_main(base + ["--bf16", "--train-iters", "4", "--load", str(tmp_path / "b")], log=lines.append) == 0
+    assert any("successfully loaded checkpoint" in line and "iteration 3" in line for line in lines)

@@ -7,6 +7,7 @@
 #   h: micro-batch 64 with Inductor coordinate-descent tuning, with fp8, with the chunked loss
 #   i: micro-batch 16 with torch.compile mode max-autotune
 #   j: micro-batch 16 with selective and with full activation recompute
+#   k: fp16 parameters + fp32 main params vs fp16 autocast, 300 iterations of the seeds/000 flags (eager)
 #   e: real indexed data vs synthetic step time; fp8 vs bf16 loss over 300 iterations
 # (parts a and b of the first session measured the first version; their logs are in benchmarks/logs/)
 set -uo pipefail
@@ -63,6 +64,18 @@ i)  # torch.compile's max-autotune (Triton GEMM templates with fused epilogues, 
 j)  # activation recompute at micro-batch 16: selective (core attention) and full (whole blocks)
   bench j1_mbs16_selective 130 --micro-batch-size 16 --warmup 6 --iters 15 --recompute-activations --no-baseline $BEST
   bench j2_mbs16_full 130 --micro-batch-size 16 --warmup 6 --iters 15 --checkpoint-activations --no-baseline $BEST
+  ;;
+k)  # fp16 with fp16 parameters + fp32 main params (Megatron's --fp16) vs fp16 autocast: seeds/000 flags
+  mkdir -p /tmp/d && $G data builtin --output /tmp/d/builtin.jsonl && \
+    $G preprocess --input /tmp/d/builtin.jsonl --output-prefix /tmp/d/builtin --append-eod --workers 8 --no-progress
+  for mode in "" "--autocast"; do
+    echo "== fp16 $mode" | tee -a "$OUT/k1_fp16_modes.txt"
+    timeout 150 $G train $M345 --micro-batch-size 8 --global-batch-size 8 --lr 0.00015 --train-iters 300 \
+      --lr-decay-iters 5000 --lr-decay-style cosine --min-lr 1.0e-5 --weight-decay 1e-2 --lr-warmup-fraction .01 \
+      --clip-grad 1.0 --fp16 $mode --data-path /tmp/d/builtin_text_document --split 949,50,1 \
+      --log-interval 25 --eval-interval 100000 --eval-iters 0 2>&1 | grep -E "iteration|memory|precision" \
+      | tee -a "$OUT/k1_fp16_modes.txt" | grep -E "iteration +(25|100|300)/"
+  done
   ;;
 e)
   mkdir -p /tmp/d && $G data builtin --output /tmp/d/builtin.jsonl && \

@@ -138,7 +138,7 @@ def bench_baseline(cfg, device, warmup: int, iters: int, compile_model: bool = T
 
 def _levers(cfg) -> str:
     p, m = cfg.precision, cfg.model
-    params = "bf16 params + fp32 main params" if p.half_params else f"{p.name} autocast, fp32 params" \
+    params = f"{p.name} params + fp32 main params" if p.half_params else f"{p.name} autocast, fp32 params" \
         if p.name != "fp32" else "fp32"
     parts = [params, f"fp8 {p.fp8}/{p.fp8_recipe}" if p.fp8 else "no fp8",
              f"attention backend {m.attention_backend}", "fused chunked loss" if m.fused_cross_entropy else "plain loss",

@@ -57,9 +57,9 @@ class PrecisionConfig:
     min_loss_scale: float = 1.0
     loss_scale_window: int = 1000
     hysteresis: int = 2
-    # --bf16 as Megatron runs it: bf16 parameters and activations, fp32 main parameters in the
-    # optimizer. False keeps fp32 parameters under bf16 autocast (--bf16-autocast).
-    bf16_params: bool = True
+    # --bf16/--fp16 as Megatron runs them: half-precision parameters and activations, fp32 main
+    # parameters and gradients in the optimizer. True keeps fp32 parameters under autocast instead.
+    autocast: bool = False
     fp8: str | None = None  # None, "hybrid" (e4m3 forward, e5m2 gradients) or "e4m3"
     fp8_recipe: str = "tensorwise"
 
@@ -77,7 +77,7 @@ class PrecisionConfig:
 
     @property
     def half_params(self) -> bool:
-        return self.bf16 and self.bf16_params
+        return (self.bf16 or self.fp16) and not self.autocast
 
     @property
     def name(self) -> str:
@@ -233,8 +233,8 @@ def _parser() -> argparse.ArgumentParser:
     a("--min-loss-scale", type=float, default=1.0)
     a("--loss-scale-window", type=int, default=1000)
     a("--hysteresis", type=int, default=2)
-    a("--bf16-autocast", action="store_true",
-      help="with --bf16: keep fp32 parameters and run under bf16 autocast instead of bf16 parameters")
+    a("--autocast", "--bf16-autocast", action="store_true", dest="autocast",
+      help="with --bf16/--fp16: keep fp32 parameters and run under autocast instead of half-precision parameters")
     a("--fp8", action="store_const", const="hybrid", dest="fp8_format",
       help="fp8 matmuls in the transformer layers through torchao (same as --fp8-format hybrid)")
     a("--fp8-format", choices=["hybrid", "e4m3"], default=None, dest="fp8_format")
@@ -322,7 +322,7 @@ def parse_megatron_args(argv: list[str]) -> tuple[RunConfig, list[str]]:
     precision = PrecisionConfig(fp16=args.fp16, bf16=args.bf16, loss_scale=args.loss_scale,
                                 initial_loss_scale=args.initial_loss_scale, min_loss_scale=args.min_loss_scale,
                                 loss_scale_window=args.loss_scale_window, hysteresis=args.hysteresis,
-                                bf16_params=not args.bf16_autocast, fp8=args.fp8_format, fp8_recipe=args.fp8_recipe)
+                                autocast=args.autocast, fp8=args.fp8_format, fp8_recipe=args.fp8_recipe)
     train = TrainConfig(
         micro_batch_size=args.micro_batch_size, global_batch_size=args.global_batch_size,
         train_iters=args.train_iters, train_samples=args.train_samples, eval_interval=args.eval_interval,

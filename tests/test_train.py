@@ -111,7 +111,8 @@ def losses(lines):
     return out
 
 
-@pytest.mark.parametrize("precision", [[], ["--bf16"]], ids=["fp32", "bf16-main-params"])
+@pytest.mark.parametrize("precision", [[], ["--bf16"], ["--fp16", "--initial-loss-scale", "1024"]],
+                         ids=["fp32", "bf16-main-params", "fp16-main-params"])
 def test_exact_resume_with_dropout(tmp_path, data_prefix, precision):
     base = TINY + precision + ["--data-path", data_prefix, "--data-cache-path", str(tmp_path / "cache"), "--train-iters", "20",
                    "--eval-interval", "5", "--eval-iters", "1", "--device", "cpu"]

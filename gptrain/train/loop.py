@@ -102,8 +102,8 @@ class Trainer:
         self.train_ds, self.valid_ds, self.test_ds = train_ds, valid_ds, test_ds
         p = cfg.precision
         self.fp8_layers = convert_to_fp8(model, p.fp8, p.fp8_recipe, emulate=device.type != "cuda") if p.fp8 else 0
-        # with --bf16 the model turns bf16 here and the optimizer steps fp32 main copies
-        self.main = MainParams(model, torch.bfloat16) if p.half_params else None
+        # with --bf16/--fp16 the model turns half precision here and the optimizer steps fp32 main copies
+        self.main = MainParams(model, torch.bfloat16 if p.bf16 else torch.float16) if p.half_params else None
         # what the optimizer updates and checkpoints hold, by name
         self.opt_params = self.main.named() if self.main else dict(model.named_parameters())
         self.optimizer = build_optimizer(self.opt_params, cfg)
@@ -112,7 +112,7 @@ class Trainer:
         self.iteration = 0
         self.consumed_train = 0
         self.consumed_valid = 0
-        # autocast only where the parameters stay fp32: fp16, and bf16 with --bf16-autocast
+        # autocast only where the parameters stay fp32 (--autocast)
         self.compute_dtype = None if p.half_params else torch.bfloat16 if p.bf16 else torch.float16 if p.fp16 else None
         model.compile_loss = cfg.train.compile
         self.forward = torch.compile(model, mode=cfg.train.compile_mode) if cfg.train.compile else model
@@ -214,6 +214,10 @@ class Trainer:
             else:
                 self._nan_count += float(not loss_is_finite)
             self.optimizer.zero_grad(set_to_none=True)
+            if self.main is not None:
+                self.main.release_grads()
+                if not skipped:
+                    self.main.copy_to_model()
             return skipped
         if self.main is not None:
             grad_norm = self.main.grad_norm()

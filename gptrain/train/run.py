@@ -122,7 +122,7 @@ def train_main(argv: list[str], log=None) -> int:
         train_ds, valid_ds, test_ds = build_datasets(cfg, tokenizer, log)
         trainer = Trainer(cfg, model, train_ds, valid_ds, test_ds, device, log)
         p = cfg.precision
-        log(f" > precision: {'bf16 parameters, fp32 main parameters and gradients' if p.half_params else p.name}"
+        log(f" > precision: {f'{p.name} parameters, fp32 main parameters and gradients' if p.half_params else p.name + (' autocast, fp32 parameters' if p.autocast else '')}"
             + (f"; fp8 ({p.fp8}, {p.fp8_recipe} scaling) in {trainer.fp8_layers} linear layers"
                + (" (emulated: no fp8 GPU)" if device.type != "cuda" else "") if p.fp8 else ""))
         trainer.load()

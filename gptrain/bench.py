@@ -148,11 +148,15 @@ def _levers(cfg) -> str:
 
 
 def bench_main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="gptrain bench", description=__doc__.splitlines()[0])
-    p.add_argument("--warmup", type=int, default=5)
-    p.add_argument("--iters", type=int, default=20)
-    p.add_argument("--no-baseline", action="store_true")
-    p.add_argument("--baseline-no-compile", action="store_true")
+    p = argparse.ArgumentParser(
+        prog="gptrain bench", description=__doc__.splitlines()[0],
+        epilog="Every other flag is a `gptrain train` flag (model shape, --micro-batch-size, --bf16/--fp16, "
+               "--compile, --fp8, --fused-cross-entropy, --attention-backend, recompute ...) and sets up the "
+               "gptrain side; the baseline takes the same shape and micro-batch. Data is synthetic.")
+    p.add_argument("--warmup", type=int, default=5, help="untimed iterations first (compilation happens here)")
+    p.add_argument("--iters", type=int, default=20, help="timed iterations")
+    p.add_argument("--no-baseline", action="store_true", help="time gptrain only")
+    p.add_argument("--baseline-no-compile", action="store_true", help="run the baseline eagerly")
     args, model_flags = p.parse_known_args(argv)
     cfg, device, timing, tokens = bench_gptrain(model_flags, args.warmup, args.iters)
     if device.type == "cuda":

@@ -33,8 +33,7 @@ def convert_to_fp8(model: torch.nn.Module, fmt: str, recipe: str, emulate: bool 
     config = Float8LinearConfig.from_recipe_name(recipe)
     if recipe == "tensorwise" and fmt == "e4m3":
         e4m3 = CastConfig(target_dtype=torch.float8_e4m3fn)
-        config = Float8LinearConfig(cast_config_input=e4m3, cast_config_weight=e4m3,
-                                    cast_config_grad_output=CastConfig(target_dtype=torch.float8_e4m3fn))
+        config = Float8LinearConfig(cast_config_input=e4m3, cast_config_weight=e4m3, cast_config_grad_output=e4m3)
     if emulate:
         config = dataclasses.replace(config, emulate=True)
     before = sum(isinstance(m, torch.nn.Linear) for m in model.modules())

@@ -37,16 +37,8 @@ def _chunk_loss_and_grads(h_chunk, w, y, vocab_size: int, inv_tokens: float):
     return loss, g @ w, g.T @ h_chunk
 
 
-_compiled_chunk = None
-
-
-def _chunk_fn(compiled: bool):
-    global _compiled_chunk
-    if not compiled:
-        return _chunk_loss_and_grads
-    if _compiled_chunk is None:
-        _compiled_chunk = torch.compile(_chunk_loss_and_grads, dynamic=False)
-    return _compiled_chunk
+# torch.compile wraps lazily: nothing compiles until the first fused loss under --compile
+_compiled_chunk = torch.compile(_chunk_loss_and_grads, dynamic=False)
 
 
 def _compute_dtype(t: torch.Tensor) -> torch.dtype:
@@ -62,7 +54,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         n_tokens = h.shape[0]
         # a power of two tokens per chunk keeps every chunk but perhaps the last one shape (one compile)
         chunk = 1 << max(0, (CHUNK_ELEMENTS // weight.shape[0]).bit_length() - 1)
-        fn = _chunk_fn(compiled)
+        fn = _compiled_chunk if compiled else _chunk_loss_and_grads
         with torch.autocast(h.device.type, enabled=False):
             w = weight.to(dtype)
             hc = h.to(dtype)

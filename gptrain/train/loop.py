@@ -160,7 +160,7 @@ class Trainer:
             return
         state = load_checkpoint(t.load, self.opt_params, None if (t.no_load_optim or t.finetune) else self.optimizer,
                                 load_rng=not (t.no_load_rng or t.finetune))
-        if self.main is not None:
+        if self.main is not None and state is not None:
             self.main.copy_to_model()
         if state is None:
             self.log(f"WARNING: could not find a checkpoint in {t.load}: training from random initialization")
@@ -213,11 +213,7 @@ class Trainer:
                 self._advanced += 1
             else:
                 self._nan_count += float(not loss_is_finite)
-            self.optimizer.zero_grad(set_to_none=True)
-            if self.main is not None:
-                self.main.release_grads()
-                if not skipped:
-                    self.main.copy_to_model()
+            self._end_step(updated=not skipped)
             return skipped
         if self.main is not None:
             grad_norm = self.main.grad_norm()
@@ -231,10 +227,7 @@ class Trainer:
         if self.cfg.optim.clip_grad > 0:
             self.optimizer.grad_scale = torch.clamp((grad_norm + 1e-6) / self.cfg.optim.clip_grad, min=1.0)
         self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        if self.main is not None:
-            self.main.release_grads()
-            self.main.copy_to_model()
+        self._end_step(updated=True)  # a device-side skip left the main weights as they were
         # the schedule advances now; the log interval takes back steps that turned out skipped
         self.schedule.step(self.cfg.train.global_batch_size)
         good = 1.0 - bad
@@ -244,6 +237,14 @@ class Trainer:
         self._nan_run = (self._nan_run + bad) * bad
         self._grad_norm = torch.where(bad > 0, self._grad_norm, grad_norm.detach().float())
         return None
+
+    def _end_step(self, updated: bool) -> None:
+        """Drop the gradients; with half-precision parameters, copy the updated main weights in."""
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.main is not None:
+            self.main.release_grads()
+            if updated:
+                self.main.copy_to_model()
 
     # ---- evaluation
     @torch.no_grad()

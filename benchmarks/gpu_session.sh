@@ -8,6 +8,8 @@
 #   i: micro-batch 16 with torch.compile mode max-autotune
 #   j: micro-batch 16 with selective and with full activation recompute
 #   k: fp16 parameters + fp32 main params vs fp16 autocast, 300 iterations of the seeds/000 flags (eager)
+#   l: cuBLASLt bias-GELU epilogues: kernel check and MLP timing, then micro-batch 16 fused vs not
+#   m: with the fused MLP: micro-batch 16 and 64 against the baseline, and the profile
 #   e: real indexed data vs synthetic step time; fp8 vs bf16 loss over 300 iterations
 # (parts a and b of the first session measured the first version; their logs are in benchmarks/logs/)
 set -uo pipefail
@@ -24,6 +26,17 @@ bench() {  # NAME LIMIT_S FLAGS...
   timeout "$limit" $G bench $M345 $ND --bf16 --compile "$@" 2>&1 | grep -v -i "warn" | tee -a "$OUT/$name.txt" | grep -E "^\| gptrain|^\| baseline|ratio|x$|Error|error" 
 }
 case "$1" in
+l)  # session 3: fc1 bias + GELU in cuBLASLt epilogues (default) vs --no-bias-gelu-fusion
+  timeout 200 python3 benchmarks/check_fused_mlp.py 2>&1 | grep -v -i warn | tee "$OUT/l0_check_fused_mlp.txt"
+  bench l1_mbs16_fused 130 --micro-batch-size 16 --warmup 6 --iters 15 --no-baseline
+  bench l2_mbs16_nofusion 130 --micro-batch-size 16 --warmup 6 --iters 15 --no-baseline --no-bias-gelu-fusion
+  ;;
+m)
+  bench m1_mbs64 300 --micro-batch-size 64 --warmup 4 --iters 8 $BEST
+  bench m2_mbs16 180 --micro-batch-size 16 --warmup 6 --iters 15 $BEST
+  timeout 150 python3 benchmarks/profile_step.py --micro-batch-size 16 --bf16 --compile $BEST 2>&1 | grep -v -i warn \
+    | tee "$OUT/m3_profile_mbs16.txt" | head -14
+  ;;
 c)
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/device.txt"
   python3 -c "import torch; q = torch.randn(16, 16, 1024, 64, device='cuda', dtype=torch.bfloat16)

@@ -142,7 +142,7 @@ class RunConfig:
 ACCEPTED_NO_OP = {
     "--use-flash-attn": "attention always runs through scaled_dot_product_attention (flash on GPU)",
     "--attention-softmax-in-fp32": "SDPA computes the softmax in fp32",
-    "--no-masked-softmax-fusion": "no separate softmax kernel", "--no-bias-gelu-fusion": "fused by torch.compile",
+    "--no-masked-softmax-fusion": "no separate softmax kernel",
     "--no-bias-dropout-fusion": "fused by torch.compile", "--no-gradient-accumulation-fusion": "not applicable",
     "--apply-query-key-layer-scaling": "a fp16 overflow guard that SDPA does not need",
     "--accumulate-allreduce-grads-in-fp32": "gradients are fp32 already", "--no-async-tensor-model-parallel-allreduce":
@@ -200,6 +200,8 @@ def _parser() -> argparse.ArgumentParser:
       help="chunked loss that never materialises all logits (less memory)")
     a("--attention-backend", choices=["auto", "flash", "fused", "unfused", "local"], default="auto",
       help="SDPA kernel: flash (FlashAttention-2), fused (cuDNN), unfused/local (math); auto lets PyTorch pick")
+    a("--no-bias-gelu-fusion", action="store_false", dest="bias_gelu_fusion",
+      help="plain fc1 -> GELU -> fc2 instead of fc1's bias and GELU in its cuBLASLt matmul epilogues")
     # data
     a("--data-path", nargs="+", default=[])
     a("--split", default="969,30,1")
@@ -311,6 +313,7 @@ def parse_megatron_args(argv: list[str]) -> tuple[RunConfig, list[str]]:
         attention_dropout=args.attention_dropout, hidden_dropout=args.hidden_dropout,
         layernorm_epsilon=args.layernorm_epsilon, recompute=_recompute_mode(args),
         fused_cross_entropy=args.fused_cross_entropy, attention_backend=args.attention_backend,
+        bias_gelu_fusion=args.bias_gelu_fusion,
     )
     data = DataConfig(data_path=args.data_path, split=args.split, mock_data=args.mock_data,
                       vocab_file=args.vocab_file, merge_file=args.merge_file,

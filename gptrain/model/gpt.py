@@ -17,6 +17,7 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from gptrain.model.fused_mlp import fused_mlp, unavailable_reason as fused_mlp_unavailable
 from gptrain.model.loss import lm_cross_entropy
 
 
@@ -55,6 +56,8 @@ class GPTConfig:
     fused_cross_entropy: bool = False
     recompute: str | None = None  # None, "full" (whole blocks) or "selective" (core attention)
     attention_backend: str = "auto"  # Megatron's names: auto, flash, fused (cuDNN), unfused/local (math)
+    # fc1's bias and GELU inside its matmul epilogues (cuBLASLt) where the device allows; see fused_mlp.py
+    bias_gelu_fusion: bool = True
 
     def __post_init__(self):
         if self.ffn_hidden_size is None:
@@ -123,8 +126,11 @@ class MLP(nn.Module):
         super().__init__()
         self.fc1 = nn.Linear(cfg.hidden_size, cfg.ffn_hidden_size)
         self.fc2 = nn.Linear(cfg.ffn_hidden_size, cfg.hidden_size)
+        self.fused = False  # set by GPT.enable_bias_gelu_fusion once device and dtype are final
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused:
+            return fused_mlp(x, self.fc1, self.fc2)
         # tanh GELU: Megatron's fused bias-GELU and Hugging Face GPT-2's "gelu_new"
         return self.fc2(F.gelu(self.fc1(x), approximate="tanh"))
 
@@ -153,6 +159,18 @@ class GPT(nn.Module):
         self.layers = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.num_layers)})
         self.final_layernorm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon)
         self.compile_loss = False  # the trainer sets it with --compile: the fused loss's chunk kernel compiles
+
+    def enable_bias_gelu_fusion(self, allow_reference: bool = False) -> str | None:
+        """Run every MLP through the fused bias-GELU matmuls; returns why not where they cannot run
+        (wrong device or dtype). ``allow_reference`` lets the CPU take the same path in plain
+        PyTorch (tests)."""
+        mlps = [block.mlp for block in self.layers.values()]
+        reason = fused_mlp_unavailable(mlps[0].fc1, mlps[0].fc2) if mlps else "no layers"
+        if allow_reference and reason is not None and mlps and mlps[0].fc1.weight.device.type == "cpu":
+            reason = None
+        for mlp in mlps:
+            mlp.fused = reason is None
+        return reason
 
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:

@@ -104,6 +104,12 @@ class Trainer:
         self.fp8_layers = convert_to_fp8(model, p.fp8, p.fp8_recipe, emulate=device.type != "cuda") if p.fp8 else 0
         # with --bf16/--fp16 the model turns half precision here and the optimizer steps fp32 main copies
         self.main = MainParams(model, torch.bfloat16 if p.bf16 else torch.float16) if p.half_params else None
+        # the fused MLP needs the final device and dtype; fp8 layers do their own matmuls
+        self.bias_gelu_fusion = "off (--no-bias-gelu-fusion)" if not cfg.model.bias_gelu_fusion else \
+            "off (fp8 layers)" if p.fp8 else None
+        if self.bias_gelu_fusion is None:
+            reason = model.enable_bias_gelu_fusion()
+            self.bias_gelu_fusion = "cuBLASLt epilogues" if reason is None else f"off ({reason})"
         # what the optimizer updates and checkpoints hold, by name
         self.opt_params = self.main.named() if self.main else dict(model.named_parameters())
         self.optimizer = build_optimizer(self.opt_params, cfg)

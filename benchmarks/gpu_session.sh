@@ -8,7 +8,7 @@
 #   i: micro-batch 16 with torch.compile mode max-autotune
 #   j: micro-batch 16 with selective and with full activation recompute
 #   k: fp16 parameters + fp32 main params vs fp16 autocast, 300 iterations of the seeds/000 flags (eager)
-#   l: cuBLASLt bias-GELU epilogues: kernel check and MLP timing, then micro-batch 16 fused vs not
+#   l: cuBLASLt ops: kernel check and GEMM timing, then micro-batch 16 cuBLASLt (+ bias-GELU) vs torch
 #   m: with the fused MLP: micro-batch 16 and 64 against the baseline, and the profile
 #   e: real indexed data vs synthetic step time; fp8 vs bf16 loss over 300 iterations
 # (parts a and b of the first session measured the first version; their logs are in benchmarks/logs/)
@@ -27,9 +27,10 @@ bench() {  # NAME LIMIT_S FLAGS...
 }
 case "$1" in
 l)  # session 3: fc1 bias + GELU in cuBLASLt epilogues (default) vs --no-bias-gelu-fusion
-  timeout 200 python3 benchmarks/check_fused_mlp.py 2>&1 | grep -v -i warn | tee "$OUT/l0_check_fused_mlp.txt"
-  bench l1_mbs16_fused 130 --micro-batch-size 16 --warmup 6 --iters 15 --no-baseline
-  bench l2_mbs16_nofusion 130 --micro-batch-size 16 --warmup 6 --iters 15 --no-baseline --no-bias-gelu-fusion
+  timeout 200 python3 benchmarks/check_cublaslt.py 2>&1 | grep -v -i warn | tee "$OUT/l0_check_cublaslt.txt"
+  bench l1_mbs16_cublaslt 130 --micro-batch-size 16 --warmup 6 --iters 15 --no-baseline --no-bias-gelu-fusion
+  bench l2_mbs16_cublaslt_gelu 130 --micro-batch-size 16 --warmup 6 --iters 15 --no-baseline
+  bench l3_mbs16_torch 130 --micro-batch-size 16 --warmup 6 --iters 15 --no-baseline --linear-impl torch
   ;;
 m)
   bench m1_mbs64 300 --micro-batch-size 64 --warmup 4 --iters 8 $BEST

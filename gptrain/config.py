@@ -200,6 +200,9 @@ def _parser() -> argparse.ArgumentParser:
       help="chunked loss that never materialises all logits (less memory)")
     a("--attention-backend", choices=["auto", "flash", "fused", "unfused", "local"], default="auto",
       help="SDPA kernel: flash (FlashAttention-2), fused (cuDNN), unfused/local (math); auto lets PyTorch pick")
+    a("--linear-impl", choices=["cublaslt", "torch"], default="cublaslt",
+      help="cublaslt: linear layers' matmuls autotuned through cuBLASLt where the device allows (CUDA, "
+           "bf16/fp16 parameters); torch: PyTorch's own")
     a("--no-bias-gelu-fusion", action="store_false", dest="bias_gelu_fusion",
       help="plain fc1 -> GELU -> fc2 instead of fc1's bias and GELU in its cuBLASLt matmul epilogues")
     # data
@@ -313,7 +316,7 @@ def parse_megatron_args(argv: list[str]) -> tuple[RunConfig, list[str]]:
         attention_dropout=args.attention_dropout, hidden_dropout=args.hidden_dropout,
         layernorm_epsilon=args.layernorm_epsilon, recompute=_recompute_mode(args),
         fused_cross_entropy=args.fused_cross_entropy, attention_backend=args.attention_backend,
-        bias_gelu_fusion=args.bias_gelu_fusion,
+        linear_impl=args.linear_impl, bias_gelu_fusion=args.bias_gelu_fusion,
     )
     data = DataConfig(data_path=args.data_path, split=args.split, mock_data=args.mock_data,
                       vocab_file=args.vocab_file, merge_file=args.merge_file,

@@ -17,7 +17,8 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from gptrain.model.fused_mlp import fused_mlp, unavailable_reason as fused_mlp_unavailable
+from gptrain.kernels.ops import unavailable_reason as cublaslt_unavailable
+from gptrain.model.linear import linear, linear_weight, mlp
 from gptrain.model.loss import lm_cross_entropy
 
 
@@ -56,7 +57,9 @@ class GPTConfig:
     fused_cross_entropy: bool = False
     recompute: str | None = None  # None, "full" (whole blocks) or "selective" (core attention)
     attention_backend: str = "auto"  # Megatron's names: auto, flash, fused (cuDNN), unfused/local (math)
-    # fc1's bias and GELU inside its matmul epilogues (cuBLASLt) where the device allows; see fused_mlp.py
+    # "cublaslt": every linear layer's matmuls autotuned through cuBLASLt where the device allows
+    # (model/linear.py), "torch": PyTorch's own; with cublaslt, fc1's bias and GELU go into its epilogues
+    linear_impl: str = "cublaslt"
     bias_gelu_fusion: bool = True
 
     def __post_init__(self):
@@ -72,6 +75,8 @@ class GPTConfig:
                              f"{self.max_position_embeddings}")
         if self.recompute not in (None, "full", "selective"):
             raise ValueError(f"recompute {self.recompute!r}: use full or selective")
+        if self.linear_impl not in ("cublaslt", "torch"):
+            raise ValueError(f"--linear-impl {self.linear_impl}: use cublaslt or torch")
         if self.attention_backend not in SDPA_BACKENDS:
             raise ValueError(f"--attention-backend {self.attention_backend}: use one of {', '.join(SDPA_BACKENDS)}")
         for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size"):
@@ -103,6 +108,7 @@ class CausalSelfAttention(nn.Module):
         self.attention_dropout = cfg.attention_dropout
         self.backends = SDPA_BACKENDS[cfg.attention_backend]
         self.recompute_core = cfg.recompute == "selective"
+        self.tuned = False  # set by GPT.use_cublaslt once device and dtype are final
 
     def core_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         dropout = self.attention_dropout if self.training else 0.0
@@ -113,12 +119,12 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, h = x.shape
-        q, k, v = self.qkv(x).view(b, s, 3, self.num_heads, h // self.num_heads).permute(2, 0, 3, 1, 4)
+        q, k, v = linear(x, self.qkv, self.tuned).view(b, s, 3, self.num_heads, h // self.num_heads).permute(2, 0, 3, 1, 4)
         if self.recompute_core and self.training:
             y = torch.utils.checkpoint.checkpoint(self.core_attention, q, k, v, use_reentrant=False)
         else:
             y = self.core_attention(q, k, v)
-        return self.proj(y.transpose(1, 2).reshape(b, s, h))
+        return linear(y.transpose(1, 2).reshape(b, s, h), self.proj, self.tuned)
 
 
 class MLP(nn.Module):
@@ -126,13 +132,10 @@ class MLP(nn.Module):
         super().__init__()
         self.fc1 = nn.Linear(cfg.hidden_size, cfg.ffn_hidden_size)
         self.fc2 = nn.Linear(cfg.ffn_hidden_size, cfg.hidden_size)
-        self.fused = False  # set by GPT.enable_bias_gelu_fusion once device and dtype are final
+        self.tuned = self.fuse_bias_gelu = False  # set by GPT.use_cublaslt once device and dtype are final
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fused:
-            return fused_mlp(x, self.fc1, self.fc2)
-        # tanh GELU: Megatron's fused bias-GELU and Hugging Face GPT-2's "gelu_new"
-        return self.fc2(F.gelu(self.fc1(x), approximate="tanh"))
+        return mlp(x, self.fc1, self.fc2, self.tuned, self.fuse_bias_gelu)
 
 
 class Block(nn.Module):
@@ -159,17 +162,20 @@ class GPT(nn.Module):
         self.layers = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.num_layers)})
         self.final_layernorm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon)
         self.compile_loss = False  # the trainer sets it with --compile: the fused loss's chunk kernel compiles
+        self.tuned_head = False  # the output layer's matmuls through cuBLASLt (use_cublaslt)
 
-    def enable_bias_gelu_fusion(self, allow_reference: bool = False) -> str | None:
-        """Run every MLP through the fused bias-GELU matmuls; returns why not where they cannot run
-        (wrong device or dtype). ``allow_reference`` lets the CPU take the same path in plain
-        PyTorch (tests)."""
-        mlps = [block.mlp for block in self.layers.values()]
-        reason = fused_mlp_unavailable(mlps[0].fc1, mlps[0].fc2) if mlps else "no layers"
-        if allow_reference and reason is not None and mlps and mlps[0].fc1.weight.device.type == "cpu":
+    def use_cublaslt(self, fuse_bias_gelu: bool = True, allow_reference: bool = False) -> str | None:
+        """Route every linear layer (and the output layer) through the autotuned cuBLASLt ops, with
+        fc1's bias and GELU fused if asked; returns why not where they cannot run (device, dtype).
+        ``allow_reference`` lets the CPU take the same ops as plain PyTorch (tests)."""
+        weight = self.word_embeddings.weight
+        reason = cublaslt_unavailable(weight.device, weight.dtype)
+        if allow_reference and weight.device.type == "cpu":
             reason = None
-        for mlp in mlps:
-            mlp.fused = reason is None
+        for block in self.layers.values():
+            block.attn.tuned = block.mlp.tuned = reason is None
+            block.mlp.fuse_bias_gelu = reason is None and fuse_bias_gelu
+        self.tuned_head = reason is None
         return reason
 
     @torch.no_grad()
@@ -207,5 +213,6 @@ class GPT(nn.Module):
         h = self.hidden_states(tokens)
         if labels is not None:
             return lm_cross_entropy(h, self.word_embeddings.weight, labels, self.cfg.vocab_size,
-                                    fused=self.cfg.fused_cross_entropy, compiled=self.compile_loss)
+                                    fused=self.cfg.fused_cross_entropy, compiled=self.compile_loss,
+                                    tuned=self.tuned_head)
         return F.linear(h, self.word_embeddings.weight[: self.cfg.vocab_size])

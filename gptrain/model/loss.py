@@ -15,6 +15,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from gptrain.model.linear import linear_weight
+
 CHUNK_ELEMENTS = 1 << 27  # logits per chunk at most (256 MB in bf16)
 
 
@@ -86,15 +88,15 @@ def _fused(h, weight, labels, vocab_size, compiled):
     return _FusedLinearCrossEntropy.apply(h, weight, labels, vocab_size, _compute_dtype(h), compiled)
 
 
-def _plain(h, weight, labels, vocab_size):
-    logits = _mask_padding(F.linear(h, weight), vocab_size)
+def _plain(h, weight, labels, vocab_size, tuned=False):
+    logits = _mask_padding(linear_weight(h, weight, tuned), vocab_size)
     return F.cross_entropy(logits.float(), labels)
 
 
 def lm_cross_entropy(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, vocab_size: int,
-                     fused: bool = True, compiled: bool = False) -> torch.Tensor:
+                     fused: bool = True, compiled: bool = False, tuned: bool = False) -> torch.Tensor:
     """Mean cross-entropy of logits ``h @ weight[:vocab_size].T`` over all tokens of ``labels``."""
     h2, y = h.reshape(-1, h.shape[-1]), labels.reshape(-1)
     if fused:
         return _fused(h2, weight, y, vocab_size, compiled)
-    return _plain(h2, weight, y, vocab_size)
+    return _plain(h2, weight, y, vocab_size, tuned)

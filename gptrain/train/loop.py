@@ -104,12 +104,7 @@ class Trainer:
         self.fp8_layers = convert_to_fp8(model, p.fp8, p.fp8_recipe, emulate=device.type != "cuda") if p.fp8 else 0
         # with --bf16/--fp16 the model turns half precision here and the optimizer steps fp32 main copies
         self.main = MainParams(model, torch.bfloat16 if p.bf16 else torch.float16) if p.half_params else None
-        # the fused MLP needs the final device and dtype; fp8 layers do their own matmuls
-        self.bias_gelu_fusion = "off (--no-bias-gelu-fusion)" if not cfg.model.bias_gelu_fusion else \
-            "off (fp8 layers)" if p.fp8 else None
-        if self.bias_gelu_fusion is None:
-            reason = model.enable_bias_gelu_fusion()
-            self.bias_gelu_fusion = "cuBLASLt epilogues" if reason is None else f"off ({reason})"
+        self.linear_impl = self._use_cublaslt(model, cfg)
         # what the optimizer updates and checkpoints hold, by name
         self.opt_params = self.main.named() if self.main else dict(model.named_parameters())
         self.optimizer = build_optimizer(self.opt_params, cfg)
@@ -134,6 +129,19 @@ class Trainer:
         self.memory_reported = False
         self.last_train_loss: float | None = None
         self.first_train_loss: float | None = None
+
+    @staticmethod
+    def _use_cublaslt(model: GPT, cfg: RunConfig) -> str:
+        """Switch the model's linear layers to the cuBLASLt ops (needs the final device and dtype);
+        says what runs."""
+        if cfg.model.linear_impl != "cublaslt":
+            return "torch (--linear-impl torch)"
+        if cfg.precision.fp8:
+            return "torch (fp8 layers do their own matmuls)"
+        reason = model.use_cublaslt(fuse_bias_gelu=cfg.model.bias_gelu_fusion)
+        if reason is not None:
+            return f"torch (cuBLASLt not usable: {reason})"
+        return "cuBLASLt, autotuned" + (", bias-GELU fused" if cfg.model.bias_gelu_fusion else "")
 
     # ---- precision helpers
     def _autocast(self):

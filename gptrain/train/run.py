@@ -125,7 +125,7 @@ def train_main(argv: list[str], log=None) -> int:
         log(f" > precision: {f'{p.name} parameters, fp32 main parameters and gradients' if p.half_params else p.name + (' autocast, fp32 parameters' if p.autocast else '')}"
             + (f"; fp8 ({p.fp8}, {p.fp8_recipe} scaling) in {trainer.fp8_layers} linear layers"
                + (" (emulated: no fp8 GPU)" if device.type != "cuda" else "") if p.fp8 else ""))
-        log(f" > bias-GELU fusion: {trainer.bias_gelu_fusion}")
+        log(f" > linear layers: {trainer.linear_impl}")
         trainer.load()
         log("training ...")
         trainer.train()

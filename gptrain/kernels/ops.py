@@ -1,0 +1,110 @@
+"""The matmuls of a linear layer's forward and backward as ``torch.library`` custom ops.
+
+On CUDA each runs as one autotuned cuBLASLt call (``cublaslt.py``), with the bias, GELU, GELU's
+derivative or the bias gradient inside the matmul's epilogue; on other devices as plain PyTorch,
+which is also the reference the CUDA kernels are checked against (benchmarks/check_fused_mlp.py).
+Custom ops keep ``torch.compile`` from tracing into ctypes: it sees them through their fake
+implementations and calls them whole.
+
+Shapes: x (tokens x in), w (out x in) as nn.Linear holds it, g (tokens x out) a gradient.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from gptrain.kernels import cublaslt as lt
+
+
+def _lt(t: torch.Tensor) -> lt.CublasLt:
+    return lt.cublaslt(t.device.index)
+
+
+def gelu_tanh_derivative(x: torch.Tensor) -> torch.Tensor:
+    """d/dx of 0.5 x (1 + tanh(u)), u = sqrt(2/pi) (x + 0.044715 x^3): what cuBLASLt's DGELU applies."""
+    c = math.sqrt(2.0 / math.pi)
+    t = torch.tanh(c * (x + 0.044715 * x ** 3))
+    return 0.5 * (1 + t) + 0.5 * x * (1 - t * t) * c * (1 + 3 * 0.044715 * x * x)
+
+
+@torch.library.custom_op("gptrain::linear_fwd", mutates_args=())
+def linear_fwd(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x @ w.T + bias``."""
+    if not x.is_cuda:
+        return F.linear(x, w, bias)
+    out = x.new_empty(x.shape[0], w.shape[0])
+    epilogue = lt.EPILOGUE_DEFAULT if bias is None else lt.EPILOGUE_BIAS
+    return _lt(x).gemm(x, w, out, trans_b=True, epilogue=epilogue, bias=bias)
+
+
+@linear_fwd.register_fake
+def _(x, w, bias):
+    return x.new_empty(x.shape[0], w.shape[0])
+
+
+@torch.library.custom_op("gptrain::linear_dgrad", mutates_args=())
+def linear_dgrad(g: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``g @ w``: the gradient at a linear layer's input."""
+    if not g.is_cuda:
+        return g @ w
+    return _lt(g).gemm(g, w, g.new_empty(g.shape[0], w.shape[1]))
+
+
+@linear_dgrad.register_fake
+def _(g, w):
+    return g.new_empty(g.shape[0], w.shape[1])
+
+
+@torch.library.custom_op("gptrain::linear_wgrad", mutates_args=())
+def linear_wgrad(g: torch.Tensor, x: torch.Tensor, with_bias: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(g.T @ x, g.sum(0))``: weight and bias gradients (the bias one empty without a bias)."""
+    if not g.is_cuda:
+        return g.t() @ x, g.sum(0) if with_bias else g.new_empty(0)
+    grad_w = g.new_empty(g.shape[1], x.shape[1])
+    grad_b = g.new_empty(g.shape[1] if with_bias else 0)
+    epilogue = lt.EPILOGUE_BGRADB if with_bias else lt.EPILOGUE_DEFAULT
+    _lt(g).gemm(g, x, grad_w, trans_a=True, epilogue=epilogue, bias=grad_b if with_bias else None)
+    return grad_w, grad_b
+
+
+@linear_wgrad.register_fake
+def _(g, x, with_bias):
+    return g.new_empty(g.shape[1], x.shape[1]), g.new_empty(g.shape[1] if with_bias else 0)
+
+
+@torch.library.custom_op("gptrain::linear_bias_gelu", mutates_args=())
+def linear_bias_gelu(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(gelu_tanh(pre), pre)`` with ``pre = x @ w.T + bias``; pre is kept for the backward."""
+    if not x.is_cuda:
+        pre = F.linear(x, w, bias)
+        return F.gelu(pre, approximate="tanh"), pre
+    pre = x.new_empty(x.shape[0], w.shape[0])
+    out = torch.empty_like(pre)
+    _lt(x).gemm(x, w, out, trans_b=True, epilogue=lt.EPILOGUE_GELU_AUX_BIAS, bias=bias, aux=pre)
+    return out, pre
+
+
+@linear_bias_gelu.register_fake
+def _(x, w, bias):
+    pre = x.new_empty(x.shape[0], w.shape[0])
+    return torch.empty_like(pre), torch.empty_like(pre)
+
+
+@torch.library.custom_op("gptrain::linear_dgelu", mutates_args=())
+def linear_dgelu(g: torch.Tensor, w: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+    """``(g @ w) * gelu_tanh'(pre)``: from the gradient at fc2's output to the one at fc1's output."""
+    if not g.is_cuda:
+        return (g @ w) * gelu_tanh_derivative(pre)
+    return _lt(g).gemm(g, w, torch.empty_like(pre), epilogue=lt.EPILOGUE_DGELU, aux=pre)
+
+
+@linear_dgelu.register_fake
+def _(g, w, pre):
+    return torch.empty_like(pre)
+
+
+def unavailable_reason(device: torch.device, dtype: torch.dtype) -> str | None:
+    """Why these ops cannot take their cuBLASLt path here (None: they can)."""
+    return lt.unavailable_reason(device, dtype)

@@ -1,0 +1,98 @@
+"""The linear layers and MLP on custom matmul ops: their autograd (saved tensors, transposes, bias
+gradients) against plain autograd, on the CPU reference path of the same ops; the cuBLASLt
+kernels behind them are checked against these references on the GPU
+(benchmarks/check_fused_mlp.py)."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from gptrain.config import parse_megatron_args
+from gptrain.kernels.ops import gelu_tanh_derivative, linear_bias_gelu, linear_dgelu, linear_dgrad, linear_fwd, linear_wgrad
+from gptrain.model.gpt import GPT, GPTConfig
+from gptrain.model.linear import linear, linear_weight, mlp
+
+
+def _layers(seed=0, h=16, f=64):
+    torch.manual_seed(seed)
+    fc1, fc2 = torch.nn.Linear(h, f).double(), torch.nn.Linear(f, h).double()
+    with torch.no_grad():
+        fc1.bias.normal_()
+        fc2.bias.normal_()
+    return fc1, fc2
+
+
+def _grads(fn, x, params, g):
+    out = fn()
+    return out, torch.autograd.grad(out, [x, *params], g)
+
+
+@pytest.mark.parametrize("fuse", [False, True])
+def test_mlp_matches_plain_forward_and_all_gradients(fuse):
+    fc1, fc2 = _layers()
+    params = [fc1.weight, fc1.bias, fc2.weight, fc2.bias]
+    x = torch.randn(3, 5, 16, dtype=torch.float64, requires_grad=True)
+    g = torch.randn(3, 5, 16, dtype=torch.float64)
+    plain, plain_grads = _grads(lambda: fc2(F.gelu(fc1(x), approximate="tanh")), x, params, g)
+    ours, our_grads = _grads(lambda: mlp(x, fc1, fc2, tuned=True, fuse_bias_gelu=fuse), x, params, g)
+    torch.testing.assert_close(ours, plain, rtol=0, atol=1e-12)
+    for name, a, b in zip(["x", "fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"], our_grads, plain_grads):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12, msg=name)
+
+
+def test_linear_and_bias_free_linear_match_plain():
+    fc1, _ = _layers()
+    x = torch.randn(2, 7, 16, dtype=torch.float64, requires_grad=True)
+    g = torch.randn(2, 7, 64, dtype=torch.float64)
+    for fn, ref, params in [(lambda: linear(x, fc1, True), lambda: fc1(x), [fc1.weight, fc1.bias]),
+                            (lambda: linear_weight(x, fc1.weight, True), lambda: F.linear(x, fc1.weight), [fc1.weight])]:
+        ours, our_grads = _grads(fn, x, params, g)
+        plain, plain_grads = _grads(ref, x, params, g)
+        torch.testing.assert_close(ours, plain)
+        for a, b in zip(our_grads, plain_grads):
+            torch.testing.assert_close(a, b)
+
+
+def test_ops_pass_opcheck_and_references_agree():
+    x, w1, b1 = torch.randn(6, 8), torch.randn(32, 8), torch.randn(32)
+    g, w2, pre = torch.randn(6, 8), torch.randn(8, 32), torch.randn(6, 32)
+    for op, args in [(linear_fwd, (x, w1, b1)), (linear_fwd, (x, w1, None)), (linear_dgrad, (g, w2)),
+                     (linear_wgrad, (pre, x, True)), (linear_wgrad, (pre, x, False)), (linear_bias_gelu, (x, w1, b1)),
+                     (linear_dgelu, (g, w2, pre))]:
+        torch.library.opcheck(op, args)
+    # the tanh-GELU derivative the DGELU epilogue applies equals autograd's
+    t = torch.linspace(-6, 6, 101, dtype=torch.float64, requires_grad=True)
+    (auto,) = torch.autograd.grad(F.gelu(t, approximate="tanh").sum(), t)
+    torch.testing.assert_close(gelu_tanh_derivative(t.detach()), auto)
+
+
+def test_model_on_cublaslt_ops_equals_plain_model_compiled():
+    cfg = GPTConfig(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16, vocab_size=100,
+                    attention_dropout=0.0, hidden_dropout=0.0)
+    tokens = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(1))
+    labels = torch.roll(tokens, -1, 1)
+    losses, grads = [], []
+    for ours in (False, True):
+        model = GPT(cfg)
+        model.init_weights(7)
+        assert "cpu" in model.use_cublaslt()  # no cuBLASLt on the CPU...
+        if ours:
+            assert model.use_cublaslt(allow_reference=True) is None  # ...but the reference ops
+        assert all(b.mlp.fuse_bias_gelu == ours and b.attn.tuned == ours for b in model.layers.values())
+        # compiled, the custom ops must trace through their fake implementations
+        loss = (torch.compile(model) if ours else model)(tokens, labels)
+        loss.backward()
+        losses.append(loss.item())
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+    assert losses[0] == pytest.approx(losses[1], rel=1e-6)
+    for name in grads[0]:
+        torch.testing.assert_close(grads[1][name], grads[0][name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_flags():
+    base = ["--mock-data", "--train-iters", "1"]
+    cfg, _ = parse_megatron_args(base)
+    assert cfg.model.bias_gelu_fusion and cfg.model.linear_impl == "cublaslt"
+    cfg, _ = parse_megatron_args(base + ["--no-bias-gelu-fusion", "--linear-impl", "torch"])
+    assert not cfg.model.bias_gelu_fusion and cfg.model.linear_impl == "torch"
+    with pytest.raises(ValueError, match="linear-impl"):
+        GPTConfig(linear_impl="cutlass")

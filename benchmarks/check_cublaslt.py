@@ -97,7 +97,7 @@ def time_gemms(m: int, h: int, f: int, vocab: int) -> None:
             cases.append(("dgrad*dgelu", lambda: torch.mm(g, w) * gelu_tanh_derivative(aux),
                           lambda: ctx.gemm(g, w, dx, epilogue=lt.EPILOGUE_DGELU, aux=aux)))
             cases.append(("dgrad*dgelu+bgrad", lambda: None,
-                          lambda: ctx.gemm(g, w, dx, epilogue=lt.EPILOGUE_DGELU_BGRAD, aux=aux, bias=db[:0].new_empty(n_in))))
+                          lambda: ctx.gemm(g, w, dx, epilogue=lt.EPILOGUE_DGELU_BGRAD, aux=aux, bias=torch.empty(n_in, **bf))))
         for case, torch_fn, lt_fn in cases:
             t_lt = cuda_ms(lt_fn)
             plan = list(ctx._plans.values())[-1]

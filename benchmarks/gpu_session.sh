@@ -9,7 +9,7 @@
 #   j: micro-batch 16 with selective and with full activation recompute
 #   k: fp16 parameters + fp32 main params vs fp16 autocast, 300 iterations of the seeds/000 flags (eager)
 #   l: cuBLASLt ops: kernel check and GEMM timing, then micro-batch 16 cuBLASLt (+ bias-GELU) vs torch
-#   m: with the fused MLP: micro-batch 16 and 64 against the baseline, and the profile
+#   m: micro-batch 16 cuBLASLt (+ bias-GELU) vs torch again, and micro-batch 64 against the baseline
 #   e: real indexed data vs synthetic step time; fp8 vs bf16 loss over 300 iterations
 # (parts a and b of the first session measured the first version; their logs are in benchmarks/logs/)
 set -uo pipefail
@@ -32,11 +32,11 @@ l)  # session 3: fc1 bias + GELU in cuBLASLt epilogues (default) vs --no-bias-ge
   bench l2_mbs16_cublaslt_gelu 130 --micro-batch-size 16 --warmup 6 --iters 15 --no-baseline
   bench l3_mbs16_torch 130 --micro-batch-size 16 --warmup 6 --iters 15 --no-baseline --linear-impl torch
   ;;
-m)
-  bench m1_mbs64 300 --micro-batch-size 64 --warmup 4 --iters 8 $BEST
-  bench m2_mbs16 180 --micro-batch-size 16 --warmup 6 --iters 15 $BEST
-  timeout 150 python3 benchmarks/profile_step.py --micro-batch-size 16 --bf16 --compile $BEST 2>&1 | grep -v -i warn \
-    | tee "$OUT/m3_profile_mbs16.txt" | head -14
+m)  # after moving bias gradients out of the wgrad epilogue
+  bench m1_mbs16_cublaslt_gelu 130 --micro-batch-size 16 --warmup 6 --iters 15 --no-baseline
+  bench m2_mbs16_torch 130 --micro-batch-size 16 --warmup 6 --iters 15 --no-baseline --linear-impl torch
+  bench m3_mbs16_cublaslt 130 --micro-batch-size 16 --warmup 6 --iters 15 --no-baseline --no-bias-gelu-fusion
+  bench m4_mbs64 300 --micro-batch-size 64 --warmup 4 --iters 8 $BEST
   ;;
 c)
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/device.txt"

@@ -58,20 +58,18 @@ def _(g, w):
 
 
 @torch.library.custom_op("gptrain::linear_wgrad", mutates_args=())
-def linear_wgrad(g: torch.Tensor, x: torch.Tensor, with_bias: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(g.T @ x, g.sum(0))``: weight and bias gradients (the bias one empty without a bias)."""
+def linear_wgrad(g: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``g.T @ x``: the weight gradient. The bias gradient (g.sum(0)) stays outside: under
+    torch.compile it fuses into the elementwise kernel that produced g, where cuBLASLt's BGRADB
+    epilogue measured slower than the plain GEMM plus a separate sum (benchmarks/RESULTS.md)."""
     if not g.is_cuda:
-        return g.t() @ x, g.sum(0) if with_bias else g.new_empty(0)
-    grad_w = g.new_empty(g.shape[1], x.shape[1])
-    grad_b = g.new_empty(g.shape[1] if with_bias else 0)
-    epilogue = lt.EPILOGUE_BGRADB if with_bias else lt.EPILOGUE_DEFAULT
-    _lt(g).gemm(g, x, grad_w, trans_a=True, epilogue=epilogue, bias=grad_b if with_bias else None)
-    return grad_w, grad_b
+        return g.t() @ x
+    return _lt(g).gemm(g, x, g.new_empty(g.shape[1], x.shape[1]), trans_a=True)
 
 
 @linear_wgrad.register_fake
-def _(g, x, with_bias):
-    return g.new_empty(g.shape[1], x.shape[1]), g.new_empty(g.shape[1] if with_bias else 0)
+def _(g, x):
+    return g.new_empty(g.shape[1], x.shape[1])
 
 
 @torch.library.custom_op("gptrain::linear_bias_gelu", mutates_args=())

@@ -1,7 +1,8 @@
 """Linear layers and the MLP on the custom matmul ops of ``gptrain.kernels.ops``.
 
-``linear`` is ``layer(x)`` with its three matmuls (forward, input gradient, weight gradient with
-the bias gradient in its epilogue) as autotuned cuBLASLt calls. ``mlp`` is fc1 -> tanh GELU ->
+``linear`` is ``layer(x)`` with its three matmuls (forward with the bias in its epilogue, input
+gradient, weight gradient) as autotuned cuBLASLt calls; bias gradients are plain sums, which
+torch.compile fuses into the kernel that produced the gradient. ``mlp`` is fc1 -> tanh GELU ->
 fc2; with ``fuse_bias_gelu`` (Megatron's --bias-gelu-fusion, as TransformerEngine runs it) fc1's
 bias and GELU live in its forward matmul's epilogue, which also writes GELU's input for the
 backward, and the backward matmul through fc2's weight applies GELU's derivative in its own
@@ -35,8 +36,7 @@ class _Linear(torch.autograd.Function):
         x2, w = ctx.saved_tensors
         g = _rows(grad_out)
         grad_x = linear_dgrad(g, w).view(*grad_out.shape[:-1], w.shape[1]) if ctx.needs_input_grad[0] else None
-        grad_w, grad_b = linear_wgrad(g, x2, ctx.has_bias)
-        return grad_x, grad_w, grad_b if ctx.has_bias else None
+        return grad_x, linear_wgrad(g, x2), g.sum(0) if ctx.has_bias else None
 
 
 class _FusedMLP(torch.autograd.Function):
@@ -51,11 +51,9 @@ class _FusedMLP(torch.autograd.Function):
     def backward(ctx, grad_out):
         x2, w1, w2, act, pre = ctx.saved_tensors
         g = _rows(grad_out)
-        grad_w2, grad_b2 = linear_wgrad(g, act, True)
         grad_pre = linear_dgelu(g, w2, pre)
-        grad_w1, grad_b1 = linear_wgrad(grad_pre, x2, True)
         grad_x = linear_dgrad(grad_pre, w1).view(*grad_out.shape[:-1], w1.shape[1])
-        return grad_x, grad_w1, grad_b1, grad_w2, grad_b2
+        return grad_x, linear_wgrad(grad_pre, x2), grad_pre.sum(0), linear_wgrad(g, act), g.sum(0)
 
 
 def linear(x: torch.Tensor, layer: nn.Linear, tuned: bool) -> torch.Tensor:

@@ -10,6 +10,7 @@
 #   k: fp16 parameters + fp32 main params vs fp16 autocast, 300 iterations of the seeds/000 flags (eager)
 #   l: cuBLASLt ops: kernel check and GEMM timing, then micro-batch 16 cuBLASLt (+ bias-GELU) vs torch
 #   m: micro-batch 16 cuBLASLt (+ bias-GELU) vs torch again, and micro-batch 64 against the baseline
+#   n: on an H100: micro-batch 64 and 16 against the baseline; 16 with --linear-impl torch
 #   e: real indexed data vs synthetic step time; fp8 vs bf16 loss over 300 iterations
 # (parts a and b of the first session measured the first version; their logs are in benchmarks/logs/)
 set -uo pipefail
@@ -42,7 +43,13 @@ c)
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/device.txt"
   python3 -c "import torch; q = torch.randn(16, 16, 1024, 64, device='cuda', dtype=torch.bfloat16)
 print('torch', torch.__version__, '| SDPA auto choice (1 flash, 2 efficient, 3 cudnn):',
-      torch._fused_sdp_choice(q, q, q, is_causal=True))" | tee -a "$OUT/device.txt"
+      torch._fused_sdp_choice(q, q, q, is_causal=Trun)  # the same on an H100 (the issue's device): micro-batch 64 and 16 against the baseline, 16 with torch's linears
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/device.txt"
+  bench n1_mbs64 300 --micro-batch-size 64 --warmup 4 --iters 8 $BEST
+  bench n2_mbs16 200 --micro-batch-size 16 --warmup 6 --iters 15 $BEST
+  bench n3_mbs16_torch 130 --micro-batch-size 16 --warmup 6 --iters 15 --no-baseline --linear-impl torch
+  ;;
+e))" | tee -a "$OUT/device.txt"
   bench c1_mbs16_default 180 --micro-batch-size 16 --warmup 6 --iters 15
   bench c2_mbs16_autocast 130 --micro-batch-size 16 --warmup 6 --iters 15 --bf16-autocast --no-baseline
   bench c3_mbs16_fusedce 130 --micro-batch-size 16 --warmup 6 --iters 15 --fused-cross-entropy --no-baseline

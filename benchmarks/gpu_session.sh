@@ -43,13 +43,7 @@ c)
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/device.txt"
   python3 -c "import torch; q = torch.randn(16, 16, 1024, 64, device='cuda', dtype=torch.bfloat16)
 print('torch', torch.__version__, '| SDPA auto choice (1 flash, 2 efficient, 3 cudnn):',
-      torch._fused_sdp_choice(q, q, q, is_causal=Trun)  # the same on an H100 (the issue's device): micro-batch 64 and 16 against the baseline, 16 with torch's linears
-  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/device.txt"
-  bench n1_mbs64 300 --micro-batch-size 64 --warmup 4 --iters 8 $BEST
-  bench n2_mbs16 200 --micro-batch-size 16 --warmup 6 --iters 15 $BEST
-  bench n3_mbs16_torch 130 --micro-batch-size 16 --warmup 6 --iters 15 --no-baseline --linear-impl torch
-  ;;
-e))" | tee -a "$OUT/device.txt"
+      torch._fused_sdp_choice(q, q, q, is_causal=True))" | tee -a "$OUT/device.txt"
   bench c1_mbs16_default 180 --micro-batch-size 16 --warmup 6 --iters 15
   bench c2_mbs16_autocast 130 --micro-batch-size 16 --warmup 6 --iters 15 --bf16-autocast --no-baseline
   bench c3_mbs16_fusedce 130 --micro-batch-size 16 --warmup 6 --iters 15 --fused-cross-entropy --no-baseline
@@ -97,6 +91,12 @@ k)  # fp16 with fp16 parameters + fp32 main params (Megatron's --fp16) vs fp16 a
       --log-interval 25 --eval-interval 100000 --eval-iters 0 2>&1 | grep -E "iteration|memory|precision" \
       | tee -a "$OUT/k1_fp16_modes.txt" | grep -E "iteration +(25|100|300)/"
   done
+  ;;
+n)  # the same on an H100 (the issue's device): micro-batch 64 and 16 against the baseline, 16 with torch's linears
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/device.txt"
+  bench n1_mbs64 300 --micro-batch-size 64 --warmup 4 --iters 8 $BEST
+  bench n2_mbs16 200 --micro-batch-size 16 --warmup 6 --iters 15 $BEST
+  bench n3_mbs16_torch 130 --micro-batch-size 16 --warmup 6 --iters 15 --no-baseline --linear-impl torch
   ;;
 e)
   mkdir -p /tmp/d && $G data builtin --output /tmp/d/builtin.jsonl && \

@@ -28,6 +28,7 @@ _OP_N, _OP_T = 0, 1
 _DESC_TRANSA, _DESC_TRANSB, _DESC_EPILOGUE, _DESC_BIAS_POINTER = 3, 4, 7, 8
 _DESC_AUX_POINTER, _DESC_AUX_LD = 11, 12
 _PREF_MAX_WORKSPACE_BYTES = 1
+_PREF_MIN_ALIGNMENT = (5, 6, 7, 8)  # bytes of cuBLAS's A, B, C, D pointers (the heuristic assumes 256)
 EPILOGUE_DEFAULT = 1
 EPILOGUE_BIAS = 4  # out += bias (n)
 EPILOGUE_GELU_AUX_BIAS = 164  # aux = out + bias; out = gelu_tanh(aux)
@@ -67,6 +68,7 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         "cublasLtCreate": [p],
         "cublasLtMatmulPreferenceCreate": [p],
         "cublasLtMatmulPreferenceSetAttribute": [vp, u32, vp, sz],
+        "cublasLtMatmulPreferenceDestroy": [vp],
         "cublasLtMatmulDescCreate": [p, i32, i32],
         "cublasLtMatmulDescSetAttribute": [vp, u32, vp, sz],
         "cublasLtMatrixLayoutCreate": [p, i32, u64, u64, i64],
@@ -77,6 +79,12 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = args, ctypes.c_int
     return lib
+
+
+def _alignment(t: torch.Tensor) -> int:
+    """The largest power of two up to 256 that divides the tensor's address."""
+    ptr = t.data_ptr()
+    return min(256, ptr & -ptr) if ptr else 256
 
 
 @dataclass
@@ -101,11 +109,6 @@ class CublasLt:
         self.handle = ctypes.c_void_p()
         self._check(self.lib.cublasLtCreate(ctypes.byref(self.handle)), "cublasLtCreate")
         self.workspace = torch.empty(_WORKSPACE_BYTES, dtype=torch.uint8, device=device)
-        self.preference = ctypes.c_void_p()
-        self._check(self.lib.cublasLtMatmulPreferenceCreate(ctypes.byref(self.preference)), "PreferenceCreate")
-        size = ctypes.c_uint64(_WORKSPACE_BYTES)
-        self._check(self.lib.cublasLtMatmulPreferenceSetAttribute(
-            self.preference, _PREF_MAX_WORKSPACE_BYTES, ctypes.byref(size), ctypes.sizeof(size)), "PreferenceSet")
         self._plans: dict[tuple, _Plan] = {}
         self._one, self._zero = ctypes.c_float(1.0), ctypes.c_float(0.0)
         self._pointer = ctypes.c_void_p()  # reused to pass bias/aux pointers as attributes
@@ -125,8 +128,21 @@ class CublasLt:
         self._check(self.lib.cublasLtMatrixLayoutCreate(ctypes.byref(layout), dtype, rows, cols, ld), "LayoutCreate")
         return layout
 
+    def _preference(self, alignments: tuple[int, int, int]) -> ctypes.c_void_p:
+        """Workspace size and the operands' actual pointer alignment (ours: a, b, out)."""
+        pref = ctypes.c_void_p()
+        self._check(self.lib.cublasLtMatmulPreferenceCreate(ctypes.byref(pref)), "PreferenceCreate")
+        align_a, align_b, align_out = alignments
+        cublas_order = (align_b, align_a, align_out, align_out)  # cuBLAS's A is our b (module docstring)
+        values = [(_PREF_MAX_WORKSPACE_BYTES, ctypes.c_uint64(_WORKSPACE_BYTES))] + [
+            (attr, ctypes.c_uint32(v)) for attr, v in zip(_PREF_MIN_ALIGNMENT, cublas_order)]
+        for attr, value in values:
+            self._check(self.lib.cublasLtMatmulPreferenceSetAttribute(pref, attr, ctypes.byref(value),
+                                                                      ctypes.sizeof(value)), "PreferenceSet")
+        return pref
+
     def _plan(self, key: tuple) -> _Plan:
-        epilogue, dtype, m, n, k, trans_a, trans_b = key
+        epilogue, dtype, m, n, k, trans_a, trans_b, alignments = key
         desc = ctypes.c_void_p()
         self._check(self.lib.cublasLtMatmulDescCreate(ctypes.byref(desc), _COMPUTE_32F, _R_32F), "DescCreate")
         # cuBLAS's A is our b, its B our a (see the module docstring)
@@ -139,9 +155,11 @@ class CublasLt:
         layout_b = self._layout(dtype, m, k, m) if trans_a else self._layout(dtype, k, m, k)
         layout_d = self._layout(dtype, n, m, n)
         results, count = (_HeuristicResult * _CANDIDATES)(), ctypes.c_int(0)
-        self._check(self.lib.cublasLtMatmulAlgoGetHeuristic(
-            self.handle, desc, layout_a, layout_b, layout_d, layout_d, self.preference, _CANDIDATES, results,
-            ctypes.byref(count)), "GetHeuristic")
+        pref = self._preference(alignments)
+        status = self.lib.cublasLtMatmulAlgoGetHeuristic(self.handle, desc, layout_a, layout_b, layout_d, layout_d,
+                                                         pref, _CANDIDATES, results, ctypes.byref(count))
+        self.lib.cublasLtMatmulPreferenceDestroy(pref)
+        self._check(status, "GetHeuristic")
         candidates = [results[i] for i in range(count.value) if results[i].state == 0]
         if not candidates:
             raise RuntimeError(f"cuBLASLt has no algorithm for epilogue {epilogue} at m={m} n={n} k={k}")
@@ -184,7 +202,7 @@ class CublasLt:
         """
         m, k = (a.shape[1], a.shape[0]) if trans_a else a.shape
         n = b.shape[0] if trans_b else b.shape[1]
-        key = (epilogue, _DTYPES[a.dtype], m, n, k, trans_a, trans_b)
+        key = (epilogue, _DTYPES[a.dtype], m, n, k, trans_a, trans_b, (_alignment(a), _alignment(b), _alignment(out)))
         plan = self._plans.get(key) or self._plan(key)
         if bias is not None:
             self._pointer.value = bias.data_ptr()

@@ -119,7 +119,8 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, h = x.shape
-        q, k, v = linear(x, self.qkv, self.tuned).view(b, s, 3, self.num_heads, h // self.num_heads).permute(2, 0, 3, 1, 4)
+        qkv = linear(x, self.qkv, self.tuned)
+        q, k, v = qkv.view(b, s, 3, self.num_heads, h // self.num_heads).permute(2, 0, 3, 1, 4)
         if self.recompute_core and self.training:
             y = torch.utils.checkpoint.checkpoint(self.core_attention, q, k, v, use_reentrant=False)
         else:
@@ -172,6 +173,9 @@ class GPT(nn.Module):
         reason = cublaslt_unavailable(weight.device, weight.dtype)
         if allow_reference and weight.device.type == "cpu":
             reason = None
+        if self.cfg.hidden_size % 8 or self.cfg.ffn_hidden_size % 8:
+            reason = (f"hidden size {self.cfg.hidden_size} / ffn size {self.cfg.ffn_hidden_size} not multiples of 8 "
+                      "(cuBLASLt's epilogues need 16-byte rows)")
         for block in self.layers.values():
             block.attn.tuned = block.mlp.tuned = reason is None
             block.mlp.fuse_bias_gelu = reason is None and fuse_bias_gelu

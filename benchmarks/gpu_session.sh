@@ -11,6 +11,7 @@
 #   l: cuBLASLt ops: kernel check and GEMM timing, then micro-batch 16 cuBLASLt (+ bias-GELU) vs torch
 #   m: micro-batch 16 cuBLASLt (+ bias-GELU) vs torch again, and micro-batch 64 against the baseline
 #   n: on an H100: micro-batch 64 and 16 against the baseline; 16 with --linear-impl torch
+#   o: kernel check, micro-batch 16, and the 300-iteration loss with cuBLASLt linears vs torch's
 #   e: real indexed data vs synthetic step time; fp8 vs bf16 loss over 300 iterations
 # (parts a and b of the first session measured the first version; their logs are in benchmarks/logs/)
 set -uo pipefail
@@ -97,6 +98,20 @@ n)  # the same on an H100 (the issue's device): micro-batch 64 and 16 against th
   bench n1_mbs64 300 --micro-batch-size 64 --warmup 4 --iters 8 $BEST
   bench n2_mbs16 200 --micro-batch-size 16 --warmup 6 --iters 15 $BEST
   bench n3_mbs16_torch 130 --micro-batch-size 16 --warmup 6 --iters 15 --no-baseline --linear-impl torch
+  ;;
+o)  # after the alignment change: kernel check, micro-batch 16, and the loss over 300 iterations of the
+    # seeds/000 flags (micro-batch 8, dropout 0.1, real data) with cuBLASLt linears vs torch's
+  timeout 150 python3 benchmarks/check_cublaslt.py 2>&1 | grep -v -i warn | tee "$OUT/o0_check_cublaslt.txt" | head -6
+  bench o1_mbs16 130 --micro-batch-size 16 --warmup 6 --iters 15 --no-baseline
+  mkdir -p /tmp/d && $G data builtin --output /tmp/d/builtin.jsonl && \
+    $G preprocess --input /tmp/d/builtin.jsonl --output-prefix /tmp/d/builtin --append-eod --workers 8 --no-progress
+  TRAIN="$M345 --lr 0.00015 --lr-decay-iters 5000 --lr-decay-style cosine --min-lr 1.0e-5 --weight-decay 1e-2
+    --lr-warmup-fraction .01 --clip-grad 1.0 --bf16 --compile --split 949,50,1 --eval-iters 0 --eval-interval 100000"
+  for impl in cublaslt torch; do
+    timeout 200 $G train $TRAIN --linear-impl $impl --micro-batch-size 8 --train-iters 300 --log-interval 25 \
+      --data-path /tmp/d/builtin_text_document 2>&1 | grep -E "iteration|memory|linear layers" | tee -a "$OUT/o2_loss_cublaslt_vs_torch.txt" \
+      | grep -E "linear layers|iteration +(25|150|300)/"
+  done
   ;;
 e)
   mkdir -p /tmp/d && $G data builtin --output /tmp/d/builtin.jsonl && \

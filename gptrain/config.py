@@ -200,9 +200,9 @@ def _parser() -> argparse.ArgumentParser:
       help="chunked loss that never materialises all logits (less memory)")
     a("--attention-backend", choices=["auto", "flash", "fused", "unfused", "local"], default="auto",
       help="SDPA kernel: flash (FlashAttention-2), fused (cuDNN), unfused/local (math); auto lets PyTorch pick")
-    a("--linear-impl", choices=["cublaslt", "torch"], default="cublaslt",
+    a("--linear-impl", choices=["auto", "cublaslt", "torch"], default="auto",
       help="cublaslt: linear layers' matmuls autotuned through cuBLASLt where the device allows (CUDA, "
-           "bf16/fp16 parameters); torch: PyTorch's own")
+           "bf16/fp16 parameters); torch: PyTorch's own; auto: cublaslt from 16384 tokens per micro-batch")
     a("--no-bias-gelu-fusion", action="store_false", dest="bias_gelu_fusion",
       help="plain fc1 -> GELU -> fc2 instead of fc1's bias and GELU in its cuBLASLt matmul epilogues")
     # data

@@ -121,7 +121,7 @@ def test_bf16_main_params_track_autocast_and_fp32():
     _, autocast = _train_losses(FLAGS + ["--bf16", "--bf16-autocast"])
     assert trainer.main is not None and trainer.model.word_embeddings.weight.dtype == torch.bfloat16
     assert trainer.optimizer.param_groups[0]["params"][0].dtype == torch.float32
-    assert trainer.linear_impl == "torch (cuBLASLt not usable: cpu device (cuBLASLt needs CUDA))"
+    assert trainer.linear_impl.startswith("torch (auto: ")  # tiny micro-batches stay on torch's matmuls
     assert fp32[-1] < fp32[0] - 2
     for a, b, c in zip(fp32, main, autocast):
         assert abs(a - b) < 0.005 * a and abs(a - c) < 0.005 * a

@@ -91,8 +91,19 @@ def test_model_on_cublaslt_ops_equals_plain_model_compiled():
 def test_flags():
     base = ["--mock-data", "--train-iters", "1"]
     cfg, _ = parse_megatron_args(base)
-    assert cfg.model.bias_gelu_fusion and cfg.model.linear_impl == "cublaslt"
+    assert cfg.model.bias_gelu_fusion and cfg.model.linear_impl == "auto"
     cfg, _ = parse_megatron_args(base + ["--no-bias-gelu-fusion", "--linear-impl", "torch"])
     assert not cfg.model.bias_gelu_fusion and cfg.model.linear_impl == "torch"
     with pytest.raises(ValueError, match="linear-impl"):
         GPTConfig(linear_impl="cutlass")
+
+
+def test_auto_picks_torch_for_small_micro_batches():
+    from gptrain.train.loop import Trainer
+
+    base = ["--mock-data", "--train-iters", "1", "--num-layers", "1", "--hidden-size", "32",
+            "--num-attention-heads", "4", "--seq-length", "1024", "--bf16"]
+    for mbs, impl, expect in [(8, "auto", "torch (auto: 8192 tokens"), (16, "auto", "torch (cuBLASLt not usable: cpu"),
+                              (8, "cublaslt", "torch (cuBLASLt not usable: cpu"), (16, "torch", "torch (--linear-impl")]:
+        cfg, _ = parse_megatron_args(base + ["--micro-batch-size", str(mbs), "--linear-impl", impl])
+        assert Trainer._use_cublaslt(GPT(cfg.model), cfg).startswith(expect)

@@ -58,8 +58,9 @@ class GPTConfig:
     recompute: str | None = None  # None, "full" (whole blocks) or "selective" (core attention)
     attention_backend: str = "auto"  # Megatron's names: auto, flash, fused (cuDNN), unfused/local (math)
     # "cublaslt": every linear layer's matmuls autotuned through cuBLASLt where the device allows
-    # (model/linear.py), "torch": PyTorch's own; with cublaslt, fc1's bias and GELU go into its epilogues
-    linear_impl: str = "cublaslt"
+    # (model/linear.py), "torch": PyTorch's own, "auto": cublaslt for micro-batches large enough to
+    # hide its host cost (the trainer decides); with cublaslt, fc1's bias and GELU go into its epilogues
+    linear_impl: str = "auto"
     bias_gelu_fusion: bool = True
 
     def __post_init__(self):
@@ -75,8 +76,8 @@ class GPTConfig:
                              f"{self.max_position_embeddings}")
         if self.recompute not in (None, "full", "selective"):
             raise ValueError(f"recompute {self.recompute!r}: use full or selective")
-        if self.linear_impl not in ("cublaslt", "torch"):
-            raise ValueError(f"--linear-impl {self.linear_impl}: use cublaslt or torch")
+        if self.linear_impl not in ("auto", "cublaslt", "torch"):
+            raise ValueError(f"--linear-impl {self.linear_impl}: use auto, cublaslt or torch")
         if self.attention_backend not in SDPA_BACKENDS:
             raise ValueError(f"--attention-backend {self.attention_backend}: use one of {', '.join(SDPA_BACKENDS)}")
         for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size"):

@@ -95,6 +95,12 @@ class IntervalStats:
     start_time: float = 0.0
 
 
+# --linear-impl auto: below this many tokens per micro-batch the cuBLASLt ops' host cost (~290
+# ctypes/custom-op calls per micro-batch for 24 layers) outweighs their gain (H100, 345M:
+# -4.6% at 8 x 1024 tokens, +2.7% at 16 x 1024; benchmarks/RESULTS.md)
+AUTO_CUBLASLT_MIN_TOKENS = 16384
+
+
 class Trainer:
     def __init__(self, cfg: RunConfig, model: GPT, train_ds, valid_ds, test_ds, device: torch.device,
                  log=print, tokens_per_sample: int | None = None):
@@ -134,10 +140,14 @@ class Trainer:
     def _use_cublaslt(model: GPT, cfg: RunConfig) -> str:
         """Switch the model's linear layers to the cuBLASLt ops (needs the final device and dtype);
         says what runs."""
-        if cfg.model.linear_impl != "cublaslt":
+        if cfg.model.linear_impl == "torch":
             return "torch (--linear-impl torch)"
         if cfg.precision.fp8:
             return "torch (fp8 layers do their own matmuls)"
+        tokens = cfg.train.micro_batch_size * cfg.model.seq_length
+        if cfg.model.linear_impl == "auto" and tokens < AUTO_CUBLASLT_MIN_TOKENS:
+            return (f"torch (auto: {tokens} tokens per micro-batch; cuBLASLt's host cost shows below "
+                    f"{AUTO_CUBLASLT_MIN_TOKENS}, --linear-impl cublaslt forces it)")
         reason = model.use_cublaslt(fuse_bias_gelu=cfg.model.bias_gelu_fusion)
         if reason is not None:
             return f"torch (cuBLASLt not usable: {reason})"

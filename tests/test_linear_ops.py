@@ -1,7 +1,7 @@
 """The linear layers and MLP on custom matmul ops: their autograd (saved tensors, transposes, bias
 gradients) against plain autograd, on the CPU reference path of the same ops; the cuBLASLt
 kernels behind them are checked against these references on the GPU
-(benchmarks/check_fused_mlp.py)."""
+(benchmarks/check_cublaslt.py)."""
 import pytest
 import torch
 import torch.nn.functional as F

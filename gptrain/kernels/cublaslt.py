@@ -109,6 +109,7 @@ class CublasLt:
         self.handle = ctypes.c_void_p()
         self._check(self.lib.cublasLtCreate(ctypes.byref(self.handle)), "cublasLtCreate")
         self.workspace = torch.empty(_WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        self._workspace_ptr = self.workspace.data_ptr()
         self._plans: dict[tuple, _Plan] = {}
         self._one, self._zero = ctypes.c_float(1.0), ctypes.c_float(0.0)
         self._pointer = ctypes.c_void_p()  # reused to pass bias/aux pointers as attributes
@@ -218,10 +219,6 @@ class CublasLt:
                 plan.chosen = plan.candidates[0]
         self._launch(plan, plan.chosen, *operands)
         return out
-
-    @property
-    def _workspace_ptr(self) -> int:
-        return self.workspace.data_ptr()
 
 
 @functools.cache

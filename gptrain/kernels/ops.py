@@ -1,8 +1,8 @@
 """The matmuls of a linear layer's forward and backward as ``torch.library`` custom ops.
 
-On CUDA each runs as one autotuned cuBLASLt call (``cublaslt.py``), with the bias, GELU, GELU's
-derivative or the bias gradient inside the matmul's epilogue; on other devices as plain PyTorch,
-which is also the reference the CUDA kernels are checked against (benchmarks/check_fused_mlp.py).
+On CUDA each runs as one autotuned cuBLASLt call (``cublaslt.py``), with the bias, GELU or GELU's
+derivative inside the matmul's epilogue; on other devices as plain PyTorch, which is also the
+reference the CUDA kernels are checked against (benchmarks/check_cublaslt.py).
 Custom ops keep ``torch.compile`` from tracing into ctypes: it sees them through their fake
 implementations and calls them whole.
 
@@ -101,8 +101,3 @@ def linear_dgelu(g: torch.Tensor, w: torch.Tensor, pre: torch.Tensor) -> torch.T
 @linear_dgelu.register_fake
 def _(g, w, pre):
     return torch.empty_like(pre)
-
-
-def unavailable_reason(device: torch.device, dtype: torch.dtype) -> str | None:
-    """Why these ops cannot take their cuBLASLt path here (None: they can)."""
-    return lt.unavailable_reason(device, dtype)

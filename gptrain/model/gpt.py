@@ -17,7 +17,7 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from gptrain.kernels.ops import unavailable_reason as cublaslt_unavailable
+from gptrain.kernels.cublaslt import unavailable_reason as cublaslt_unavailable
 from gptrain.model.linear import linear, linear_weight, mlp
 from gptrain.model.loss import lm_cross_entropy
 

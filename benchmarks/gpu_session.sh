@@ -12,6 +12,11 @@
 #   m: micro-batch 16 cuBLASLt (+ bias-GELU) vs torch again, and micro-batch 64 against the baseline
 #   n: on an H100: micro-batch 64 and 16 against the baseline; 16 with --linear-impl torch
 #   o: kernel check, micro-batch 16, and the 300-iteration loss with cuBLASLt linears vs torch's
+#   p: FlashAttention-4 (flash-attn-4's CuTe kernels) on packed QKV: kernel check and timing against
+#      SDPA's cuDNN and FA2, micro-batch 64 against the baseline, micro-batch 16 (needs setup_fa4 below)
+#   q: the same after putting cuDNN's forward before FlashAttention-4's backward (the default): kernel
+#      check, micro-batch 64 against the baseline, micro-batch 16 with it and with cuDNN alone
+#   r: loss over 300 iterations (micro-batch 16, no dropout, real data): cuDNN, FA2 (SDPA), flash4
 #   e: real indexed data vs synthetic step time; fp8 vs bf16 loss over 300 iterations
 # (parts a and b of the first session measured the first version; their logs are in benchmarks/logs/)
 set -uo pipefail
@@ -27,7 +32,40 @@ bench() {  # NAME LIMIT_S FLAGS...
   echo "== $name: $*" | tee "$OUT/$name.txt"
   timeout "$limit" $G bench $M345 $ND --bf16 --compile "$@" 2>&1 | grep -v -i "warn" | tee -a "$OUT/$name.txt" | grep -E "^\| gptrain|^\| baseline|ratio|x$|Error|error" 
 }
+# flash-attn-4 and its CuTe DSL runtime travel in two device calls (together over the 64 MiB limit):
+# first `.fa4a` (the cu13 runtime, tar.xz) unpacked to /tmp/fa4site, then `.fa4b` (the wheels)
+setup_fa4() {
+  test -f /tmp/fa4site/nvidia_cutlass_dsl/cu13/lib/libcute_dsl_runtime.so || { echo "no CuTe runtime in /tmp/fa4site"; return 1; }
+  test -d /tmp/fa4w/flash_attn || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/fa4w .fa4b/*.whl || return 1
+  cp -a /tmp/fa4site/nvidia_cutlass_dsl/. /tmp/fa4w/nvidia_cutlass_dsl/
+  export PYTHONPATH=$PYTHONPATH:/tmp/fa4w:/tmp/fa4w/nvidia_cutlass_dsl/dsl_packages
+}
 case "$1" in
+q)  # session 4: cuDNN forward + FlashAttention-4 backward on packed QKV (auto's pick when installed)
+  setup_fa4 || exit 3
+  timeout 150 python3 benchmarks/check_flash4.py 2>&1 | grep -v -i warn | tee "$OUT/q0_check_flash4.txt"
+  bench q1_mbs64 250 --micro-batch-size 64 --warmup 5 --iters 10
+  bench q2_mbs16 100 --micro-batch-size 16 --warmup 6 --iters 15 --no-baseline
+  bench q3_mbs16_cudnn 100 --micro-batch-size 16 --warmup 6 --iters 15 --no-baseline --attention-backend fused
+  ;;
+r)  # the loss with each attention kernel (no dropout: FlashAttention-4 has none)
+  setup_fa4 || exit 3
+  mkdir -p /tmp/d && $G data builtin --output /tmp/d/builtin.jsonl && \
+    $G preprocess --input /tmp/d/builtin.jsonl --output-prefix /tmp/d/builtin --append-eod --workers 8 --no-progress
+  TRAIN="$M345 $ND --lr 0.00015 --lr-decay-iters 5000 --lr-decay-style cosine --min-lr 1.0e-5 --weight-decay 1e-2
+    --lr-warmup-fraction .01 --clip-grad 1.0 --bf16 --compile --split 949,50,1 --eval-iters 0 --eval-interval 100000"
+  for b in fused flash flash4; do
+    timeout 150 $G train $TRAIN --attention-backend $b --micro-batch-size 16 --train-iters 300 --log-interval 25 \
+      --data-path /tmp/d/builtin_text_document 2>&1 | grep -E "iteration|attention:|Error" | tee -a "$OUT/r1_loss_attention.txt" \
+      | grep -E "attention:|iteration +(25|150|300)/|Error"
+  done
+  ;;
+p)  # session 4: FlashAttention-4 on packed QKV vs SDPA (cuDNN)
+  setup_fa4 || exit 3
+  timeout 220 python3 benchmarks/check_flash4.py 2>&1 | grep -v -i warn | tee "$OUT/p0_check_flash4.txt"
+  bench p1_mbs64_flash4 250 --micro-batch-size 64 --warmup 5 --iters 10 --attention-backend flash4
+  bench p2_mbs16_flash4 110 --micro-batch-size 16 --warmup 6 --iters 15 --no-baseline --attention-backend flash4
+  ;;
 l)  # session 3: fc1 bias + GELU in cuBLASLt epilogues (default) vs --no-bias-gelu-fusion
   timeout 200 python3 benchmarks/check_cublaslt.py 2>&1 | grep -v -i warn | tee "$OUT/l0_check_cublaslt.txt"
   bench l1_mbs16_cublaslt 130 --micro-batch-size 16 --warmup 6 --iters 15 --no-baseline --no-bias-gelu-fusion

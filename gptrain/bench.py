@@ -109,9 +109,9 @@ def bench_gptrain(argv: list[str], warmup: int, iters: int):
     finally:
         loader.close()
     tokens = cfg.train.global_batch_size * cfg.model.seq_length
-    linear_impl = trainer.linear_impl
+    impls = {"linear layers": trainer.linear_impl, "attention": trainer.attention_impl}
     del trainer
-    return cfg, device, timing, tokens, linear_impl
+    return cfg, device, timing, tokens, impls
 
 
 def bench_baseline(cfg, device, warmup: int, iters: int, compile_model: bool = True):
@@ -137,15 +137,15 @@ def bench_baseline(cfg, device, warmup: int, iters: int, compile_model: bool = T
     return timing
 
 
-def _levers(cfg, linear_impl: str) -> str:
+def _levers(cfg, impls: dict[str, str]) -> str:
     p, m = cfg.precision, cfg.model
     params = f"{p.name} params + fp32 main params" if p.half_params else f"{p.name} autocast, fp32 params" \
         if p.name != "fp32" else "fp32"
     parts = [params, f"fp8 {p.fp8}/{p.fp8_recipe}" if p.fp8 else "no fp8",
-             f"attention backend {m.attention_backend}", "fused chunked loss" if m.fused_cross_entropy else "plain loss",
+             "fused chunked loss" if m.fused_cross_entropy else "plain loss",
              f"recompute {m.recompute}" if m.recompute else "no recompute",
              f"dropout {m.hidden_dropout}/{m.attention_dropout}", f"compile {cfg.train.compile}",
-             f"linear layers {linear_impl}"]
+             *(f"{what} {impl}" for what, impl in impls.items())]
     return ", ".join(parts)
 
 
@@ -160,7 +160,7 @@ def bench_main(argv: list[str]) -> int:
     p.add_argument("--no-baseline", action="store_true", help="time gptrain only")
     p.add_argument("--baseline-no-compile", action="store_true", help="run the baseline eagerly")
     args, model_flags = p.parse_known_args(argv)
-    cfg, device, timing, tokens, linear_impl = bench_gptrain(model_flags, args.warmup, args.iters)
+    cfg, device, timing, tokens, impls = bench_gptrain(model_flags, args.warmup, args.iters)
     if device.type == "cuda":
         torch.cuda.empty_cache()
     rows = [("gptrain (train step)", *timing)]
@@ -176,7 +176,7 @@ def bench_main(argv: list[str]) -> int:
           f"{cfg.train.micro_batch_size}, global batch {cfg.train.global_batch_size}, {cfg.precision.name}, "
           f"compile {cfg.train.compile}; {fpt / 1e9:.3f} GFLOP/token; matmul ceiling "
           f"{'n/a' if ceiling is None else f'{ceiling:.0f} TFLOP/s'}")
-    print(f"gptrain levers: {_levers(cfg, linear_impl)}")
+    print(f"gptrain levers: {_levers(cfg, impls)}")
     print("| what | ms/iter | host ms/iter | tokens/s/device | TFLOP/s | MFU (datasheet) | MFU (matmul ceiling) "
           "| peak mem GiB (GB) |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")

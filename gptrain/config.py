@@ -198,8 +198,10 @@ def _parser() -> argparse.ArgumentParser:
     a("--recompute-num-layers", type=int, default=None)
     a("--fused-cross-entropy", action="store_true",
       help="chunked loss that never materialises all logits (less memory)")
-    a("--attention-backend", choices=["auto", "flash", "fused", "unfused", "local"], default="auto",
-      help="SDPA kernel: flash (FlashAttention-2), fused (cuDNN), unfused/local (math); auto lets PyTorch pick")
+    a("--attention-backend", choices=["auto", "flash", "fused", "unfused", "local", "flash4"], default="auto",
+      help="SDPA kernel: flash (FlashAttention-2), fused (cuDNN), unfused/local (math); flash4: "
+           "FlashAttention-4's kernels (pip install 'gptrain[flash4]'; Hopper/Blackwell, no attention "
+           "dropout); auto: flash4 where it can run, else PyTorch's pick")
     a("--linear-impl", choices=["auto", "cublaslt", "torch"], default="auto",
       help="cublaslt: linear layers' matmuls autotuned through cuBLASLt where the device allows (CUDA, "
            "bf16/fp16 parameters); torch: PyTorch's own; auto: cublaslt from 16384 tokens per micro-batch")

@@ -14,9 +14,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-import torch.utils.checkpoint
+from torch.utils.checkpoint import checkpoint
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from gptrain.kernels import flash4
 from gptrain.kernels.cublaslt import unavailable_reason as cublaslt_unavailable
 from gptrain.model.linear import linear, linear_weight, mlp
 from gptrain.model.loss import lm_cross_entropy
@@ -29,6 +30,9 @@ SDPA_BACKENDS = {
     "fused": [SDPBackend.CUDNN_ATTENTION],
     "unfused": [SDPBackend.MATH],
     "local": [SDPBackend.MATH],
+    # FlashAttention-4's kernels on packed QKV where GPT.use_flash4 enables them (kernels/flash4.py);
+    # SDPA's own choice where they cannot run
+    "flash4": None,
 }
 
 
@@ -110,6 +114,7 @@ class CausalSelfAttention(nn.Module):
         self.backends = SDPA_BACKENDS[cfg.attention_backend]
         self.recompute_core = cfg.recompute == "selective"
         self.tuned = False  # set by GPT.use_cublaslt once device and dtype are final
+        self.flash4 = False  # set by GPT.use_flash4
 
     def core_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         dropout = self.attention_dropout if self.training else 0.0
@@ -120,10 +125,14 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, h = x.shape
-        qkv = linear(x, self.qkv, self.tuned)
-        q, k, v = qkv.view(b, s, 3, self.num_heads, h // self.num_heads).permute(2, 0, 3, 1, 4)
+        qkv = linear(x, self.qkv, self.tuned).view(b, s, 3, self.num_heads, h // self.num_heads)
+        if self.flash4:  # reads q, k, v in place and returns (b, s, heads, dim): no transposes
+            core = flash4.causal_attention
+            y = checkpoint(core, qkv, use_reentrant=False) if self.recompute_core and self.training else core(qkv)
+            return linear(y.reshape(b, s, h), self.proj, self.tuned)
+        q, k, v = qkv.permute(2, 0, 3, 1, 4)
         if self.recompute_core and self.training:
-            y = torch.utils.checkpoint.checkpoint(self.core_attention, q, k, v, use_reentrant=False)
+            y = checkpoint(self.core_attention, q, k, v, use_reentrant=False)
         else:
             y = self.core_attention(q, k, v)
         return linear(y.transpose(1, 2).reshape(b, s, h), self.proj, self.tuned)
@@ -183,6 +192,20 @@ class GPT(nn.Module):
         self.tuned_head = reason is None
         return reason
 
+    def use_flash4(self, allow_reference: bool = False) -> str | None:
+        """Run every layer's core attention on FlashAttention-4's kernels (kernels/flash4.py);
+        returns why not where they cannot (device, dtype, dropout, package missing).
+        ``allow_reference`` lets the CPU take the same ops as plain PyTorch (tests)."""
+        weight = self.word_embeddings.weight
+        dropout = self.cfg.attention_dropout
+        head_dim = self.cfg.hidden_size // self.cfg.num_attention_heads
+        reason = flash4.unavailable_reason(weight.device, weight.dtype, head_dim, dropout)
+        if allow_reference and weight.device.type == "cpu" and not dropout:
+            reason = None
+        for block in self.layers.values():
+            block.attn.flash4 = reason is None
+        return reason
+
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:
         """Megatron's init: N(0, std) weights, output projections N(0, std / sqrt(2 L)), zero biases.
@@ -208,7 +231,7 @@ class GPT(nn.Module):
         x = F.dropout(x, self.cfg.hidden_dropout, self.training)
         for block in self.layers.values():
             if self.cfg.recompute == "full" and self.training:
-                x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
+                x = checkpoint(block, x, use_reentrant=False)
             else:
                 x = block(x)
         return self.final_layernorm(x)

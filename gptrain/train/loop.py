@@ -111,6 +111,7 @@ class Trainer:
         # with --bf16/--fp16 the model turns half precision here and the optimizer steps fp32 main copies
         self.main = MainParams(model, torch.bfloat16 if p.bf16 else torch.float16) if p.half_params else None
         self.linear_impl = self._use_cublaslt(model, cfg)
+        self.attention_impl = self._use_flash4(model, cfg)
         # what the optimizer updates and checkpoints hold, by name
         self.opt_params = self.main.named() if self.main else dict(model.named_parameters())
         self.optimizer = build_optimizer(self.opt_params, cfg)
@@ -152,6 +153,20 @@ class Trainer:
         if reason is not None:
             return f"torch (cuBLASLt not usable: {reason})"
         return "cuBLASLt, autotuned" + (", bias-GELU fused" if cfg.model.bias_gelu_fusion else "")
+
+    @staticmethod
+    def _use_flash4(model: GPT, cfg: RunConfig) -> str:
+        """Switch core attention to FlashAttention-4 under --attention-backend auto/flash4 where it
+        can run; says what runs. Asked for by name and unable to run is an error, not a fallback."""
+        backend = cfg.model.attention_backend
+        if backend not in ("auto", "flash4"):
+            return f"SDPA (--attention-backend {backend})"
+        reason = model.use_flash4()
+        if reason is None:
+            return "FlashAttention-4 on packed QKV"
+        if backend == "flash4":
+            raise ValueError(f"--attention-backend flash4 cannot run: {reason}")
+        return f"SDPA, PyTorch's pick (FlashAttention-4 not usable: {reason})"
 
     # ---- precision helpers
     def _autocast(self):

@@ -126,6 +126,7 @@ def train_main(argv: list[str], log=None) -> int:
             + (f"; fp8 ({p.fp8}, {p.fp8_recipe} scaling) in {trainer.fp8_layers} linear layers"
                + (" (emulated: no fp8 GPU)" if device.type != "cuda" else "") if p.fp8 else ""))
         log(f" > linear layers: {trainer.linear_impl}")
+        log(f" > attention: {trainer.attention_impl}")
         trainer.load()
         log("training ...")
         trainer.train()

@@ -17,6 +17,8 @@
 #   q: the same after putting cuDNN's forward before FlashAttention-4's backward (the default): kernel
 #      check, micro-batch 64 against the baseline, micro-batch 16 with it and with cuDNN alone
 #   r: loss over 300 iterations (micro-batch 16, no dropout, real data): cuDNN, FA2 (SDPA), flash4
+#   s: the loss gradient written in the forward pass (kernels/xent.py): kernel check, micro-batch 64
+#      against the baseline twice, micro-batch 16, and the 300-iteration loss of part r
 #   e: real indexed data vs synthetic step time; fp8 vs bf16 loss over 300 iterations
 # (parts a and b of the first session measured the first version; their logs are in benchmarks/logs/)
 set -uo pipefail
@@ -41,6 +43,20 @@ setup_fa4() {
   export PYTHONPATH=$PYTHONPATH:/tmp/fa4w:/tmp/fa4w/nvidia_cutlass_dsl/dsl_packages
 }
 case "$1" in
+s)  # session 4: loss + gradient in one kernel in the forward pass (with FlashAttention-4 and cuBLASLt)
+  setup_fa4 || exit 3
+  timeout 100 python3 benchmarks/check_xent.py 2>&1 | grep -v -i warn | tee "$OUT/s0_check_xent.txt" || exit 4
+  bench s1_mbs64 220 --micro-batch-size 64 --warmup 5 --iters 10
+  bench s2_mbs16 90 --micro-batch-size 16 --warmup 6 --iters 15 --no-baseline
+  mkdir -p /tmp/d && $G data builtin --output /tmp/d/builtin.jsonl >/dev/null && \
+    $G preprocess --input /tmp/d/builtin.jsonl --output-prefix /tmp/d/builtin --append-eod --workers 8 --no-progress >/dev/null
+  timeout 110 $G train $M345 $ND --lr 0.00015 --lr-decay-iters 5000 --lr-decay-style cosine --min-lr 1.0e-5 \
+    --weight-decay 1e-2 --lr-warmup-fraction .01 --clip-grad 1.0 --bf16 --compile --split 949,50,1 --eval-iters 0 \
+    --eval-interval 100000 --micro-batch-size 16 --train-iters 300 --log-interval 25 \
+    --data-path /tmp/d/builtin_text_document 2>&1 | grep -E "iteration|attention:|linear layers:|Error" \
+    | tee "$OUT/s3_loss.txt" | grep -E "attention:|linear|iteration +(25|150|300)/|Error"
+  bench s4_mbs64_again 220 --micro-batch-size 64 --warmup 5 --iters 10
+  ;;
 q)  # session 4: cuDNN forward + FlashAttention-4 backward on packed QKV (auto's pick when installed)
   setup_fa4 || exit 3
   timeout 150 python3 benchmarks/check_flash4.py 2>&1 | grep -v -i warn | tee "$OUT/q0_check_flash4.txt"

@@ -9,12 +9,19 @@ The fused path computes the loss and both gradients chunk by chunk in the forwar
 (tokens x vocabulary) logits of the whole batch never exist at once: at micro-batch 16 and seq
 1024 that saves the 1.6 GB bf16 logits, their gradient and the fp32 copies of the plain loss. Each
 chunk's softmax and gradient run as one compiled kernel when ``compiled`` is set.
+
+With the output layer on the cuBLASLt ops (``tuned``), the plain path takes the loss's gradient in
+the forward pass too, but over the whole batch (``_TunedHeadCrossEntropy``): one kernel writes each
+token's loss and ``softmax - onehot`` in place of nothing else (kernels/xent.py), the logits are
+freed at once, and the backward is two matmuls of that gradient scaled by the incoming gradient.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
+from gptrain.kernels.ops import linear_dgrad, linear_fwd, linear_wgrad
+from gptrain.kernels.xent import softmax_xent
 from gptrain.model.linear import linear_weight
 
 CHUNK_ELEMENTS = 1 << 27  # logits per chunk at most (256 MB in bf16)
@@ -88,7 +95,30 @@ def _fused(h, weight, labels, vocab_size, compiled):
     return _FusedLinearCrossEntropy.apply(h, weight, labels, vocab_size, _compute_dtype(h), compiled)
 
 
+class _TunedHeadCrossEntropy(torch.autograd.Function):
+    """Mean cross-entropy of ``h @ weight.T``: d loss / d logits = (softmax - onehot) / tokens is
+    known in the forward pass up to the incoming gradient, a scalar, so it is computed there
+    (unscaled, which keeps fp16 gradients clear of underflow) and the backward scales the two
+    matmul outputs instead of the (tokens x vocabulary) gradient."""
+
+    @staticmethod
+    def forward(ctx, h, weight, labels, vocab_size: int):
+        losses, grad_logits = softmax_xent(linear_fwd(h, weight, None), labels, vocab_size)
+        ctx.save_for_backward(h, weight, grad_logits)
+        return losses.mean()
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        h, weight, grad_logits = ctx.saved_tensors
+        scale = grad_out / grad_logits.shape[0]
+        grad_h = (linear_dgrad(grad_logits, weight) * scale).to(h.dtype) if ctx.needs_input_grad[0] else None
+        grad_w = (linear_wgrad(grad_logits, h) * scale).to(weight.dtype) if ctx.needs_input_grad[1] else None
+        return grad_h, grad_w, None, None
+
+
 def _plain(h, weight, labels, vocab_size, tuned=False):
+    if tuned and torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad):
+        return _TunedHeadCrossEntropy.apply(h, weight, labels, vocab_size)
     logits = _mask_padding(linear_weight(h, weight, tuned), vocab_size)
     return F.cross_entropy(logits.float(), labels)
 

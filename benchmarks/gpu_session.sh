@@ -19,6 +19,8 @@
 #   r: loss over 300 iterations (micro-batch 16, no dropout, real data): cuDNN, FA2 (SDPA), flash4
 #   s: the loss gradient written in the forward pass (kernels/xent.py): kernel check, micro-batch 64
 #      against the baseline twice, micro-batch 16, and the 300-iteration loss of part r
+#   t: the same with the gradient written over the logits (peak memory): check, micro-batch 16,
+#      micro-batch 64 against the baseline twice
 #   e: real indexed data vs synthetic step time; fp8 vs bf16 loss over 300 iterations
 # (parts a and b of the first session measured the first version; their logs are in benchmarks/logs/)
 set -uo pipefail
@@ -43,6 +45,13 @@ setup_fa4() {
   export PYTHONPATH=$PYTHONPATH:/tmp/fa4w:/tmp/fa4w/nvidia_cutlass_dsl/dsl_packages
 }
 case "$1" in
+t)  # session 4: final code
+  setup_fa4 || exit 3
+  timeout 100 python3 benchmarks/check_xent.py 2>&1 | grep -v -i warn | tee "$OUT/t0_check_xent.txt" || exit 4
+  bench t1_mbs16 90 --micro-batch-size 16 --warmup 6 --iters 15 --no-baseline
+  bench t2_mbs64 220 --micro-batch-size 64 --warmup 5 --iters 10
+  bench t3_mbs64_again 220 --micro-batch-size 64 --warmup 5 --iters 10
+  ;;
 s)  # session 4: loss + gradient in one kernel in the forward pass (with FlashAttention-4 and cuBLASLt)
   setup_fa4 || exit 3
   timeout 100 python3 benchmarks/check_xent.py 2>&1 | grep -v -i warn | tee "$OUT/s0_check_xent.txt" || exit 4

@@ -4,7 +4,7 @@ autograd through F.cross_entropy, and the tuned output layer + loss against the 
 import torch
 import torch.nn.functional as F
 
-from gptrain.kernels.xent import softmax_xent
+from gptrain.kernels.xent import linear_softmax_xent, softmax_xent
 from gptrain.model.loss import lm_cross_entropy
 
 
@@ -38,3 +38,14 @@ def test_tuned_head_loss_equals_plain_and_scales_with_incoming_gradient():
     assert our_w[33:].abs().max() == 0  # padding rows of the output layer get no gradient
     with torch.no_grad():  # evaluation takes the plain path: no gradient to write
         torch.testing.assert_close(lm_cross_entropy(h, w, labels, 33, fused=False, tuned=True), plain)
+
+
+def test_linear_softmax_xent_equals_matmul_then_softmax_xent():
+    torch.manual_seed(2)
+    h, w = torch.randn(6, 8), torch.randn(24, 8)
+    labels = torch.randint(0, 20, (6,))
+    loss, grad = linear_softmax_xent(h, w, labels, 20)
+    ref_loss, ref_grad = softmax_xent(h @ w.T, labels, 20)
+    torch.testing.assert_close(loss, ref_loss)
+    torch.testing.assert_close(grad, ref_grad)
+    torch.library.opcheck(linear_softmax_xent, (h, w, labels, 20))

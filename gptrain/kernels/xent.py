@@ -16,6 +16,8 @@ import functools
 
 import torch
 
+from gptrain.kernels.ops import linear_fwd
+
 _BLOCK = 4096  # columns per step: 8 KB of bf16, a row of 50304 in 13 steps
 
 
@@ -65,20 +67,41 @@ def _reference(logits: torch.Tensor, labels: torch.Tensor, vocab_size: int) -> t
     return loss.float(), grad.to(logits.dtype)
 
 
+def _launch(logits: torch.Tensor, grad: torch.Tensor, labels: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    rows, width = logits.shape
+    loss = torch.empty(rows, dtype=torch.float32, device=logits.device)
+    _kernel()[(rows,)](logits, grad, labels, loss, logits.stride(0), grad.stride(0), vocab_size, width,
+                       BLOCK=_BLOCK, num_warps=16)
+    return loss
+
+
 @torch.library.custom_op("gptrain::softmax_xent", mutates_args=())
 def softmax_xent(logits: torch.Tensor, labels: torch.Tensor, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-row loss (fp32) and d loss / d logits (the logits' dtype) of (rows x width) logits
     against labels (rows,), counting only the first vocab_size columns."""
     if not logits.is_cuda:
         return _reference(logits, labels, vocab_size)
-    rows, width = logits.shape
-    loss = torch.empty(rows, dtype=torch.float32, device=logits.device)
     grad = torch.empty_like(logits)
-    _kernel()[(rows,)](logits, grad, labels, loss, logits.stride(0), grad.stride(0), vocab_size, width,
-                       BLOCK=_BLOCK, num_warps=16)
-    return loss, grad
+    return _launch(logits, grad, labels, vocab_size), grad
 
 
 @softmax_xent.register_fake
 def _(logits, labels, vocab_size):
     return logits.new_empty(logits.shape[0], dtype=torch.float32), torch.empty_like(logits)
+
+
+@torch.library.custom_op("gptrain::linear_softmax_xent", mutates_args=())
+def linear_softmax_xent(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                        vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``softmax_xent(h @ weight.T)`` with the gradient written over the logits: one (rows x width)
+    buffer instead of two at the loss, the peak of a training step's memory."""
+    logits = linear_fwd(h, weight, None)
+    if not logits.is_cuda:
+        return _reference(logits, labels, vocab_size)
+    # in place is safe: each program reads a block of its own row before it writes that block
+    return _launch(logits, logits, labels, vocab_size), logits
+
+
+@linear_softmax_xent.register_fake
+def _(h, weight, labels, vocab_size):
+    return h.new_empty(h.shape[0], dtype=torch.float32), h.new_empty(h.shape[0], weight.shape[0])

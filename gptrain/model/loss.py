@@ -12,16 +12,16 @@ chunk's softmax and gradient run as one compiled kernel when ``compiled`` is set
 
 With the output layer on the cuBLASLt ops (``tuned``), the plain path takes the loss's gradient in
 the forward pass too, but over the whole batch (``_TunedHeadCrossEntropy``): one kernel writes each
-token's loss and ``softmax - onehot`` in place of nothing else (kernels/xent.py), the logits are
-freed at once, and the backward is two matmuls of that gradient scaled by the incoming gradient.
+token's loss and, over the logits, ``softmax - onehot`` (kernels/xent.py), so the logits and their
+gradient share one buffer, and the backward is two matmuls of that gradient scaled by the incoming gradient.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from gptrain.kernels.ops import linear_dgrad, linear_fwd, linear_wgrad
-from gptrain.kernels.xent import softmax_xent
+from gptrain.kernels.ops import linear_dgrad, linear_wgrad
+from gptrain.kernels.xent import linear_softmax_xent
 from gptrain.model.linear import linear_weight
 
 CHUNK_ELEMENTS = 1 << 27  # logits per chunk at most (256 MB in bf16)
@@ -103,7 +103,7 @@ class _TunedHeadCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, h, weight, labels, vocab_size: int):
-        losses, grad_logits = softmax_xent(linear_fwd(h, weight, None), labels, vocab_size)
+        losses, grad_logits = linear_softmax_xent(h, weight, labels, vocab_size)
         ctx.save_for_backward(h, weight, grad_logits)
         return losses.mean()
 

@@ -21,6 +21,7 @@
 #      against the baseline twice, micro-batch 16, and the 300-iteration loss of part r
 #   t: the same with the gradient written over the logits (peak memory): check, micro-batch 16,
 #      micro-batch 64 against the baseline twice
+#   u: real indexed data vs synthetic on the final code (micro-batch 16 and 64)
 #   e: real indexed data vs synthetic step time; fp8 vs bf16 loss over 300 iterations
 # (parts a and b of the first session measured the first version; their logs are in benchmarks/logs/)
 set -uo pipefail
@@ -45,6 +46,20 @@ setup_fa4() {
   export PYTHONPATH=$PYTHONPATH:/tmp/fa4w:/tmp/fa4w/nvidia_cutlass_dsl/dsl_packages
 }
 case "$1" in
+u)  # session 4: real data vs --mock-data with FlashAttention-4, cuBLASLt and the forward-pass loss gradient
+  setup_fa4 || exit 3
+  mkdir -p /tmp/d && $G data builtin --output /tmp/d/builtin.jsonl >/dev/null && \
+    $G preprocess --input /tmp/d/builtin.jsonl --output-prefix /tmp/d/builtin --append-eod --workers 8 --no-progress >/dev/null
+  TRAIN="$M345 $ND --lr 0.00015 --lr-decay-iters 5000 --lr-decay-style cosine --min-lr 1.0e-5 --weight-decay 1e-2
+    --lr-warmup-fraction .01 --clip-grad 1.0 --bf16 --compile --split 949,50,1 --eval-iters 0 --eval-interval 100000"
+  for run in "16 100" "64 60"; do set -- $run
+    for src in "--data-path /tmp/d/builtin_text_document" "--mock-data"; do
+      echo "== micro-batch $1, $src" | tee -a "$OUT/u1_real_vs_mock.txt"
+      timeout 140 $G train $TRAIN --micro-batch-size $1 --train-iters $2 --log-interval 20 $src 2>&1 \
+        | grep -E "iteration|attention:|Error" | tee -a "$OUT/u1_real_vs_mock.txt" | grep -E "iteration +($2)/|Error"
+    done
+  done
+  ;;
 t)  # session 4: final code
   setup_fa4 || exit 3
   timeout 100 python3 benchmarks/check_xent.py 2>&1 | grep -v -i warn | tee "$OUT/t0_check_xent.txt" || exit 4

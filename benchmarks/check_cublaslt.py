@@ -12,6 +12,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from cuda_timing import cuda_ms  # benchmarks/cuda_timing.py
 from gptrain.kernels import cublaslt as lt
 from gptrain.kernels.ops import gelu_tanh_derivative, linear_bias_gelu, linear_dgelu, linear_fwd, linear_wgrad
 from gptrain.model.linear import mlp
@@ -55,17 +56,6 @@ def check_mlp_grads(m: int, h: int, f: int) -> None:
         errs = ", ".join(f"{n} {rel_err(a, r):.1e}" for n, a, r in zip(names, grads, ref_grads))
         print(f"MLP bf16 tuned={tuned} fused={fuse} vs fp32: out {rel_err(y, ref):.1e}; grads {errs}")
 
-
-def cuda_ms(fn, reps: int = 20) -> float:
-    for _ in range(3):
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / reps
 
 
 def time_gemms(m: int, h: int, f: int, vocab: int) -> None:

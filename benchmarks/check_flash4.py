@@ -10,6 +10,7 @@ import time
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from cuda_timing import cuda_ms  # benchmarks/cuda_timing.py
 from gptrain.kernels import flash4
 
 
@@ -47,18 +48,6 @@ def check_numerics(b=2, s=1024, h=16, d=64):
               + " / ".join(f"{rel(x.grad[:, :, i], ref_in.grad[:, :, i]):.2e}" for i in range(3)), flush=True)
 
 
-def timed(fn, iters=20):
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / iters
-
 
 def bench(b, s=1024, h=16, d=64):
     qkv = torch.randn(b, s, 3, h, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -69,12 +58,12 @@ def bench(b, s=1024, h=16, d=64):
     print("| --- | --- | --- | --- | --- |")
     for name, fn in CANDIDATES.items():
         with torch.no_grad():
-            t_fwd = timed(lambda: fn(qkv))
+            t_fwd = cuda_ms(lambda: fn(qkv))
 
         def step():
             fn(qkv).backward(grad)
             qkv.grad = None
-        t_all = timed(step)
+        t_all = cuda_ms(step)
         print(f"| {name} | {t_fwd:.3f} | {fwd_flops / t_fwd / 1e9:.0f} | {t_all:.3f} | "
               f"{3.5 * fwd_flops / t_all / 1e9:.0f} |", flush=True)
 

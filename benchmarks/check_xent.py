@@ -7,22 +7,11 @@ and backward on the same bf16 logits (16384 tokens x 50304 columns, 50257 of the
 import torch
 import torch.nn.functional as F
 
+from cuda_timing import cuda_ms  # benchmarks/cuda_timing.py
 from gptrain.kernels import xent
 
 ROWS, WIDTH, VOCAB = 16384, 50304, 50257
 
-
-def timed(fn, iters=20):
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / iters
 
 
 def compiled_ce(logits, labels):
@@ -53,8 +42,8 @@ def main():
     def compiled_fwd_bwd():
         ce(leaf, labels).backward()
         leaf.grad = None
-    t_ours = timed(lambda: xent.softmax_xent(logits, labels, VOCAB))
-    t_ref = timed(compiled_fwd_bwd)
+    t_ours = cuda_ms(lambda: xent.softmax_xent(logits, labels, VOCAB))
+    t_ref = cuda_ms(compiled_fwd_bwd)
     gb = ROWS * WIDTH * 2 / 1e9
     print(f"softmax_xent (loss + gradient): {t_ours:.3f} ms ({2 * gb / t_ours:.2f} TB/s for 1 read + 1 write)")
     print(f"compiled cross-entropy forward + backward: {t_ref:.3f} ms; ratio {t_ref / t_ours:.2f}x")

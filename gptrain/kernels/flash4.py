@@ -44,6 +44,8 @@ def unavailable_reason(device: torch.device, dtype: torch.dtype, head_dim: int, 
         _interface()
     except ImportError as err:
         return f"flash-attn-4 not installed ({err}); pip install 'gptrain[flash4]'"
+    except (RuntimeError, OSError) as err:  # installed but its CuTe runtime does not load
+        return f"flash-attn-4 does not load: {err}"
     return None
 
 

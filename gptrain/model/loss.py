@@ -97,9 +97,8 @@ def _fused(h, weight, labels, vocab_size, compiled):
 
 class _TunedHeadCrossEntropy(torch.autograd.Function):
     """Mean cross-entropy of ``h @ weight.T``: d loss / d logits = (softmax - onehot) / tokens is
-    known in the forward pass up to the incoming gradient, a scalar, so it is computed there
-    (unscaled, which keeps fp16 gradients clear of underflow) and the backward scales the two
-    matmul outputs instead of the (tokens x vocabulary) gradient."""
+    known in the forward pass up to the incoming gradient, a scalar, so it is computed there and
+    the backward scales the two matmul outputs instead of the (tokens x vocabulary) gradient."""
 
     @staticmethod
     def forward(ctx, h, weight, labels, vocab_size: int):
@@ -117,7 +116,9 @@ class _TunedHeadCrossEntropy(torch.autograd.Function):
 
 
 def _plain(h, weight, labels, vocab_size, tuned=False):
-    if tuned and torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad):
+    # not fp16: the unscaled gradient's matmuls sum over all tokens, which fp16 could overflow at a
+    # small loss scale where the scaled plain path would not (bf16 has fp32's range)
+    if tuned and h.dtype != torch.float16 and torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad):
         return _TunedHeadCrossEntropy.apply(h, weight, labels, vocab_size)
     logits = _mask_padding(linear_weight(h, weight, tuned), vocab_size)
     return F.cross_entropy(logits.float(), labels)

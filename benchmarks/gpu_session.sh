@@ -32,6 +32,13 @@ G="python3 -m gptrain"
 M345="--num-layers 24 --hidden-size 1024 --num-attention-heads 16 --seq-length 1024 --max-position-embeddings 1024"
 ND="--hidden-dropout 0 --attention-dropout 0"  # the baseline has no dropout: compare like with like
 BEST=${BEST:-}
+# the seeds/000 optimizer and split flags for the loss runs on the built-in corpus
+OPT="--lr 0.00015 --lr-decay-iters 5000 --lr-decay-style cosine --min-lr 1.0e-5 --weight-decay 1e-2
+  --lr-warmup-fraction .01 --clip-grad 1.0 --bf16 --compile --split 949,50,1 --eval-iters 0 --eval-interval 100000"
+builtin_data() {  # the built-in corpus, preprocessed to /tmp/d/builtin_text_document
+  mkdir -p /tmp/d && $G data builtin --output /tmp/d/builtin.jsonl >/dev/null &&
+    $G preprocess --input /tmp/d/builtin.jsonl --output-prefix /tmp/d/builtin --append-eod --workers 8 --no-progress >/dev/null
+}
 bench() {  # NAME LIMIT_S FLAGS...
   local name=$1 limit=$2; shift 2
   echo "== $name: $*" | tee "$OUT/$name.txt"
@@ -48,10 +55,8 @@ setup_fa4() {
 case "$1" in
 u)  # session 4: real data vs --mock-data with FlashAttention-4, cuBLASLt and the forward-pass loss gradient
   setup_fa4 || exit 3
-  mkdir -p /tmp/d && $G data builtin --output /tmp/d/builtin.jsonl >/dev/null && \
-    $G preprocess --input /tmp/d/builtin.jsonl --output-prefix /tmp/d/builtin --append-eod --workers 8 --no-progress >/dev/null
-  TRAIN="$M345 $ND --lr 0.00015 --lr-decay-iters 5000 --lr-decay-style cosine --min-lr 1.0e-5 --weight-decay 1e-2
-    --lr-warmup-fraction .01 --clip-grad 1.0 --bf16 --compile --split 949,50,1 --eval-iters 0 --eval-interval 100000"
+  builtin_data
+  TRAIN="$M345 $ND $OPT"
   for run in "16 100" "64 60"; do set -- $run
     for src in "--data-path /tmp/d/builtin_text_document" "--mock-data"; do
       echo "== micro-batch $1, $src" | tee -a "$OUT/u1_real_vs_mock.txt"
@@ -72,11 +77,8 @@ s)  # session 4: loss + gradient in one kernel in the forward pass (with FlashAt
   timeout 100 python3 benchmarks/check_xent.py 2>&1 | grep -v -i warn | tee "$OUT/s0_check_xent.txt" || exit 4
   bench s1_mbs64 220 --micro-batch-size 64 --warmup 5 --iters 10
   bench s2_mbs16 90 --micro-batch-size 16 --warmup 6 --iters 15 --no-baseline
-  mkdir -p /tmp/d && $G data builtin --output /tmp/d/builtin.jsonl >/dev/null && \
-    $G preprocess --input /tmp/d/builtin.jsonl --output-prefix /tmp/d/builtin --append-eod --workers 8 --no-progress >/dev/null
-  timeout 110 $G train $M345 $ND --lr 0.00015 --lr-decay-iters 5000 --lr-decay-style cosine --min-lr 1.0e-5 \
-    --weight-decay 1e-2 --lr-warmup-fraction .01 --clip-grad 1.0 --bf16 --compile --split 949,50,1 --eval-iters 0 \
-    --eval-interval 100000 --micro-batch-size 16 --train-iters 300 --log-interval 25 \
+  builtin_data
+  timeout 110 $G train $M345 $ND $OPT --micro-batch-size 16 --train-iters 300 --log-interval 25 \
     --data-path /tmp/d/builtin_text_document 2>&1 | grep -E "iteration|attention:|linear layers:|Error" \
     | tee "$OUT/s3_loss.txt" | grep -E "attention:|linear|iteration +(25|150|300)/|Error"
   bench s4_mbs64_again 220 --micro-batch-size 64 --warmup 5 --iters 10
@@ -90,10 +92,8 @@ q)  # session 4: cuDNN forward + FlashAttention-4 backward on packed QKV (auto's
   ;;
 r)  # the loss with each attention kernel (no dropout: FlashAttention-4 has none)
   setup_fa4 || exit 3
-  mkdir -p /tmp/d && $G data builtin --output /tmp/d/builtin.jsonl && \
-    $G preprocess --input /tmp/d/builtin.jsonl --output-prefix /tmp/d/builtin --append-eod --workers 8 --no-progress
-  TRAIN="$M345 $ND --lr 0.00015 --lr-decay-iters 5000 --lr-decay-style cosine --min-lr 1.0e-5 --weight-decay 1e-2
-    --lr-warmup-fraction .01 --clip-grad 1.0 --bf16 --compile --split 949,50,1 --eval-iters 0 --eval-interval 100000"
+  builtin_data
+  TRAIN="$M345 $ND $OPT"
   for b in fused flash flash4; do
     timeout 150 $G train $TRAIN --attention-backend $b --micro-batch-size 16 --train-iters 300 --log-interval 25 \
       --data-path /tmp/d/builtin_text_document 2>&1 | grep -E "iteration|attention:|Error" | tee -a "$OUT/r1_loss_attention.txt" \
@@ -160,8 +160,7 @@ j)  # activation recompute at micro-batch 16: selective (core attention) and ful
   bench j2_mbs16_full 130 --micro-batch-size 16 --warmup 6 --iters 15 --checkpoint-activations --no-baseline $BEST
   ;;
 k)  # fp16 with fp16 parameters + fp32 main params (Megatron's --fp16) vs fp16 autocast: seeds/000 flags
-  mkdir -p /tmp/d && $G data builtin --output /tmp/d/builtin.jsonl && \
-    $G preprocess --input /tmp/d/builtin.jsonl --output-prefix /tmp/d/builtin --append-eod --workers 8 --no-progress
+  builtin_data
   for mode in "" "--autocast"; do
     echo "== fp16 $mode" | tee -a "$OUT/k1_fp16_modes.txt"
     timeout 150 $G train $M345 --micro-batch-size 8 --global-batch-size 8 --lr 0.00015 --train-iters 300 \
@@ -181,10 +180,8 @@ o)  # after the alignment change: kernel check, micro-batch 16, and the loss ove
     # seeds/000 flags (micro-batch 8, dropout 0.1, real data) with cuBLASLt linears vs torch's
   timeout 150 python3 benchmarks/check_cublaslt.py 2>&1 | grep -v -i warn | tee "$OUT/o0_check_cublaslt.txt" | head -6
   bench o1_mbs16 130 --micro-batch-size 16 --warmup 6 --iters 15 --no-baseline
-  mkdir -p /tmp/d && $G data builtin --output /tmp/d/builtin.jsonl && \
-    $G preprocess --input /tmp/d/builtin.jsonl --output-prefix /tmp/d/builtin --append-eod --workers 8 --no-progress
-  TRAIN="$M345 --lr 0.00015 --lr-decay-iters 5000 --lr-decay-style cosine --min-lr 1.0e-5 --weight-decay 1e-2
-    --lr-warmup-fraction .01 --clip-grad 1.0 --bf16 --compile --split 949,50,1 --eval-iters 0 --eval-interval 100000"
+  builtin_data
+  TRAIN="$M345 $OPT"
   for impl in cublaslt torch; do
     timeout 200 $G train $TRAIN --linear-impl $impl --micro-batch-size 8 --train-iters 300 --log-interval 25 \
       --data-path /tmp/d/builtin_text_document 2>&1 | grep -E "iteration|memory|linear layers" | tee -a "$OUT/o2_loss_cublaslt_vs_torch.txt" \
@@ -192,10 +189,8 @@ o)  # after the alignment change: kernel check, micro-batch 16, and the loss ove
   done
   ;;
 e)
-  mkdir -p /tmp/d && $G data builtin --output /tmp/d/builtin.jsonl && \
-    $G preprocess --input /tmp/d/builtin.jsonl --output-prefix /tmp/d/builtin --append-eod --workers 8 --no-progress
-  TRAIN="$M345 --lr 0.00015 --lr-decay-iters 5000 --lr-decay-style cosine --min-lr 1.0e-5 --weight-decay 1e-2
-    --lr-warmup-fraction .01 --clip-grad 1.0 --bf16 --compile --split 949,50,1 --eval-iters 0 --eval-interval 100000"
+  builtin_data
+  TRAIN="$M345 $OPT"
   # real data vs synthetic: same step, 100 iterations at micro-batch 16, logged every 20
   for src in "--data-path /tmp/d/builtin_text_document" "--mock-data"; do
     timeout 200 $G train $TRAIN $ND $BEST --micro-batch-size 16 --train-iters 100 --log-interval 20 $src 2>&1 \

@@ -17,8 +17,8 @@ import torch.nn.functional as F
 
 from gptrain.config import parse_megatron_args
 from gptrain.data.gpt_dataset import MockGPTDataset
-from gptrain.model.gpt import GPT
 from gptrain.train import metrics
+from gptrain.train.build import build_training, parallel_dims
 from gptrain.train.loop import MicroBatchLoader, Trainer
 
 
@@ -91,14 +91,13 @@ def _measure(step, warmup: int, iters: int, device) -> tuple[float, float, float
 
 def synthetic_trainer(argv: list[str], iters: int) -> tuple[Trainer, MicroBatchLoader]:
     """The real Trainer (``gptrain train``'s) on synthetic tokens, and a loader feeding it."""
-    cfg, _ = parse_megatron_args(argv + ["--mock-data", "--train-iters", str(iters)])
+    cfg, _ = parse_megatron_args(argv + ["--mock-data", "--train-iters", str(iters)], world_size=1)
     device = torch.device(cfg.train.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    model = GPT(cfg.model)
-    model.init_weights(cfg.data.seed)
-    model.to(device)
+    dims = parallel_dims(cfg, 1)
+    parts = build_training(cfg, device, dims, None, log=lambda s: None)
     data = MockGPTDataset("train", 10 ** 9, cfg.model.seq_length, cfg.model.vocab_size, cfg.data.seed)
-    trainer = Trainer(cfg, model, data, None, None, device, log=lambda s: None)
-    return trainer, MicroBatchLoader(data, 0, cfg.train.micro_batch_size, device)
+    trainer = Trainer(cfg, parts, data, None, None, device, log=lambda s: None)
+    return trainer, trainer.loader(data, 0)
 
 
 def bench_gptrain(argv: list[str], warmup: int, iters: int):
@@ -138,13 +137,13 @@ def bench_baseline(cfg, device, warmup: int, iters: int, compile_model: bool = T
 
 
 def _levers(cfg, impls: dict[str, str]) -> str:
-    p, m = cfg.precision, cfg.model
+    p, m = cfg.precision, cfg.kernels
     params = f"{p.name} params + fp32 main params" if p.half_params else f"{p.name} autocast, fp32 params" \
         if p.name != "fp32" else "fp32"
     parts = [params, f"fp8 {p.fp8}/{p.fp8_recipe}" if p.fp8 else "no fp8",
              "fused chunked loss" if m.fused_cross_entropy else "plain loss",
              f"recompute {m.recompute}" if m.recompute else "no recompute",
-             f"dropout {m.hidden_dropout}/{m.attention_dropout}", f"compile {cfg.train.compile}",
+             f"dropout {cfg.model.hidden_dropout}/{cfg.model.attention_dropout}", f"compile {cfg.train.compile}",
              *(f"{what} {impl}" for what, impl in impls.items())]
     return ", ".join(parts)
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 from dataclasses import dataclass, field
 
 from gptrain.model.gpt import GPTConfig
@@ -22,6 +23,8 @@ class DataConfig:
     merge_file: str | None = None
     data_cache_path: str | None = None
     seed: int = 1234
+    eod_mask_loss: bool = False  # tokens whose input is the end-of-document token do not count
+    eod_token: int | None = None  # set from the tokenizer
 
 
 @dataclass
@@ -127,15 +130,54 @@ class TrainConfig:
 
 
 @dataclass
+class KernelConfig:
+    """How the model's math runs (never what it computes): kernels, the loss's implementation,
+    activation recompute. Installed on a built model by kernels/convert.py and parallel/parallelize.py."""
+    # Megatron's names: auto, flash, fused (cuDNN), unfused/local (math); flash4: FlashAttention-4
+    attention_backend: str = "auto"
+    # "cublaslt": every linear layer's matmuls autotuned through cuBLASLt where the device allows
+    # (model/linear.py), "torch": PyTorch's own, "auto": cublaslt for micro-batches large enough to
+    # hide its host cost; with cublaslt, fc1's bias and GELU go into its epilogues
+    linear_impl: str = "auto"
+    bias_gelu_fusion: bool = True
+    # chunked loss that never holds the whole batch's logits (benchmarks/RESULTS.md has its cost)
+    fused_cross_entropy: bool = False
+    recompute: str | None = None  # None, "full" (whole blocks) or "selective" (core attention)
+
+    def __post_init__(self):
+        if self.recompute not in (None, "full", "selective"):
+            raise ValueError(f"recompute {self.recompute!r}: use full or selective")
+        if self.linear_impl not in ("auto", "cublaslt", "torch"):
+            raise ValueError(f"--linear-impl {self.linear_impl}: use auto, cublaslt or torch")
+        if self.attention_backend not in ("auto", "flash", "fused", "unfused", "local", "flash4"):
+            raise ValueError(f"--attention-backend {self.attention_backend}: use auto, flash, fused, unfused, "
+                             "local or flash4")
+
+
+@dataclass
+class ParallelConfig:
+    """The layout asked for; the data-parallel size is what the world size leaves (parallel/dims.py)."""
+    tensor_parallel: int = 1
+    pipeline_parallel: int = 1
+    zero_stage: int = 0  # 1: optimizer state sharded, 2: + gradients, 3: + parameters (FSDP2)
+    cpu_offload: bool = False  # stage 3: parameters, gradients and optimizer state in host memory
+    deepspeed_config: str | None = None  # the ds.json it came from, if any
+
+
+@dataclass
 class RunConfig:
     model: GPTConfig
     data: DataConfig
     optim: OptimConfig
     precision: PrecisionConfig
     train: TrainConfig
+    kernels: KernelConfig = field(default_factory=KernelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+
+    SECTIONS = ("model", "data", "optim", "precision", "train", "kernels", "parallel")
 
     def to_dict(self) -> dict:
-        return {name: dataclasses.asdict(getattr(self, name)) for name in ("model", "data", "optim", "precision", "train")}
+        return {name: dataclasses.asdict(getattr(self, name)) for name in self.SECTIONS}
 
 
 # flags that exist in Megatron and change nothing here, with the reason printed once
@@ -145,29 +187,25 @@ ACCEPTED_NO_OP = {
     "--no-masked-softmax-fusion": "no separate softmax kernel",
     "--no-bias-dropout-fusion": "fused by torch.compile", "--no-gradient-accumulation-fusion": "not applicable",
     "--apply-query-key-layer-scaling": "a fp16 overflow guard that SDPA does not need",
-    "--accumulate-allreduce-grads-in-fp32": "gradients are fp32 already", "--no-async-tensor-model-parallel-allreduce":
-    "single device",
+    "--accumulate-allreduce-grads-in-fp32": "gradients are always reduced in fp32",
+    "--no-async-tensor-model-parallel-allreduce": "not applicable",
+    "--overlap-grad-reduce": "gradient reduction always overlaps the backward pass (FSDP2)",
+    "--overlap-param-gather": "parameter gathers always overlap compute (FSDP2 prefetch)",
 }
 ACCEPTED_NO_OP_WITH_VALUE = {
     "--data-impl": ("mmap",), "--dataset-impl": ("mmap",), "--DDP-impl": ("local", "torch"),
     "--distributed-backend": ("nccl", "gloo"), "--tokenizer-type": ("GPT2BPETokenizer",),
-    "--tensor-model-parallel-size": ("1",), "--pipeline-model-parallel-size": ("1",),
     "--num-workers": None, "--distributed-timeout-minutes": None,
 }
 NOT_IMPLEMENTED = {
-    "--tensor-model-parallel-size": "tensor parallelism is not built yet (only size 1 runs)",
-    "--pipeline-model-parallel-size": "pipeline parallelism is not built yet (only size 1 runs)",
     "--sequence-parallel": "sequence parallelism comes with tensor parallelism, not built yet",
     "--num-layers-per-virtual-pipeline-stage": "interleaved pipelines are not built yet",
-    "--deepspeed": "DeepSpeed is not used; ZeRO sharding is not built yet",
-    "--deepspeed_config": "DeepSpeed is not used", "--zero-stage": "ZeRO sharding is not built yet",
-    "--use-distributed-optimizer": "the sharded optimizer is not built yet",
     "--rampup-batch-size": "batch-size ramp-up is not implemented",
     "--swiglu": "only the GPT-2 MLP is implemented", "--use-rotary-position-embeddings": "only learned positions",
     "--position-embedding-type": "only learned absolute positions", "--normalization": "only LayerNorm",
     "--untie-embeddings-and-output-weights": "the output layer is tied to the embeddings",
     "--split-sentences": "sentence splitting is not implemented", "--reset-position-ids": "not implemented",
-    "--reset-attention-mask": "not implemented", "--eod-mask-loss": "not implemented",
+    "--reset-attention-mask": "not implemented",
     "--override-opt_param-scheduler": "not implemented", "--use-checkpoint-opt_param-scheduler": "not implemented",
 }
 
@@ -207,6 +245,16 @@ def _parser() -> argparse.ArgumentParser:
            "bf16/fp16 parameters); torch: PyTorch's own; auto: cublaslt from 16384 tokens per micro-batch")
     a("--no-bias-gelu-fusion", action="store_false", dest="bias_gelu_fusion",
       help="plain fc1 -> GELU -> fc2 instead of fc1's bias and GELU in its cuBLASLt matmul epilogues")
+    # parallelism (the data-parallel size is what the world size leaves)
+    a("--tensor-model-parallel-size", type=int, default=1)
+    a("--pipeline-model-parallel-size", type=int, default=1)
+    a("--zero-stage", type=int, default=None, choices=[0, 1, 2, 3],
+      help="ZeRO sharding on FSDP2: 1 optimizer state, 2 + gradients, 3 + parameters")
+    a("--use-distributed-optimizer", action="store_true", help="Megatron's sharded optimizer (= --zero-stage 1)")
+    a("--cpu-offload", action="store_true", help="with --zero-stage 3: parameters and optimizer state in host memory")
+    a("--deepspeed", action="store_true", help="Megatron-DeepSpeed: take ZeRO and precision from --deepspeed_config")
+    a("--deepspeed_config", "--deepspeed-config", dest="deepspeed_config", default=None,
+      help="a DeepSpeed ds.json: zero_optimization, fp16/bf16, batch sizes and clipping are honoured")
     # data
     a("--data-path", nargs="+", default=[])
     a("--split", default="969,30,1")
@@ -215,8 +263,9 @@ def _parser() -> argparse.ArgumentParser:
     a("--merge-file", default=None)
     a("--data-cache-path", default=None)
     a("--seed", type=int, default=1234)
+    a("--eod-mask-loss", action="store_true", help="tokens whose input is the end-of-document token do not count")
     # optimisation
-    a("--micro-batch-size", type=int, default=1)
+    a("--micro-batch-size", type=int, default=None, help="default 1")
     a("--global-batch-size", type=int, default=None)
     a("--train-iters", type=int, default=None)
     a("--train-samples", type=int, default=None)
@@ -285,15 +334,14 @@ def _recompute_mode(args) -> str | None:
     return None
 
 
-def parse_megatron_args(argv: list[str]) -> tuple[RunConfig, list[str]]:
-    """Translate ``pretrain_gpt.py`` flags; returns the config and notes on accepted no-op flags."""
+def parse_megatron_args(argv: list[str], world_size: int | None = None) -> tuple[RunConfig, list[str]]:
+    """Translate ``pretrain_gpt.py`` flags; returns the config and notes on accepted no-op flags.
+    ``world_size`` (default: torchrun's WORLD_SIZE) resolves a ds.json's batch sizes."""
+    if world_size is None:
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
     for flag in NOT_IMPLEMENTED:
-        if flag in argv and flag not in ACCEPTED_NO_OP_WITH_VALUE:
+        if flag in argv:
             raise ValueError(f"{flag} is a Megatron flag gptrain does not implement: {NOT_IMPLEMENTED[flag]}")
-        if flag in ACCEPTED_NO_OP_WITH_VALUE and flag in argv:
-            value = argv[argv.index(flag) + 1] if argv.index(flag) + 1 < len(argv) else ""
-            if value != "1":
-                raise ValueError(f"{flag} {value}: {NOT_IMPLEMENTED[flag]}")
     known_flags = {o for action in _parser()._actions for o in action.option_strings}
     unknown = [x.split("=")[0] for x in argv if x.startswith("--") and x.split("=")[0] not in known_flags]
     if unknown:
@@ -310,19 +358,36 @@ def parse_megatron_args(argv: list[str]) -> tuple[RunConfig, list[str]]:
             raise ValueError(f"{flag} {value}: only {' or '.join(allowed)} is supported")
     if not args.mock_data and not args.data_path:
         raise ValueError("give --data-path PREFIX (or weight/prefix pairs), or --mock-data")
+    if args.deepspeed and not args.deepspeed_config:
+        raise ValueError("--deepspeed needs --deepspeed_config ds.json")
+    zero_stage = args.zero_stage if args.zero_stage is not None else 1 if args.use_distributed_optimizer else 0
+    if args.use_distributed_optimizer and zero_stage == 0:
+        raise ValueError("--use-distributed-optimizer is ZeRO stage 1; it contradicts --zero-stage 0")
+    parallel = ParallelConfig(tensor_parallel=args.tensor_model_parallel_size,
+                              pipeline_parallel=args.pipeline_model_parallel_size, zero_stage=zero_stage,
+                              cpu_offload=args.cpu_offload, deepspeed_config=args.deepspeed_config)
+    if args.deepspeed_config:
+        notes += _apply_deepspeed_config(args, parallel, world_size)
+    if args.micro_batch_size is None:
+        args.micro_batch_size = 1
+    if args.global_batch_size is None:  # Megatron's default: one micro-batch per data-parallel rank
+        model_parallel = max(1, args.tensor_model_parallel_size * args.pipeline_model_parallel_size)
+        args.global_batch_size = args.micro_batch_size * max(1, world_size // model_parallel)
     model = GPTConfig(
         num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
         ffn_hidden_size=args.ffn_hidden_size, seq_length=args.seq_length,
         max_position_embeddings=args.max_position_embeddings,
-        make_vocab_size_divisible_by=args.make_vocab_size_divisible_by, init_method_std=args.init_method_std,
+        make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
+        tensor_parallel_size=args.tensor_model_parallel_size, init_method_std=args.init_method_std,
         attention_dropout=args.attention_dropout, hidden_dropout=args.hidden_dropout,
-        layernorm_epsilon=args.layernorm_epsilon, recompute=_recompute_mode(args),
-        fused_cross_entropy=args.fused_cross_entropy, attention_backend=args.attention_backend,
-        linear_impl=args.linear_impl, bias_gelu_fusion=args.bias_gelu_fusion,
+        layernorm_epsilon=args.layernorm_epsilon,
     )
+    kernels = KernelConfig(recompute=_recompute_mode(args), fused_cross_entropy=args.fused_cross_entropy,
+                           attention_backend=args.attention_backend, linear_impl=args.linear_impl,
+                           bias_gelu_fusion=args.bias_gelu_fusion)
     data = DataConfig(data_path=args.data_path, split=args.split, mock_data=args.mock_data,
                       vocab_file=args.vocab_file, merge_file=args.merge_file,
-                      data_cache_path=args.data_cache_path, seed=args.seed)
+                      data_cache_path=args.data_cache_path, seed=args.seed, eod_mask_loss=args.eod_mask_loss)
     optim = OptimConfig(lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay, adam_beta1=args.adam_beta1,
                         adam_beta2=args.adam_beta2, adam_eps=args.adam_eps, clip_grad=args.clip_grad,
                         lr_decay_style=args.lr_decay_style, lr_decay_iters=args.lr_decay_iters,
@@ -341,4 +406,34 @@ def parse_megatron_args(argv: list[str]) -> tuple[RunConfig, list[str]]:
         compile_mode=args.compile_mode, peak_tflops=args.peak_tflops,
         device=args.device, no_load_optim=args.no_load_optim, no_load_rng=args.no_load_rng, finetune=args.finetune,
     )
-    return RunConfig(model, data, optim, precision, train), notes
+    return RunConfig(model, data, optim, precision, train, kernels, parallel), notes
+
+
+def _apply_deepspeed_config(args, parallel: ParallelConfig, world_size: int) -> list[str]:
+    """Fold a ds.json into the flags (precision, loss scaling, batch sizes, clipping) and the layout
+    (ZeRO stage, CPU offload); a value that contradicts a flag is an error naming both."""
+    from gptrain.parallel.deepspeed_config import read_deepspeed_config, resolve_batch_sizes
+
+    ds = read_deepspeed_config(args.deepspeed_config)
+    name = args.deepspeed_config
+    if ds.fp16 and args.bf16 or ds.bf16 and args.fp16:
+        raise ValueError(f"{name}: {'fp16' if ds.fp16 else 'bf16'}.enabled contradicts "
+                         f"{'--bf16' if args.bf16 else '--fp16'}")
+    args.fp16 = args.fp16 or bool(ds.fp16)
+    args.bf16 = args.bf16 or bool(ds.bf16)
+    for field_name in ("loss_scale", "initial_loss_scale", "loss_scale_window", "hysteresis", "min_loss_scale"):
+        value = getattr(ds, field_name)
+        if value is not None:
+            setattr(args, field_name, value)
+    if ds.gradient_clipping is not None:
+        args.clip_grad = ds.gradient_clipping
+    if args.zero_stage is not None and args.zero_stage != ds.zero_stage:
+        raise ValueError(f"{name}: zero_optimization.stage {ds.zero_stage} contradicts --zero-stage {args.zero_stage}")
+    parallel.zero_stage = max(parallel.zero_stage, ds.zero_stage)
+    parallel.cpu_offload = parallel.cpu_offload or ds.cpu_offload
+    dp = max(1, world_size // max(1, args.tensor_model_parallel_size * args.pipeline_model_parallel_size))
+    args.micro_batch_size, args.global_batch_size = resolve_batch_sizes(ds, dp, args.micro_batch_size,
+                                                                        args.global_batch_size)
+    return [f"{name}: {note}" for note in ds.notes] + [
+        f"{name}: ZeRO stage {parallel.zero_stage}" + (", CPU offload" if parallel.cpu_offload else "")
+        + f", micro-batch {args.micro_batch_size}, global batch {args.global_batch_size}"]

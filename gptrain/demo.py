@@ -61,7 +61,7 @@ def demo_main(argv: list[str]) -> int:
     losses = [float(m.group(1)) for m in (re.search(r"\| lm loss: (\S+) \|", s) for s in lines) if m]
     cfg, tokenizer = setup(flags, log=lambda s: None)
     model = build_model(cfg, torch.device("cuda" if torch.cuda.is_available() else "cpu"), log=lambda s: None)
-    load_checkpoint(cfg.train.save, model, None, load_rng=False)
+    load_checkpoint(cfg.train.save, dict(model.named_parameters()), None, cfg.model.vocab_size, load_rng=False)
     tok = GPT2Tokenizer()
     sample = tok.decode(greedy(model, tok.encode(args.prompt), 40, stop_id=tok.eod))
     print(f"== sample (greedy) for {args.prompt!r}:\n{args.prompt}{sample}")

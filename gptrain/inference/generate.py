@@ -14,7 +14,7 @@ def greedy(model: GPT, prompt: list[int], max_new_tokens: int, stop_id: int | No
     window = model.cfg.max_position_embeddings
     for _ in range(max_new_tokens):
         context = torch.tensor([tokens[-window:]], device=device)
-        next_id = int(model(context)[0, -1].argmax())
+        next_id = int(model.logits(context)[0, -1].argmax())
         if next_id == stop_id:
             break
         tokens.append(next_id)

@@ -4,7 +4,7 @@
 Why not SDPA: torch's SDPA has no FlashAttention-3/4 kernel for Hopper, and it takes q, k, v as
 separate tensors, so the backward writes dq, dk, dv apart and autograd then copies them into the
 qkv gradient. Here the forward reads q, k, v as strided views of the qkv matmul's output
-(batch, seq, 3, heads, head_dim) and the backward writes its gradients straight into one packed
+(batch, seq, heads, 3, head_dim), Megatron's per-head order, and the backward writes its gradients straight into one packed
 buffer of that layout: no transposes and no gradient assembly.
 
 The package is optional (``pip install 'gptrain[flash4]'``); ``unavailable_reason`` says why the
@@ -52,7 +52,7 @@ def unavailable_reason(device: torch.device, dtype: torch.dtype, head_dim: int, 
 def _probabilities(qkv: torch.Tensor, scale: float) -> tuple[torch.Tensor, ...]:
     """q, k, v as (batch, heads, seq, dim) in fp32 (or fp64), the causal softmax P and each row's
     log-sum-exp."""
-    q, k, v = qkv.to(torch.promote_types(qkv.dtype, torch.float32)).permute(2, 0, 3, 1, 4)
+    q, k, v = qkv.to(torch.promote_types(qkv.dtype, torch.float32)).permute(3, 0, 2, 1, 4)
     s = q.size(2)
     scores = (q @ k.transpose(-1, -2)) * scale
     scores = scores.masked_fill(torch.ones(s, s, dtype=torch.bool, device=qkv.device).triu(1), float("-inf"))
@@ -61,7 +61,7 @@ def _probabilities(qkv: torch.Tensor, scale: float) -> tuple[torch.Tensor, ...]:
 
 
 def _reference(qkv: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """SDPA math on (batch, seq, 3, heads, dim): the output (batch, seq, heads, dim) and the
+    """SDPA math on (batch, seq, heads, 3, dim): the output (batch, seq, heads, dim) and the
     log-sum-exp of each row of scores (batch, heads, seq) in fp32, as the kernels return them."""
     _, _, v, p, lse = _probabilities(qkv, scale)
     return (p @ v).transpose(1, 2).to(qkv.dtype).contiguous(), lse.float()
@@ -75,12 +75,12 @@ def _reference_backward(grad_out: torch.Tensor, qkv: torch.Tensor, scale: float)
     dp = do @ v.transpose(-1, -2)
     ds = p * (dp - (dp * p).sum(-1, keepdim=True))
     dq, dk = (ds @ k) * scale, (ds.transpose(-1, -2) @ q) * scale
-    return torch.stack([dq, dk, dv]).permute(1, 3, 0, 2, 4).to(qkv.dtype).contiguous()
+    return torch.stack([dq, dk, dv]).permute(1, 3, 2, 0, 4).to(qkv.dtype).contiguous()
 
 
 @torch.library.custom_op("gptrain::flash4_fwd", mutates_args=())
 def flash4_fwd(qkv: torch.Tensor, scale: float, cudnn_forward: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Causal attention of packed qkv (batch, seq, 3, heads, dim): (out, lse), both contiguous.
+    """Causal attention of packed qkv (batch, seq, heads, 3, dim): (out, lse), both contiguous.
 
     ``cudnn_forward``: the forward on cuDNN's kernel (through PyTorch), which on Hopper runs head
     dim 64 faster than FlashAttention-4's (benchmarks/RESULTS.md); its log-sum-exp is the same
@@ -88,8 +88,8 @@ def flash4_fwd(qkv: torch.Tensor, scale: float, cudnn_forward: bool) -> tuple[to
     if not qkv.is_cuda:
         return _reference(qkv, scale)
     if cudnn_forward:
-        b, s, _, h, _ = qkv.shape
-        q, k, v = qkv.permute(2, 0, 3, 1, 4)
+        b, s, h, _, _ = qkv.shape
+        q, k, v = qkv.permute(3, 0, 2, 1, 4)
         out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(
             q, k, v, None, True, 0.0, True, False, scale=scale)[:2]
         lse = lse.squeeze(-1) if lse.dim() == 4 else lse
@@ -98,14 +98,14 @@ def flash4_fwd(qkv: torch.Tensor, scale: float, cudnn_forward: bool) -> tuple[to
                                f"expected {(b, h, s)}; use --attention-backend fused")
         # cuDNN lays its output out like q, (batch, seq, heads, dim) in memory: no copy here
         return out.transpose(1, 2).contiguous(), lse.contiguous()
-    q, k, v = qkv.unbind(2)
+    q, k, v = qkv.unbind(3)
     out, lse, *_ = _interface()._flash_attn_fwd(q, k, v, softmax_scale=scale, causal=True, return_lse=True)
     return out, lse
 
 
 @flash4_fwd.register_fake
 def _(qkv, scale, cudnn_forward):
-    b, s, _, h, d = qkv.shape
+    b, s, h, _, d = qkv.shape
     return qkv.new_empty(b, s, h, d), qkv.new_empty(b, h, s, dtype=torch.float32)
 
 
@@ -116,8 +116,8 @@ def flash4_bwd(grad_out: torch.Tensor, qkv: torch.Tensor, out: torch.Tensor, lse
     if not qkv.is_cuda:
         return _reference_backward(grad_out, qkv, scale)
     grad = torch.empty_like(qkv)
-    dq, dk, dv = grad.unbind(2)
-    q, k, v = qkv.unbind(2)
+    dq, dk, dv = grad.unbind(3)
+    q, k, v = qkv.unbind(3)
     _interface()._flash_attn_bwd(q, k, v, out, grad_out, lse, scale, True, dq=dq, dk=dk, dv=dv)
     return grad
 
@@ -143,7 +143,7 @@ flash4_fwd.register_autograd(_backward, setup_context=_setup)
 
 
 def causal_attention(qkv: torch.Tensor, cudnn_forward: bool = True) -> torch.Tensor:
-    """softmax(q k^T / sqrt(d), causal) v for packed qkv (batch, seq, 3, heads, dim); returns
+    """softmax(q k^T / sqrt(d), causal) v for packed qkv (batch, seq, heads, 3, dim); returns
     (batch, seq, heads, dim), the layout the output projection reads without a transpose. The
     backward always runs FlashAttention-4's kernel; the forward cuDNN's unless told otherwise."""
     return flash4_fwd(qkv, qkv.shape[-1] ** -0.5, cudnn_forward)[0]
@@ -151,5 +151,5 @@ def causal_attention(qkv: torch.Tensor, cudnn_forward: bool = True) -> torch.Ten
 
 def sdpa_causal_attention(qkv: torch.Tensor) -> torch.Tensor:
     """The same through SDPA (for comparisons)."""
-    q, k, v = qkv.permute(2, 0, 3, 1, 4)
+    q, k, v = qkv.permute(3, 0, 2, 1, 4)
     return F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2)

@@ -1,14 +1,14 @@
 """Linear layers and the MLP on the custom matmul ops of ``gptrain.kernels.ops``.
 
-``linear`` is ``layer(x)`` with its three matmuls (forward with the bias in its epilogue, input
+``TunedLinear`` is ``nn.Linear`` with its three matmuls (forward with the bias in its epilogue, input
 gradient, weight gradient) as autotuned cuBLASLt calls; bias gradients are plain sums, which
-torch.compile fuses into the kernel that produced the gradient. ``mlp`` is fc1 -> tanh GELU ->
-fc2; with ``fuse_bias_gelu`` (Megatron's --bias-gelu-fusion, as TransformerEngine runs it) fc1's
-bias and GELU live in its forward matmul's epilogue, which also writes GELU's input for the
+torch.compile fuses into the kernel that produced the gradient. In ``FusedBiasGeluMLP`` (fc1 ->
+tanh GELU -> fc2; Megatron's --bias-gelu-fusion, as TransformerEngine runs it) fc1's bias and GELU live in its forward matmul's epilogue, which also writes GELU's input for the
 backward, and the backward matmul through fc2's weight applies GELU's derivative in its own
 epilogue: the 4h-wide activation never takes an extra trip through memory for elementwise work.
 
-With ``tuned`` off both are the plain modules (which fp8's Float8Linear replaces).
+Both are installed by the kernel converter (kernels/convert.py) as module swaps; without it the
+model keeps plain ``nn.Linear`` (which fp8's Float8Linear replaces).
 """
 from __future__ import annotations
 
@@ -56,17 +56,22 @@ class _FusedMLP(torch.autograd.Function):
         return grad_x, linear_wgrad(grad_pre, x2), grad_pre.sum(0), linear_wgrad(g, act), g.sum(0)
 
 
-def linear(x: torch.Tensor, layer: nn.Linear, tuned: bool) -> torch.Tensor:
-    return _Linear.apply(x, layer.weight, layer.bias) if tuned else layer(x)
+class TunedLinear(nn.Linear):
+    """``nn.Linear`` whose three matmuls run on the autotuned cuBLASLt ops (same parameters, same
+    names: the kernel converter swaps the class of an existing layer)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _Linear.apply(x, self.weight, self.bias)
+
+
+class FusedBiasGeluMLP(nn.Module):
+    """fc1 -> tanh GELU -> fc2 with fc1's bias and GELU in its matmul's epilogue and GELU's
+    derivative in the backward's (Megatron's --bias-gelu-fusion); swapped in for ``MLP``."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _FusedMLP.apply(x, self.fc1.weight, self.fc1.bias, self.fc2.weight, self.fc2.bias)
 
 
 def linear_weight(x: torch.Tensor, weight: torch.Tensor, tuned: bool) -> torch.Tensor:
     """``x @ weight.T`` without a module (the tied output layer)."""
     return _Linear.apply(x, weight, None) if tuned else F.linear(x, weight)
-
-
-def mlp(x: torch.Tensor, fc1: nn.Linear, fc2: nn.Linear, tuned: bool, fuse_bias_gelu: bool) -> torch.Tensor:
-    if tuned and fuse_bias_gelu:
-        return _FusedMLP.apply(x, fc1.weight, fc1.bias, fc2.weight, fc2.bias)
-    # tanh GELU: Megatron's fused bias-GELU and Hugging Face GPT-2's "gelu_new"
-    return linear(F.gelu(linear(x, fc1, tuned), approximate="tanh"), fc2, tuned)

@@ -18,6 +18,7 @@ gradient share one buffer, and the backward is two matmuls of that gradient scal
 from __future__ import annotations
 
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
 
 from gptrain.kernels.ops import linear_dgrad, linear_wgrad
@@ -125,9 +126,33 @@ def _plain(h, weight, labels, vocab_size, tuned=False):
 
 
 def lm_cross_entropy(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, vocab_size: int,
-                     fused: bool = True, compiled: bool = False, tuned: bool = False) -> torch.Tensor:
-    """Mean cross-entropy of logits ``h @ weight[:vocab_size].T`` over all tokens of ``labels``."""
+                     fused: bool = True, compiled: bool = False, tuned: bool = False,
+                     loss_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Mean cross-entropy of logits ``h @ weight[:vocab_size].T`` over the tokens of ``labels``
+    (Megatron's ``sum(losses * loss_mask) / sum(loss_mask)`` with a mask)."""
     h2, y = h.reshape(-1, h.shape[-1]), labels.reshape(-1)
+    if loss_mask is not None:  # --eod-mask-loss: per-token losses on the plain path
+        logits = _mask_padding(linear_weight(h2, weight, False), vocab_size)
+        losses = F.cross_entropy(logits.float(), y, reduction="none")
+        mask = loss_mask.reshape(-1).to(losses.dtype)
+        return (losses * mask).sum() / mask.sum().clamp(min=1.0)
     if fused:
         return _fused(h2, weight, y, vocab_size, compiled)
     return _plain(h2, weight, y, vocab_size, tuned)
+
+
+class LMLoss(nn.Module):
+    """The language-model loss chosen by config: the plain loss (default), or chunked fused
+    linear + cross-entropy (``--fused-cross-entropy``). The kernel converter sets ``tuned`` (the
+    output layer on cuBLASLt, loss gradient in the forward pass) and ``compiled`` (the fused
+    loss's chunk kernel under --compile). No parameters: the output layer's weight is passed in."""
+
+    def __init__(self, vocab_size: int, fused: bool = False):
+        super().__init__()
+        self.vocab_size, self.fused = vocab_size, fused
+        self.tuned = self.compiled = False
+
+    def forward(self, h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                loss_mask: torch.Tensor | None = None) -> torch.Tensor:
+        return lm_cross_entropy(h, weight, labels, self.vocab_size, fused=self.fused, compiled=self.compiled,
+                                tuned=self.tuned, loss_mask=loss_mask)

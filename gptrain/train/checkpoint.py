@@ -1,15 +1,18 @@
-"""Checkpoints in Megatron's directory layout, with no pickled code inside.
+"""Checkpoints in Megatron's directory layout through ``torch.distributed.checkpoint`` (DCP): every
+rank writes its own shards, nothing pickled is ever loaded as code, and shapes do not depend on the
+layout (the word embeddings are stored at the real vocabulary's size, without the padding).
 
-    SAVE/latest_checkpointed_iteration.txt   "500" (or "release")
-    SAVE/iter_0000500/model.safetensors      fp32 weights by gptrain parameter name (the main copies
-                                             when the model itself runs in bf16)
-    SAVE/iter_0000500/optimizer.safetensors  AdamW moments by parameter name, and step counts
-    SAVE/iter_0000500/rng.safetensors        torch CPU/CUDA generator states, numpy's MT state
-    SAVE/iter_0000500/state.json             iteration, consumed samples, lr schedule, loss scaler,
-                                             python/numpy RNG scalars, the resolved run config
+    SAVE/latest_checkpointed_iteration.txt    "500" (or "release")
+    SAVE/iter_0000500/.metadata, __*_*.distcp  DCP: "model/<name>" fp32 weights (the main copies when
+                                               the model itself runs in bf16), "optim/<name>/<key>"
+                                               AdamW state
+    SAVE/iter_0000500/rng_rank00000.safetensors, rng_rank00000.json   each rank's generator states
+    SAVE/iter_0000500/state.json              iteration, consumed samples, lr schedule, loss scaler,
+                                              layout, the resolved run config
 
-Everything is written into a temporary directory that is renamed into place, then the tracker file
-is replaced atomically: a crash mid-save leaves the previous checkpoint as the latest.
+Everything is written into a temporary directory that rank 0 renames into place once every rank
+has finished, then the tracker file is replaced atomically: a crash mid-save leaves the previous
+checkpoint as the latest.
 """
 from __future__ import annotations
 
@@ -21,9 +24,16 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file, save_file
+from torch.distributed.tensor import DTensor
+
+from gptrain.model.gpt import copy_full_into
+from gptrain.parallel.collectives import barrier, distributed
 
 TRACKER = "latest_checkpointed_iteration.txt"
+FORMAT = "gptrain-checkpoint/2"
+UNPADDED = "word_embeddings.weight"  # stored without the vocabulary padding
 
 
 def iteration_dir(root: str | os.PathLike, iteration: int | str) -> Path:
@@ -43,11 +53,14 @@ def read_tracker(root: str | os.PathLike) -> int | str | None:
         raise ValueError(f"{path}: expected an iteration number or 'release', found {text!r}") from None
 
 
+def _rank() -> int:
+    return torch.distributed.get_rank() if distributed() else 0
+
+
 def _rng_state() -> tuple[dict[str, torch.Tensor], dict]:
     tensors = {"torch_cpu": torch.get_rng_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
-        for i, state in enumerate(torch.cuda.get_rng_state_all()):
-            tensors[f"torch_cuda_{i}"] = state
+        tensors["torch_cuda"] = torch.cuda.get_rng_state()
     np_state = np.random.get_state()
     tensors["numpy_keys"] = torch.from_numpy(np.asarray(np_state[1], dtype=np.int64))
     py_version, py_internal, py_gauss = random.getstate()
@@ -58,89 +71,113 @@ def _rng_state() -> tuple[dict[str, torch.Tensor], dict]:
 
 def _set_rng_state(tensors: dict[str, torch.Tensor], scalars: dict) -> None:
     torch.set_rng_state(tensors["torch_cpu"])
-    cuda = [tensors[k] for k in sorted(k for k in tensors if k.startswith("torch_cuda_"))]
-    if cuda and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(cuda[: torch.cuda.device_count()])
+    if "torch_cuda" in tensors and torch.cuda.is_available():
+        torch.cuda.set_rng_state(tensors["torch_cuda"])
     name, pos, has_gauss, cached = scalars["numpy"]
     np.random.set_state((name, tensors["numpy_keys"].numpy().astype(np.uint32), pos, has_gauss, cached))
     version, internal, gauss = scalars["python"]
     random.setstate((version, tuple(internal), gauss))
 
 
-def _params(model_or_params) -> dict[str, torch.Tensor]:
-    """The tensors a checkpoint holds, by name: a module's parameters, or a given name -> tensor map
-    (the fp32 main parameters when the model itself is bf16)."""
-    if isinstance(model_or_params, torch.nn.Module):
-        return dict(model_or_params.named_parameters())
-    return dict(model_or_params)
+def _unpadded(name: str, t: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """What is stored for ``t``: the embedding-shaped tensors whole and cut to the real vocabulary
+    (the same on every rank, so DCP writes it once), everything else as it is (DTensor shards)."""
+    if name != UNPADDED or t.dim() != 2:
+        return t
+    full = t.full_tensor() if isinstance(t, DTensor) else t
+    return full.detach()[:vocab_size].float().cpu()
 
 
-def _optimizer_tensors(params: dict[str, torch.Tensor], optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
-    out = {}
-    for name, param in params.items():
-        state = optimizer.state.get(param, {})
-        for key, value in state.items():
-            out[f"{name}::{key}"] = value.detach().reshape(value.shape).to("cpu").contiguous()
+def init_optimizer_state(params: dict[str, torch.Tensor], optimizer: torch.optim.Optimizer) -> None:
+    """Give every parameter AdamW's state (zeros), so a checkpoint can be loaded into it in place."""
+    for p in params.values():
+        if p not in optimizer.state or not optimizer.state[p]:
+            optimizer.state[p] = {"step": torch.zeros((), dtype=torch.float32, device=p.device),
+                                  "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
+                                  "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format)}
+
+
+def _state_dict(params: dict[str, torch.Tensor], optimizer: torch.optim.Optimizer | None,
+                vocab_size: int) -> dict[str, torch.Tensor]:
+    out = {f"model/{name}": _unpadded(name, p, vocab_size) for name, p in params.items()}
+    if optimizer is not None:
+        for name, p in params.items():
+            for key, value in optimizer.state.get(p, {}).items():
+                out[f"optim/{name}/{key}"] = _unpadded(name, value, vocab_size)
     return out
 
 
-def save_checkpoint(root: str | os.PathLike, iteration: int, model, optimizer: torch.optim.Optimizer,
-                    state: dict) -> Path:
-    """``model``: a module, or a name -> tensor map of the parameters the optimizer updates."""
-    params = _params(model)
+def save_checkpoint(root: str | os.PathLike, iteration: int, params: dict[str, torch.Tensor],
+                    optimizer: torch.optim.Optimizer, state: dict, vocab_size: int) -> Path:
+    """``params``: the name -> tensor map the optimizer updates (fp32 main copies, or FSDP2's
+    fp32 shards). Every rank calls this."""
     root = Path(root)
-    root.mkdir(parents=True, exist_ok=True)
     final = iteration_dir(root, iteration)
-    tmp = root / f".{final.name}.tmp-{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir()
-    weights = {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in params.items()}
-    save_file(weights, tmp / "model.safetensors")
-    save_file(_optimizer_tensors(params, optimizer), tmp / "optimizer.safetensors")
+    tmp = root / f".{final.name}.tmp"
+    rank = _rank()
+    if rank == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir()
+    barrier()
+    dcp.save(_state_dict(params, optimizer, vocab_size), checkpoint_id=tmp)
     rng_tensors, rng_scalars = _rng_state()
-    save_file(rng_tensors, tmp / "rng.safetensors")
-    (tmp / "state.json").write_text(json.dumps({**state, "iteration": iteration, "rng": rng_scalars}, indent=1))
-    if final.exists():
-        shutil.rmtree(final)
-    os.replace(tmp, final)
-    tracker_tmp = root / f".{TRACKER}.tmp-{os.getpid()}"
-    tracker_tmp.write_text(str(iteration))
-    os.replace(tracker_tmp, root / TRACKER)
+    save_file(rng_tensors, tmp / f"rng_rank{rank:05d}.safetensors")
+    (tmp / f"rng_rank{rank:05d}.json").write_text(json.dumps(rng_scalars))
+    barrier()
+    if rank == 0:
+        (tmp / "state.json").write_text(json.dumps({**state, "iteration": iteration, "format": FORMAT}, indent=1))
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        tracker_tmp = root / f".{TRACKER}.tmp"
+        tracker_tmp.write_text(str(iteration))
+        os.replace(tracker_tmp, root / TRACKER)
+    barrier()
     return final
 
 
-def load_checkpoint(root: str | os.PathLike, model, optimizer: torch.optim.Optimizer | None,
-                    load_rng: bool = True) -> dict | None:
-    """Restore into ``model`` (a module or a name -> tensor map, as for saving) and ``optimizer``;
-    return the saved state dict, or None if there is no checkpoint."""
+def load_checkpoint(root: str | os.PathLike, params: dict[str, torch.Tensor],
+                    optimizer: torch.optim.Optimizer | None, vocab_size: int, load_rng: bool = True) -> dict | None:
+    """Restore into ``params`` (as for saving) and ``optimizer``; return the saved state dict, or
+    None if there is no checkpoint."""
     iteration = read_tracker(root)
     if iteration is None:
         return None
     path = iteration_dir(root, iteration)
-    if not (path / "model.safetensors").is_file():
-        raise FileNotFoundError(f"{path}/model.safetensors is missing although {Path(root) / TRACKER} names it "
+    if (path / "model.safetensors").is_file():
+        raise ValueError(f"{path} is a gptrain-checkpoint/1 checkpoint, written before the fused QKV rows took "
+                         "Megatron's per-head order; it cannot be resumed by this version (retrain, or load it "
+                         "with gptrain 0.1)")
+    if not (path / ".metadata").is_file():
+        raise FileNotFoundError(f"{path}/.metadata is missing although {Path(root) / TRACKER} names it "
                                 "(a Megatron model_optim_rng.pt checkpoint must be imported first)")
-    params = _params(model)
-    device = next(iter(params.values())).device
-    weights = load_file(path / "model.safetensors", device=str(device))
-    missing, unexpected = sorted(set(params) - set(weights)), sorted(set(weights) - set(params))
-    if missing or unexpected:
-        raise ValueError(f"{path}: checkpoint does not fit the model (missing {missing[:3]}, "
-                         f"unexpected {unexpected[:3]}): check the model flags against the saved config")
-    with torch.no_grad():
-        for name, tensor in params.items():
-            if weights[name].shape != tensor.shape:
-                raise ValueError(f"{path}: {name} has shape {tuple(weights[name].shape)} in the checkpoint and "
-                                 f"{tuple(tensor.shape)} in the model: check the model flags against the saved config")
-            tensor.copy_(weights[name])
+    if optimizer is not None:
+        init_optimizer_state(params, optimizer)
+    targets = _state_dict(params, optimizer, vocab_size)
+    stored = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    missing = sorted(k for k in targets if k not in stored and (k.startswith("model/") or optimizer is not None))
+    if missing:
+        raise ValueError(f"{path}: checkpoint does not fit the model (missing {missing[:3]}): check the model flags "
+                         "against the saved config")
+    for key, target in targets.items():
+        shape = tuple(stored[key].size) if hasattr(stored[key], "size") else None
+        if shape is not None and shape != tuple(target.shape):
+            raise ValueError(f"{path}: {key.split('/', 1)[1]} has shape {shape} in the checkpoint and "
+                             f"{tuple(target.shape)} in the model: check the model flags against the saved config")
+    dcp.load(targets, checkpoint_id=path)
+    # the unpadded embedding-shaped tensors were read whole: pad with zeros and keep this rank's shard
+    for key, value in targets.items():
+        name = key.split("/")[1]
+        if name != UNPADDED or value.dim() != 2:
+            continue
+        dest = params[name] if key.startswith("model/") else optimizer.state[params[name]][key.rsplit("/", 1)[1]]
+        padded = torch.zeros(dest.shape, dtype=torch.float32)
+        padded[:vocab_size] = value
+        copy_full_into(dest, padded)
     state = json.loads((path / "state.json").read_text())
-    if optimizer is not None and (path / "optimizer.safetensors").is_file():
-        saved = load_file(path / "optimizer.safetensors", device=str(device))
-        for name, param in params.items():
-            entries = {k.split("::", 1)[1]: v for k, v in saved.items() if k.split("::", 1)[0] == name}
-            if entries:
-                optimizer.state[param] = entries
-    if load_rng and (path / "rng.safetensors").is_file():
-        _set_rng_state(load_file(path / "rng.safetensors"), state["rng"])
+    rng = path / f"rng_rank{_rank():05d}.safetensors"
+    if load_rng and rng.is_file():
+        _set_rng_state(load_file(rng), json.loads(rng.with_suffix(".json").read_text()))
     return state

@@ -19,11 +19,11 @@ import numpy as np
 import torch
 
 from gptrain.config import RunConfig
-from gptrain.model.fp8 import convert_to_fp8
-from gptrain.model.gpt import GPT
+from gptrain.parallel.collectives import all_reduce_, global_norm_and_sum, world_size
+from gptrain.parallel.dims import is_logging_rank
 from gptrain.train import metrics
+from gptrain.train.build import TrainingParts
 from gptrain.train.checkpoint import load_checkpoint, save_checkpoint
-from gptrain.train.main_params import MainParams
 from gptrain.train.precision import LossScaler
 from gptrain.train.schedule import LRSchedule
 
@@ -33,11 +33,17 @@ class TrainingStopped(RuntimeError):
 
 
 class MicroBatchLoader:
-    """Consecutive micro-batches from ``start`` (a sample index), assembled and pinned in a
-    background thread so the copy to the device overlaps compute. Wraps around at the end."""
+    """This rank's micro-batches from ``start`` (a sample index), assembled and pinned in a
+    background thread so the copy to the device overlaps compute. Wraps around at the end.
 
-    def __init__(self, dataset, start: int, micro_batch_size: int, device: torch.device, prefetch: int = 4):
+    Megatron's pretraining sampler: each step of ``micro_batch_size x dp_size`` consecutive samples
+    is cut into ``dp_size`` slices and rank r reads slice r, so a global batch holds the same
+    samples in the same order at any data-parallel size."""
+
+    def __init__(self, dataset, start: int, micro_batch_size: int, device: torch.device, prefetch: int = 4,
+                 dp_rank: int = 0, dp_size: int = 1):
         self.dataset, self.position, self.mbs, self.device = dataset, start, micro_batch_size, device
+        self.dp_rank, self.dp_size = dp_rank, dp_size
         self.pin = device.type == "cuda"
         self._queue: queue.Queue = queue.Queue(maxsize=prefetch)
         self._stop = threading.Event()
@@ -49,11 +55,12 @@ class MicroBatchLoader:
         try:
             while not self._stop.is_set():
                 n = len(self.dataset)
-                batch = np.stack([self.dataset[(position + k) % n] for k in range(self.mbs)])
+                first = position + self.dp_rank * self.mbs
+                batch = np.stack([self.dataset[(first + k) % n] for k in range(self.mbs)])
                 tensor = torch.from_numpy(batch)
                 if self.pin:
                     tensor = tensor.pin_memory()
-                position += self.mbs
+                position += self.mbs * self.dp_size
                 while not self._stop.is_set():
                     try:
                         self._queue.put(tensor, timeout=0.1)
@@ -67,25 +74,13 @@ class MicroBatchLoader:
         item = self._queue.get()
         if isinstance(item, BaseException):
             raise item
-        self.position += self.mbs
+        self.position += self.mbs * self.dp_size
         batch = item.to(self.device, non_blocking=True)
         return batch[:, :-1], batch[:, 1:]
 
     def close(self) -> None:
         self._stop.set()
         self._thread.join(timeout=5)
-
-
-def build_optimizer(params: dict[str, torch.Tensor], cfg: RunConfig) -> torch.optim.AdamW:
-    """AdamW over the named parameters; biases and LayerNorm parameters without weight decay
-    (Megatron's rule)."""
-    decay, no_decay = [], []
-    for p in params.values():
-        (no_decay if p.ndim == 1 else decay).append(p)
-    groups = [{"params": decay, "weight_decay": cfg.optim.weight_decay},
-              {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=cfg.optim.lr, betas=(cfg.optim.adam_beta1, cfg.optim.adam_beta2),
-                             eps=cfg.optim.adam_eps, fused=True)
 
 
 @dataclass
@@ -95,36 +90,31 @@ class IntervalStats:
     start_time: float = 0.0
 
 
-# --linear-impl auto: below this many tokens per micro-batch the cuBLASLt ops' host cost (~290
-# ctypes/custom-op calls per micro-batch for 24 layers) outweighs their gain (H100, 345M:
-# -4.6% at 8 x 1024 tokens, +2.7% at 16 x 1024; benchmarks/RESULTS.md)
-AUTO_CUBLASLT_MIN_TOKENS = 16384
-
-
 class Trainer:
-    def __init__(self, cfg: RunConfig, model: GPT, train_ds, valid_ds, test_ds, device: torch.device,
-                 log=print, tokens_per_sample: int | None = None):
-        self.cfg, self.model, self.device, self.log = cfg, model, device, log
+    """Runs the loop over parts assembled by ``train/build.py`` (model, forward, optimizer, layout)."""
+
+    def __init__(self, cfg: RunConfig, parts: TrainingParts, train_ds, valid_ds, test_ds, device: torch.device,
+                 log=print):
+        self.cfg, self.parts, self.device = cfg, parts, device
+        self.log = log if is_logging_rank() else (lambda s: None)
+        self.model, self.main, self.forward = parts.model, parts.main, parts.forward
         self.train_ds, self.valid_ds, self.test_ds = train_ds, valid_ds, test_ds
-        p = cfg.precision
-        self.fp8_layers = convert_to_fp8(model, p.fp8, p.fp8_recipe, emulate=device.type != "cuda") if p.fp8 else 0
-        # with --bf16/--fp16 the model turns half precision here and the optimizer steps fp32 main copies
-        self.main = MainParams(model, torch.bfloat16 if p.bf16 else torch.float16) if p.half_params else None
-        self.linear_impl = self._use_cublaslt(model, cfg)
-        self.attention_impl = self._use_flash4(model, cfg)
-        # what the optimizer updates and checkpoints hold, by name
-        self.opt_params = self.main.named() if self.main else dict(model.named_parameters())
-        self.optimizer = build_optimizer(self.opt_params, cfg)
+        self.dp_rank = parts.mesh["dp"].get_local_rank() if parts.mesh is not None else 0
+        self.dp_size = parts.dims.dp
+        self.fp8_layers = parts.fp8_layers
+        self.linear_impl, self.attention_impl = parts.impls["linear layers"], parts.impls["attention"]
+        self.opt_params = parts.opt_params
+        self.optimizer = parts.optimizer
         self.schedule = LRSchedule.from_config(cfg.optim, cfg.train)
         self.scaler = LossScaler.from_config(cfg.precision)
         self.iteration = 0
         self.consumed_train = 0
         self.consumed_valid = 0
+        p = cfg.precision
         # autocast only where the parameters stay fp32 (--autocast)
         self.compute_dtype = None if p.half_params else torch.bfloat16 if p.bf16 else torch.float16 if p.fp16 else None
-        model.compile_loss = cfg.train.compile
-        self.forward = torch.compile(model, mode=cfg.train.compile_mode) if cfg.train.compile else model
-        self.tb = metrics.TensorBoard(cfg.train.tensorboard_dir)
+        self.eod = cfg.data.eod_token if cfg.data.eod_mask_loss else None
+        self.tb = metrics.TensorBoard(cfg.train.tensorboard_dir if is_logging_rank() else None)
         self.peak = metrics.device_peak_tflops(device, cfg.train.peak_tflops)
         self.flops_per_token = cfg.model.flops_per_token()
         self.params = list(self.opt_params.values())
@@ -137,36 +127,19 @@ class Trainer:
         self.last_train_loss: float | None = None
         self.first_train_loss: float | None = None
 
-    @staticmethod
-    def _use_cublaslt(model: GPT, cfg: RunConfig) -> str:
-        """Switch the model's linear layers to the cuBLASLt ops (needs the final device and dtype);
-        says what runs."""
-        if cfg.model.linear_impl == "torch":
-            return "torch (--linear-impl torch)"
-        if cfg.precision.fp8:
-            return "torch (fp8 layers do their own matmuls)"
-        tokens = cfg.train.micro_batch_size * cfg.model.seq_length
-        if cfg.model.linear_impl == "auto" and tokens < AUTO_CUBLASLT_MIN_TOKENS:
-            return (f"torch (auto: {tokens} tokens per micro-batch; cuBLASLt's host cost shows below "
-                    f"{AUTO_CUBLASLT_MIN_TOKENS}, --linear-impl cublaslt forces it)")
-        reason = model.use_cublaslt(fuse_bias_gelu=cfg.model.bias_gelu_fusion)
-        if reason is not None:
-            return f"torch (cuBLASLt not usable: {reason})"
-        return "cuBLASLt, autotuned" + (", bias-GELU fused" if cfg.model.bias_gelu_fusion else "")
+    def loader(self, dataset, start: int) -> MicroBatchLoader:
+        return MicroBatchLoader(dataset, start, self.cfg.train.micro_batch_size, self.device,
+                                dp_rank=self.dp_rank, dp_size=self.dp_size)
 
-    @staticmethod
-    def _use_flash4(model: GPT, cfg: RunConfig) -> str:
-        """Switch core attention to FlashAttention-4 under --attention-backend auto/flash4 where it
-        can run; says what runs. Asked for by name and unable to run is an error, not a fallback."""
-        backend = cfg.model.attention_backend
-        if backend not in ("auto", "flash4"):
-            return f"SDPA (--attention-backend {backend})"
-        reason = model.use_flash4()
-        if reason is None:
-            return "FlashAttention-4 on packed QKV"
-        if backend == "flash4":
-            raise ValueError(f"--attention-backend flash4 cannot run: {reason}")
-        return f"SDPA, PyTorch's pick (FlashAttention-4 not usable: {reason})"
+    @property
+    def num_micro_batches(self) -> int:
+        """Micro-batches per step on each rank: global batch / (micro-batch x data-parallel size)."""
+        t = self.cfg.train
+        return t.global_batch_size // (t.micro_batch_size * self.dp_size)
+
+    def _loss_mask(self, tokens: torch.Tensor) -> torch.Tensor | None:
+        # Megatron's --eod-mask-loss: positions whose input is the end-of-document token do not count
+        return None if self.eod is None else (tokens != self.eod).float()
 
     # ---- precision helpers
     def _autocast(self):
@@ -182,14 +155,16 @@ class Trainer:
     def state(self) -> dict:
         return {"consumed_train_samples": self.consumed_train, "consumed_valid_samples": self.consumed_valid,
                 "schedule": self.schedule.state_dict(), "scaler": self.scaler.state_dict() if self.scaler else None,
-                "config": self.cfg.to_dict(), "format": "gptrain-checkpoint/1"}
+                "config": self.cfg.to_dict(), "layout": {"dp": self.dp_size, "tp": self.parts.dims.tp,
+                                                         "pp": self.parts.dims.pp, "zero_stage": self.parts.dims.zero_stage}}
 
     def save(self) -> None:
         if not self.cfg.train.save:
             return
         start = time.perf_counter()
         self.log(f"saving checkpoint at iteration {self.iteration:7d} to {self.cfg.train.save}")
-        save_checkpoint(self.cfg.train.save, self.iteration, self.opt_params, self.optimizer, self.state())
+        save_checkpoint(self.cfg.train.save, self.iteration, self.opt_params, self.optimizer, self.state(),
+                        self.cfg.model.vocab_size)
         self.log(f"  successfully saved checkpoint at iteration {self.iteration:7d} to {self.cfg.train.save} "
                  f"({time.perf_counter() - start:.2f} s)")
 
@@ -198,7 +173,7 @@ class Trainer:
         if not t.load:
             return
         state = load_checkpoint(t.load, self.opt_params, None if (t.no_load_optim or t.finetune) else self.optimizer,
-                                load_rng=not (t.no_load_rng or t.finetune))
+                                self.cfg.model.vocab_size, load_rng=not (t.no_load_rng or t.finetune))
         if self.main is not None and state is not None:
             self.main.copy_to_model()
         if state is None:
@@ -217,15 +192,15 @@ class Trainer:
 
     # ---- one optimisation step
     def train_step(self, loader: MicroBatchLoader) -> bool | None:
-        """Forward/backward over the global batch and one update. Returns, for fp16 only, whether
-        the step was skipped (bf16/fp32 decide on the device and return None)."""
-        n_micro = self.cfg.train.num_micro_batches
+        """Forward/backward over this rank's share of the global batch and one update. Returns, for
+        fp16 only, whether the step was skipped (bf16/fp32 decide on the device and return None)."""
+        n_micro = self.num_micro_batches
         scale = self.loss_scale
         loss_acc = torch.zeros((), device=self.device)
         for _ in range(n_micro):
             tokens, labels = loader.next()
             with self._autocast():
-                loss = self.forward(tokens, labels) / n_micro
+                loss = self.forward(tokens, labels, self._loss_mask(tokens)) / n_micro
             (loss * scale if self.scaler else loss).backward()
             if self.main is not None:
                 self.main.accumulate_grads()
@@ -234,17 +209,26 @@ class Trainer:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         grads = [p.grad for p in self.params if p.grad is not None]
+        # one all-reduce gives every rank the global gradient norm and the global batch's loss
+        if self.main is not None:
+            grad_norm, loss_sum = self.main.grad_norm(), loss_acc
+        else:
+            grad_norm, loss_sum = global_norm_and_sum(grads, loss_acc)
+        loss_acc = loss_sum / world_size()
         if self.scaler is not None:
-            found_inf = torch.zeros((), device=self.device)
-            torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf,
-                                                             torch.full((), 1.0 / scale, device=self.device))
+            # the norm of the scaled gradients is non-finite exactly when one of them is, on any rank
+            found_inf = (~torch.isfinite(grad_norm)).float()
             loss_is_finite = math.isfinite(loss_acc.item())
             skipped = bool(found_inf.item()) or not loss_is_finite
             self.scaler.update(skipped)
             self._nan_run = self._nan_run * 0 if loss_is_finite else self._nan_run + 1
             if not skipped:
-                grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.optim.clip_grad, foreach=True) \
-                    if self.cfg.optim.clip_grad > 0 else torch.zeros(())
+                grad_norm = grad_norm / scale
+                # unscaling and clipping in one factor that fused AdamW divides the gradients by
+                clip = torch.clamp((grad_norm + 1e-6) / self.cfg.optim.clip_grad, min=1.0) \
+                    if self.cfg.optim.clip_grad > 0 else torch.ones((), device=self.device)
+                self.optimizer.grad_scale = clip * scale
+                self.optimizer.found_inf = None
                 self.optimizer.step()
                 self.schedule.step(self.cfg.train.global_batch_size)
                 self._grad_norm = grad_norm.detach().float()
@@ -254,10 +238,6 @@ class Trainer:
                 self._nan_count += float(not loss_is_finite)
             self._end_step(updated=not skipped)
             return skipped
-        if self.main is not None:
-            grad_norm = self.main.grad_norm()
-        else:
-            grad_norm = torch.nn.utils.get_total_norm(grads, foreach=True)
         bad = (~torch.isfinite(grad_norm) | ~torch.isfinite(loss_acc)).float()
         # fused AdamW skips the update on the device when found_inf is set, and divides the gradients
         # by grad_scale: gradient clipping (Megatron's max_norm / (norm + 1e-6) when below 1) without
@@ -288,19 +268,21 @@ class Trainer:
     # ---- evaluation
     @torch.no_grad()
     def evaluate(self, dataset, consumed: int, iters: int) -> float:
-        self.model.eval()
-        loader = MicroBatchLoader(dataset, consumed, self.cfg.train.micro_batch_size, self.device)
+        """Mean loss over ``iters`` global batches from ``consumed``, averaged over data-parallel ranks."""
+        module = self.parts.train_module
+        module.eval()
+        loader = self.loader(dataset, consumed)
         total = torch.zeros((), device=self.device)
-        n = iters * self.cfg.train.num_micro_batches
+        n = iters * self.num_micro_batches
         try:
             for _ in range(n):
                 tokens, labels = loader.next()
                 with self._autocast():
-                    total += self.model(tokens, labels).float()
+                    total += module(tokens, labels, self._loss_mask(tokens)).float()
         finally:
             loader.close()
-            self.model.train()
-        return (total / n).item()
+            module.train()
+        return (all_reduce_(total) / (n * world_size())).item()
 
     def _validate(self, where: str) -> None:
         t = self.cfg.train
@@ -331,7 +313,7 @@ class Trainer:
                                       grad_norm if advanced > 0 else None, skipped, nans)
         self.log(line + metrics.throughput_suffix(tokens_per_s, tflops, self.peak, eta))
         if not self.memory_reported:
-            mem = metrics.memory_line(0, self.iteration, self.device)
+            mem = metrics.memory_line(self.iteration, self.device)
             if mem:
                 self.log(mem)
             self.memory_reported = True
@@ -354,8 +336,8 @@ class Trainer:
 
     def train(self) -> None:
         t = self.cfg.train
-        self.model.train()
-        loader = MicroBatchLoader(self.train_ds, self.consumed_train, t.micro_batch_size, self.device)
+        self.parts.train_module.train()
+        loader = self.loader(self.train_ds, self.consumed_train)
         run_start = time.perf_counter()
         stats = IntervalStats(start_time=time.perf_counter())
         exit_reason = None

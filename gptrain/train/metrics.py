@@ -58,15 +58,22 @@ def validation_block(where: str, loss: float) -> str:
     return f"{bar}\n{line}\n{bar}"
 
 
-def memory_line(rank: int, iteration: int, device: torch.device) -> str | None:
+def memory_line(iteration: int, device: torch.device) -> str | None:
+    """Megatron's memory line; in a distributed run each figure is the maximum over the ranks
+    (every rank must call this)."""
     if device.type != "cuda":
         return None
     mb = 1024 * 1024
-    return (f"[Rank {rank}] (after {iteration} iterations) memory (MB) | "
-            f"allocated: {torch.cuda.memory_allocated(device) / mb} | "
-            f"max allocated: {torch.cuda.max_memory_allocated(device) / mb} | "
-            f"reserved: {torch.cuda.memory_reserved(device) / mb} | "
-            f"max reserved: {torch.cuda.max_memory_reserved(device) / mb}")
+    values = torch.tensor([torch.cuda.memory_allocated(device), torch.cuda.max_memory_allocated(device),
+                           torch.cuda.memory_reserved(device), torch.cuda.max_memory_reserved(device)],
+                          dtype=torch.float64, device=device) / mb
+    who = "[Rank 0]"
+    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        torch.distributed.all_reduce(values, op=torch.distributed.ReduceOp.MAX)
+        who = f"[max over {torch.distributed.get_world_size()} ranks]"
+    allocated, max_allocated, reserved, max_reserved = values.tolist()
+    return (f"{who} (after {iteration} iterations) memory (MB) | allocated: {allocated} | "
+            f"max allocated: {max_allocated} | reserved: {reserved} | max reserved: {max_reserved}")
 
 
 class TensorBoard:

@@ -1,7 +1,6 @@
 """``gptrain train``: build tokenizer, data, model and trainer from pretrain_gpt.py flags, and run."""
 from __future__ import annotations
 
-import os
 import random
 import sys
 
@@ -14,7 +13,9 @@ from gptrain.data.gpt_dataset import GPTDataset, MockGPTDataset, parse_split
 from gptrain.data.indexed import IndexedDataset
 from gptrain.data.provenance import check_tokenizer
 from gptrain.model.gpt import GPT
+from gptrain.parallel.dims import init_distributed, is_logging_rank, world_from_env
 from gptrain.tokenizer import GPT2Tokenizer
+from gptrain.train.build import build_training, parallel_dims, parameter_count
 from gptrain.train.loop import Trainer, TrainingStopped
 
 
@@ -84,61 +85,86 @@ def seed_everything(seed: int) -> None:
 
 
 def build_model(cfg: RunConfig, device: torch.device, log=print) -> GPT:
+    """A plain single-process model with the seed's initial weights (generation, the demo's sample)."""
     model = GPT(cfg.model)
     model.init_weights(cfg.data.seed)
-    log(f" > padded vocab (size: {cfg.model.vocab_size}) with "
-        f"{cfg.model.padded_vocab_size - cfg.model.vocab_size} dummy tokens (new size: {cfg.model.padded_vocab_size})")
-    log(f" > number of parameters on (tensor, pipeline) model parallel rank (0, 0): "
-        f"{sum(p.numel() for p in model.parameters())}")
     return model.to(device)
 
 
 def setup(argv: list[str], log=print):
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world > 1:
-        raise ValueError(f"WORLD_SIZE={world}: data/tensor/pipeline parallel training is not built yet; "
-                         "run one process (torchrun --nproc_per_node 1)")
     cfg, notes = parse_megatron_args(argv)
     for note in notes:
         log(f" > {note}")
     tokenizer = GPT2Tokenizer(cfg.data.vocab_file, cfg.data.merge_file)
     cfg.model.vocab_size = tokenizer.vocab_size
+    cfg.data.eod_token = tokenizer.eod
     log("> building GPT2BPETokenizer tokenizer ...")
     return cfg, tokenizer
+
+
+def _precision_line(cfg: RunConfig, parts, device: torch.device) -> str:
+    p = cfg.precision
+    line = f" > precision: {f'{p.name} parameters, fp32 main parameters and gradients' if p.half_params else p.name + (' autocast, fp32 parameters' if p.autocast else '')}"
+    if p.fp8:
+        line += (f"; fp8 ({p.fp8}, {p.fp8_recipe} scaling) in {parts.fp8_layers} linear layers"
+                 + (" (emulated: no fp8 GPU)" if device.type != "cuda" else ""))
+    return line
+
+
+def _report_parameters(parts, log) -> None:
+    """Megatron's per-rank line, for every (tensor, pipeline) model-parallel rank, printed by rank 0."""
+    count = parameter_count(parts.model)
+    counts = {(0, 0): count}
+    if parts.mesh is not None:
+        gathered = [None] * torch.distributed.get_world_size()
+        coords = (parts.mesh["tp"].get_local_rank(), parts.mesh["pp"].get_local_rank())
+        torch.distributed.all_gather_object(gathered, (coords, count))
+        counts = dict(gathered)
+    for (t, p), n in sorted(counts.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+        log(f" > number of parameters on (tensor, pipeline) model parallel rank ({t}, {p}): {n}")
 
 
 def train_main(argv: list[str], log=None) -> int:
     log = log or (lambda s: print(s, flush=True))
     try:
+        world, rank, _ = world_from_env()
+        if rank != 0:  # one rank speaks; every rank still runs the same code
+            log = lambda s: None  # noqa: E731
         cfg, tokenizer = setup(argv, log)
-        device = pick_device(cfg.train.device)
-        log(f"using world size: 1, data-parallel-size: 1, tensor-model-parallel size: 1, "
-            f"pipeline-model-parallel size: 1 ; device {device}, precision {cfg.precision.name}")
-        log(f"setting number of micro-batches to constant {cfg.train.num_micro_batches}")
+        dims = parallel_dims(cfg, world)
+        device = init_distributed(pick_device(cfg.train.device))
+        mesh = dims.build_mesh(device.type)
+        log(f"{dims.describe()} ; device {device.type}, precision {cfg.precision.name}")
+        log(f"setting number of micro-batches to constant "
+            f"{cfg.train.global_batch_size // (cfg.train.micro_batch_size * dims.dp)}")
         log(f"> setting random seeds to {cfg.data.seed} ...")
         seed_everything(cfg.data.seed)
         log("building GPT model ...")
-        model = build_model(cfg, device, log)
+        parts = build_training(cfg, device, dims, mesh, log)
+        log(f" > padded vocab (size: {cfg.model.vocab_size}) with "
+            f"{cfg.model.padded_vocab_size - cfg.model.vocab_size} dummy tokens (new size: {cfg.model.padded_vocab_size})")
+        _report_parameters(parts, log)
         train_ds, valid_ds, test_ds = build_datasets(cfg, tokenizer, log)
-        trainer = Trainer(cfg, model, train_ds, valid_ds, test_ds, device, log)
-        p = cfg.precision
-        log(f" > precision: {f'{p.name} parameters, fp32 main parameters and gradients' if p.half_params else p.name + (' autocast, fp32 parameters' if p.autocast else '')}"
-            + (f"; fp8 ({p.fp8}, {p.fp8_recipe} scaling) in {trainer.fp8_layers} linear layers"
-               + (" (emulated: no fp8 GPU)" if device.type != "cuda" else "") if p.fp8 else ""))
+        trainer = Trainer(cfg, parts, train_ds, valid_ds, test_ds, device, log)
+        log(_precision_line(cfg, parts, device))
+        log(f" > parameters: {parts.impls['parameters']}")
         log(f" > linear layers: {trainer.linear_impl}")
         log(f" > attention: {trainer.attention_impl}")
         trainer.load()
         log("training ...")
         trainer.train()
     except TrainingStopped as err:
-        print(f"gptrain: training stopped: {err}", file=sys.stderr)
+        if is_logging_rank():
+            print(f"gptrain: training stopped: {err}", file=sys.stderr)
         return 1
     except (ValueError, FileNotFoundError) as err:
-        print(f"gptrain: error: {err}", file=sys.stderr)
+        if is_logging_rank():
+            print(f"gptrain: error: {err}", file=sys.stderr)
         return 2
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
     return 0
-
-
 def build_cache(argv: list[str]) -> int:
     """``gptrain data build-cache`` with the training flags: build the index maps, train nothing."""
     try:

@@ -1,0 +1,117 @@
+"""The kernel converter: installs gptrain's fast ops on a built model by swapping modules, and
+says what runs and why (the run log's `` > linear layers:`` and `` > attention:`` lines).
+
+Runs on the meta-device model, before parallelisation, with the device and dtype the parameters
+will have. Where a kernel cannot run (device, dtype, sizes, package missing, a layout it does not
+compose with) the plain module stays and the reason is returned; asked for by name and unable to
+run is an error, not a silent fallback.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+from torch.nn.attention import SDPBackend
+
+from gptrain.kernels import flash4
+from gptrain.kernels.cublaslt import unavailable_reason as cublaslt_unavailable
+from gptrain.model.gpt import GPT, MLP
+from gptrain.model.linear import FusedBiasGeluMLP, TunedLinear
+from gptrain.model.loss import LMLoss
+
+# Megatron's --attention-backend names onto PyTorch's SDPA kernels (None: PyTorch's own choice)
+SDPA_BACKENDS = {
+    "auto": None,
+    "flash": [SDPBackend.FLASH_ATTENTION],
+    "fused": [SDPBackend.CUDNN_ATTENTION],
+    "unfused": [SDPBackend.MATH],
+    "local": [SDPBackend.MATH],
+    "flash4": None,
+}
+
+# --linear-impl auto: below this many tokens per micro-batch the cuBLASLt ops' host cost (~290
+# ctypes/custom-op calls per micro-batch for 24 layers) outweighs their gain (benchmarks/RESULTS.md)
+AUTO_CUBLASLT_MIN_TOKENS = 16384
+
+
+class Flash4Attention(nn.Module):
+    """Core attention on FlashAttention-4's kernels, reading packed qkv in place (kernels/flash4.py)."""
+
+    def forward(self, qkv: torch.Tensor) -> torch.Tensor:
+        return flash4.causal_attention(qkv)
+
+
+def use_cublaslt(model: GPT, loss: LMLoss | None, device: torch.device, dtype: torch.dtype,
+                 fuse_bias_gelu: bool = True, allow_reference: bool = False) -> str | None:
+    """Swap every linear layer (and the loss's output layer) onto the autotuned cuBLASLt ops, with
+    fc1's bias and GELU fused if asked; returns why not where they cannot run.
+    ``allow_reference`` lets the CPU take the same ops as plain PyTorch (tests)."""
+    reason = cublaslt_unavailable(device, dtype)
+    if allow_reference and device.type == "cpu":
+        reason = None
+    cfg = model.cfg
+    if cfg.hidden_size % 8 or cfg.ffn_hidden_size % 8:
+        reason = (f"hidden size {cfg.hidden_size} / ffn size {cfg.ffn_hidden_size} not multiples of 8 "
+                  "(cuBLASLt's epilogues need 16-byte rows)")
+    if reason is not None:
+        return reason
+    for block in model.layers.values():
+        for layer in (block.attn.qkv, block.attn.proj, block.mlp.fc1, block.mlp.fc2):
+            if type(layer) is nn.Linear:
+                layer.__class__ = TunedLinear
+        if fuse_bias_gelu and type(block.mlp) is MLP:
+            block.mlp.__class__ = FusedBiasGeluMLP
+    if loss is not None:
+        loss.tuned = True
+    return None
+
+
+def use_flash4(model: GPT, device: torch.device, dtype: torch.dtype, allow_reference: bool = False) -> str | None:
+    """Swap every layer's core attention onto FlashAttention-4's kernels; returns why not where
+    they cannot run. ``allow_reference`` lets the CPU take the same ops as plain PyTorch (tests)."""
+    dropout = model.cfg.attention_dropout
+    reason = flash4.unavailable_reason(device, dtype, model.cfg.head_dim, dropout)
+    if allow_reference and device.type == "cpu" and not dropout:
+        reason = None
+    if reason is None:
+        for block in model.layers.values():
+            block.attn.core = Flash4Attention()
+    return reason
+
+
+def linear_choice(model: GPT, loss: LMLoss | None, kernels, device: torch.device, dtype: torch.dtype,
+                  tokens_per_micro_batch: int, fp8: bool, blocked_by: str | None = None) -> str:
+    if kernels.linear_impl == "torch":
+        return "torch (--linear-impl torch)"
+    if fp8:
+        return "torch (fp8 layers do their own matmuls)"
+    if blocked_by:
+        return f"torch (cuBLASLt ops do not compose with {blocked_by})"
+    if kernels.linear_impl == "auto" and tokens_per_micro_batch < AUTO_CUBLASLT_MIN_TOKENS:
+        return (f"torch (auto: {tokens_per_micro_batch} tokens per micro-batch; cuBLASLt's host cost shows "
+                f"below {AUTO_CUBLASLT_MIN_TOKENS}, --linear-impl cublaslt forces it)")
+    reason = use_cublaslt(model, loss, device, dtype, fuse_bias_gelu=kernels.bias_gelu_fusion)
+    if reason is not None:
+        return f"torch (cuBLASLt not usable: {reason})"
+    return "cuBLASLt, autotuned" + (", bias-GELU fused" if kernels.bias_gelu_fusion else "")
+
+
+def attention_choice(model: GPT, kernels, device: torch.device, dtype: torch.dtype) -> str:
+    backend = kernels.attention_backend
+    if backend not in ("auto", "flash4"):
+        for block in model.layers.values():
+            block.attn.core.backends = SDPA_BACKENDS[backend]
+        return f"SDPA (--attention-backend {backend})"
+    reason = use_flash4(model, device, dtype)
+    if reason is None:
+        return "FlashAttention-4 on packed QKV"
+    if backend == "flash4":
+        raise ValueError(f"--attention-backend flash4 cannot run: {reason}")
+    return f"SDPA, PyTorch's pick (FlashAttention-4 not usable: {reason})"
+
+
+def apply_kernels(model: GPT, loss: LMLoss, kernels, device: torch.device, dtype: torch.dtype,
+                  tokens_per_micro_batch: int, fp8: bool = False, compiled: bool = False) -> dict[str, str]:
+    """Install the kernels the config asks for where they can run; returns what runs, by part."""
+    loss.compiled = compiled
+    return {"linear layers": linear_choice(model, loss, kernels, device, dtype, tokens_per_micro_batch, fp8),
+            "attention": attention_choice(model, kernels, device, dtype)}

@@ -1,0 +1,56 @@
+"""The few collectives the training loop needs, each a no-op in one process."""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+
+def distributed() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """The tensor this process holds (a DTensor's shard)."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _replicas(t: torch.Tensor) -> int:
+    """How many processes hold the same values as this one's: every data-parallel rank for a plain
+    tensor, the sizes of the mesh dimensions a DTensor is replicated over."""
+    if isinstance(t, DTensor):
+        return math.prod(t.device_mesh.size(i) for i, p in enumerate(t.placements) if p.is_replicate())
+    return dist.get_world_size() if distributed() else 1
+
+
+def global_norm_and_sum(grads: list[torch.Tensor], value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The L2 norm of all gradients over every process, and ``value`` summed over every process,
+    in one all-reduce. Shards count once; replicated copies are divided by their number."""
+    by_replicas: dict[int, list[torch.Tensor]] = {}
+    for g in grads:
+        by_replicas.setdefault(_replicas(g), []).append(local(g))
+    squares = torch.zeros((), device=value.device, dtype=torch.float32)
+    for replicas, tensors in by_replicas.items():
+        norms = torch._foreach_norm(tensors)
+        squares = squares + torch.stack(norms).float().square().sum().to(value.device) / replicas
+    both = torch.stack([squares, value.float()])
+    if distributed():
+        dist.all_reduce(both)
+    return both[0].sqrt(), both[1]
+
+
+def all_reduce_(t: torch.Tensor, op=None) -> torch.Tensor:
+    if distributed():
+        dist.all_reduce(t, op=op or dist.ReduceOp.SUM)
+    return t
+
+
+def world_size() -> int:
+    return dist.get_world_size() if distributed() else 1
+
+
+def barrier() -> None:
+    if distributed():
+        dist.barrier()

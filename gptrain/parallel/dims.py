@@ -1,0 +1,98 @@
+"""The parallel layout: world size = pp x dp x tp, validated before any work, and the one DeviceMesh.
+
+Rank order follows Megatron's: tensor-parallel ranks are adjacent (innermost), then data-parallel,
+then pipeline stages (outermost), so a TP group stays inside one node and pipeline stages cross nodes.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+MESH_DIMS = ("pp", "dp", "tp")
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    world_size: int
+    tp: int = 1
+    pp: int = 1
+    zero_stage: int = 0
+    cpu_offload: bool = False
+
+    @property
+    def dp(self) -> int:
+        return self.world_size // (self.tp * self.pp)
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def sharded(self) -> bool:
+        """Parameters live in FSDP2 (ZeRO stages, and plain data parallelism: see parallelize.py)."""
+        return self.dp > 1 or self.zero_stage > 0
+
+    def validate(self, num_layers: int, num_heads: int, micro_batch_size: int, global_batch_size: int) -> None:
+        """Every impossible layout is refused here, with its numbers, before anything is built."""
+        for name, value in (("--tensor-model-parallel-size", self.tp), ("--pipeline-model-parallel-size", self.pp)):
+            if value < 1:
+                raise ValueError(f"{name} {value} must be at least 1")
+        if self.world_size % (self.tp * self.pp):
+            raise ValueError(f"world size {self.world_size} is not divisible by tensor-model-parallel size "
+                             f"{self.tp} x pipeline-model-parallel size {self.pp} = {self.tp * self.pp}")
+        if self.tp > 1:
+            raise ValueError(f"--tensor-model-parallel-size {self.tp}: tensor parallelism is not built yet "
+                             "(only size 1 runs)")
+        if self.pp > 1:
+            raise ValueError(f"--pipeline-model-parallel-size {self.pp}: pipeline parallelism is not built yet "
+                             "(only size 1 runs)")
+        if num_heads % self.tp:
+            raise ValueError(f"--num-attention-heads {num_heads} is not divisible by tensor-model-parallel size "
+                             f"{self.tp}")
+        if num_layers % self.pp:
+            raise ValueError(f"--num-layers {num_layers} is not divisible by pipeline-model-parallel size {self.pp}")
+        if global_batch_size % (micro_batch_size * self.dp):
+            raise ValueError(f"--global-batch-size {global_batch_size} is not divisible by --micro-batch-size "
+                             f"{micro_batch_size} x data-parallel size {self.dp} = {micro_batch_size * self.dp}")
+        if self.zero_stage not in (0, 1, 2, 3):
+            raise ValueError(f"--zero-stage {self.zero_stage}: use 0, 1, 2 or 3")
+        if self.cpu_offload and self.zero_stage != 3:
+            raise ValueError(f"--cpu-offload needs --zero-stage 3 (got {self.zero_stage})")
+
+    def describe(self) -> str:
+        return (f"using world size: {self.world_size}, data-parallel-size: {self.dp}, "
+                f"tensor-model-parallel size: {self.tp}, pipeline-model-parallel size: {self.pp}")
+
+    def build_mesh(self, device_type: str) -> DeviceMesh | None:
+        if not self.distributed:
+            return None
+        return init_device_mesh(device_type, (self.pp, self.dp, self.tp), mesh_dim_names=MESH_DIMS)
+
+
+def world_from_env() -> tuple[int, int, int]:
+    """(world size, global rank, local rank) as torchrun sets them; (1, 0, 0) without torchrun."""
+    return (int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0")),
+            int(os.environ.get("LOCAL_RANK", "0")))
+
+
+def init_distributed(device: torch.device) -> torch.device:
+    """Join the process group torchrun describes: NCCL on GPUs (one per local rank), gloo on CPU.
+    Returns this rank's device."""
+    world, _, local_rank = world_from_env()
+    if world == 1 or dist.is_initialized():
+        return device
+    if device.type == "cuda":
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device)
+    else:
+        dist.init_process_group("gloo")
+    return device
+
+
+def is_logging_rank() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0

@@ -1,0 +1,74 @@
+"""Apply the layout and the run-time transformations to a built (meta-device) model, in
+torchtitan's order: activation recompute -> compile -> FSDP2.
+
+Data parallelism and every ZeRO stage run on FSDP2 ``fully_shard`` with a mixed-precision policy:
+the parameters the optimizer sees are fp32 shards (the main parameters), each block computes in
+bf16/fp16 on an all-gathered copy, and gradients are reduce-scattered in fp32 as each block's
+backward finishes, so communication overlaps compute. ZeRO-3 frees the gathered copy after each
+block's forward (and gathers it again for the backward); ZeRO-1, ZeRO-2 and plain data parallelism
+keep it until the backward, which costs data parallelism's all-reduce volume (a reduce-scatter plus
+an all-gather) and stores a 1/dp share of the optimizer state and gradients. One device keeps the
+whole model and its fp32 main copies (train/main_params.py).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from gptrain.model.gpt import GPT
+from gptrain.parallel.dims import ParallelDims
+
+
+def apply_recompute(model: GPT, mode: str | None) -> None:
+    """Megatron's recompute: "full" reruns each block's forward in the backward, "selective" only
+    its core attention."""
+    model.recompute_blocks = mode == "full"
+    for block in model.layers.values():
+        block.attn.recompute_core = mode == "selective"
+
+
+def describe_sharding(dims: ParallelDims) -> str:
+    if not dims.sharded:
+        return "one device: whole model, fp32 main parameters and gradients"
+    how = {0: "data parallel", 1: "ZeRO-1 (runs as ZeRO-2: gradients are sharded too, same math)",
+           2: "ZeRO-2", 3: "ZeRO-3"}[dims.zero_stage]
+    keep = "gathered per block, freed after its forward" if dims.zero_stage == 3 else \
+        "gathered per block, kept until its backward"
+    offload = "; parameters, gradients and optimizer state in host memory" if dims.cpu_offload else ""
+    return (f"{how} over {dims.dp} ranks on FSDP2: fp32 parameter and optimizer-state shards, parameters "
+            f"{keep}, gradients reduce-scattered in fp32 during the backward{offload}")
+
+
+def apply_fsdp(train_module: nn.Module, model: GPT, mesh: DeviceMesh, dims: ParallelDims,
+               param_dtype: torch.dtype | None) -> None:
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    offload = CPUOffloadPolicy() if dims.cpu_offload else OffloadPolicy()
+    dp_mesh = mesh["dp"]
+    reshard = dims.zero_stage == 3
+    for block in model.layers.values():
+        fully_shard(block, mesh=dp_mesh, mp_policy=policy, offload_policy=offload, reshard_after_forward=reshard)
+    # the root holds the embeddings, the tied output layer and the final LayerNorm; the backward
+    # starts with them, so they are never freed after the forward
+    fully_shard(train_module, mesh=dp_mesh, mp_policy=policy, offload_policy=offload, reshard_after_forward=False)
+
+
+def parallelize(train_module: nn.Module, model: GPT, dims: ParallelDims, mesh: DeviceMesh | None,
+                recompute: str | None, param_dtype: torch.dtype | None, compile_model: bool,
+                compile_mode: str | None):
+    """Transform in place; returns the callable the trainer runs forward through:
+    ``(tokens, labels, loss_mask) -> loss``."""
+    apply_recompute(model, recompute)
+    if not dims.sharded:
+        # one device: the whole step's forward compiles as one graph
+        return torch.compile(train_module, mode=compile_mode) if compile_model else train_module
+    if compile_model:
+        # per block, so FSDP2's hooks sit between compiled regions and each block's gradient
+        # reduction starts as soon as its backward ends
+        for block in model.layers.values():
+            block.compile(mode=compile_mode)
+        train_module.loss.compile(mode=compile_mode)
+    apply_fsdp(train_module, model, mesh, dims, param_dtype)
+    return train_module

@@ -1,0 +1,111 @@
+"""The one model-assembly pipeline, in torchtitan's order:
+
+    build on the meta device -> converters (fp8, kernels) -> parallelize (recompute, compile,
+    FSDP2) -> to_empty -> init_weights -> (one device: fp32 main copies) -> optimizer
+
+The Trainer receives the parts. Weights are initialised after sharding, each process drawing
+every parameter's full tensor from the one CPU generator and keeping its shard (model/gpt.py), so
+for a seed the full weights are the same at every layout.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from gptrain.config import RunConfig
+from gptrain.kernels.convert import apply_kernels
+from gptrain.model.fp8 import convert_to_fp8
+from gptrain.model.gpt import GPT
+from gptrain.model.loss import LMLoss
+from gptrain.parallel.dims import ParallelDims
+from gptrain.parallel.parallelize import describe_sharding, parallelize
+from gptrain.train.main_params import MainParams
+
+
+class TrainModule(nn.Module):
+    """The model and its loss as one module: what is compiled on one device and what FSDP2's root
+    wraps, so the tied output layer's weight is gathered while the loss uses it."""
+
+    def __init__(self, model: GPT, loss: LMLoss):
+        super().__init__()
+        self.model, self.loss = model, loss
+
+    def forward(self, tokens: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor | None = None):
+        return self.loss(self.model(tokens), self.model.output_layer.weight, labels, loss_mask)
+
+
+@dataclass
+class TrainingParts:
+    model: GPT
+    train_module: TrainModule
+    forward: Callable  # (tokens, labels, loss_mask) -> mean loss
+    main: MainParams | None  # one device with bf16/fp16 parameters: the fp32 main copies
+    opt_params: dict[str, torch.Tensor]  # what the optimizer updates and checkpoints hold, by name
+    optimizer: torch.optim.Optimizer
+    dims: ParallelDims
+    mesh: DeviceMesh | None
+    impls: dict[str, str]  # what runs, by part, for the log
+    fp8_layers: int
+
+
+def parallel_dims(cfg: RunConfig, world_size: int) -> ParallelDims:
+    p = cfg.parallel
+    dims = ParallelDims(world_size=world_size, tp=p.tensor_parallel, pp=p.pipeline_parallel,
+                        zero_stage=p.zero_stage, cpu_offload=p.cpu_offload)
+    dims.validate(cfg.model.num_layers, cfg.model.num_attention_heads, cfg.train.micro_batch_size,
+                  cfg.train.global_batch_size)
+    if dims.sharded and cfg.precision.fp8:
+        raise ValueError("--fp8 with data parallelism / ZeRO is not built yet (fp8 runs on one device)")
+    return dims
+
+
+def build_optimizer(params: dict[str, torch.Tensor], cfg: RunConfig, device: torch.device) -> torch.optim.AdamW:
+    """AdamW over the named parameters; biases and LayerNorm parameters without weight decay
+    (Megatron's rule)."""
+    decay, no_decay = [], []
+    for p in params.values():
+        (no_decay if p.ndim == 1 else decay).append(p)
+    groups = [{"params": decay, "weight_decay": cfg.optim.weight_decay},
+              {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=cfg.optim.lr, betas=(cfg.optim.adam_beta1, cfg.optim.adam_beta2),
+                             eps=cfg.optim.adam_eps, fused=True)
+
+
+def build_training(cfg: RunConfig, device: torch.device, dims: ParallelDims, mesh: DeviceMesh | None,
+                   log=print) -> TrainingParts:
+    p = cfg.precision
+    compute_dtype = torch.bfloat16 if p.bf16 else torch.float16 if p.fp16 else torch.float32
+    param_dtype = compute_dtype if p.half_params else None  # None: fp32 parameters (autocast or fp32)
+    with torch.device("meta"):
+        model = GPT(cfg.model)
+        loss = LMLoss(cfg.model.vocab_size, fused=cfg.kernels.fused_cross_entropy)
+    train_module = TrainModule(model, loss)
+    # converters: module swaps on the meta model, told the device and dtype the parameters will have
+    fp8_layers = convert_to_fp8(model, p.fp8, p.fp8_recipe, emulate=device.type != "cuda") if p.fp8 else 0
+    impls = apply_kernels(model, loss, cfg.kernels, device, param_dtype or torch.float32,
+                          cfg.train.micro_batch_size * cfg.model.seq_length, fp8=bool(p.fp8),
+                          compiled=cfg.train.compile)
+    forward = parallelize(train_module, model, dims, mesh, cfg.kernels.recompute, param_dtype,
+                          cfg.train.compile, cfg.train.compile_mode)
+    impls["parameters"] = describe_sharding(dims)
+    init_device = torch.device("cpu") if dims.cpu_offload else device
+    train_module.to_empty(device=init_device)
+    model.output_layer.weight = model.word_embeddings.weight  # to_empty makes new tensors: tie again
+    model.init_weights(cfg.data.seed)
+    main = None
+    if p.half_params and not dims.sharded:
+        # one device: bf16/fp16 model, fp32 main copies taken from the exact initialisation
+        main = MainParams(model, compute_dtype)
+    opt_params = main.named() if main else dict(model.named_parameters())
+    optimizer = build_optimizer(opt_params, cfg, device)
+    return TrainingParts(model, train_module, forward, main, opt_params, optimizer, dims, mesh, impls, fp8_layers)
+
+
+def parameter_count(model: GPT) -> int:
+    """Parameters of this (tensor, pipeline) model-parallel rank: data-parallel shards count whole,
+    as Megatron counts them."""
+    return sum(p.numel() for p in model.parameters())

@@ -7,7 +7,7 @@ import torch
 from gptrain.config import parse_megatron_args
 from gptrain.kernels import flash4
 from gptrain.model.gpt import GPT, GPTConfig
-from gptrain.train.loop import Trainer
+from gptrain.kernels.convert import Flash4Attention, attention_choice, use_flash4
 from model_parity import assert_ops_change_nothing
 
 
@@ -15,7 +15,7 @@ from model_parity import assert_ops_change_nothing
 def test_packed_attention_matches_sdpa_forward_and_gradient(shape):
     b, s, h, d = shape
     torch.manual_seed(0)
-    qkv = torch.randn(b, s, 3, h, d, dtype=torch.float64, requires_grad=True)
+    qkv = torch.randn(b, s, h, 3, d, dtype=torch.float64, requires_grad=True)
     g = torch.randn(b, s, h, d, dtype=torch.float64)
     ours = flash4.causal_attention(qkv)
     (ours_grad,) = torch.autograd.grad(ours, qkv, g)
@@ -25,11 +25,11 @@ def test_packed_attention_matches_sdpa_forward_and_gradient(shape):
     torch.testing.assert_close(ours, ref, rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(ours_grad, ref_grad, rtol=1e-9, atol=1e-12)
     # causal: the first token attends only to itself, so its output is its own value
-    torch.testing.assert_close(ours[:, 0], qkv[:, 0, 2].detach())
+    torch.testing.assert_close(ours[:, 0], qkv[:, 0, :, 2].detach())
 
 
 def test_ops_pass_opcheck():
-    qkv = torch.randn(2, 16, 3, 4, 8)
+    qkv = torch.randn(2, 16, 4, 3, 8)
     for cudnn_forward in (False, True):
         torch.library.opcheck(flash4.flash4_fwd, (qkv.clone().requires_grad_(), 0.3, cudnn_forward))
     out, lse = flash4.flash4_fwd(qkv, 0.3, True)
@@ -38,10 +38,11 @@ def test_ops_pass_opcheck():
 
 
 def test_model_on_flash4_ops_equals_sdpa_model_compiled():
-    def switch_on(model):
-        assert "cpu device" in model.use_flash4()  # no FlashAttention-4 on the CPU...
-        assert model.use_flash4(allow_reference=True) is None  # ...but the reference ops
-        assert all(b.attn.flash4 for b in model.layers.values())
+    def switch_on(model, loss):
+        cpu = torch.device("cpu")
+        assert "cpu device" in use_flash4(model, cpu, torch.float32)  # no FlashAttention-4 on the CPU...
+        assert use_flash4(model, cpu, torch.float32, allow_reference=True) is None  # ...but the reference ops
+        assert all(isinstance(b.attn.core, Flash4Attention) for b in model.layers.values())
     assert_ops_change_nothing(switch_on)
 
 
@@ -52,17 +53,19 @@ def test_unavailable_reasons():
     assert "dropout 0.1" in flash4.unavailable_reason(cuda, torch.bfloat16, 64, 0.1)
     model = GPT(GPTConfig(num_layers=1, hidden_size=32, num_attention_heads=4, seq_length=16, vocab_size=100,
                           attention_dropout=0.1))
-    assert "dropout" in model.use_flash4(allow_reference=True)  # no dropout in the kernels: SDPA keeps it
+    # no dropout in the kernels: SDPA keeps it
+    assert "dropout" in use_flash4(model, cpu, torch.float32, allow_reference=True)
 
 
 def test_trainer_choice_and_flag():
     base = ["--mock-data", "--train-iters", "1", "--num-layers", "1", "--hidden-size", "32",
             "--num-attention-heads", "4", "--seq-length", "16", "--micro-batch-size", "2", "--bf16",
             "--attention-dropout", "0"]
+    cpu = torch.device("cpu")
     for backend, expect in [("auto", "SDPA, PyTorch's pick (FlashAttention-4 not usable: cpu device"),
                             ("fused", "SDPA (--attention-backend fused)")]:
         cfg, _ = parse_megatron_args(base + ["--attention-backend", backend])
-        assert Trainer._use_flash4(GPT(cfg.model), cfg).startswith(expect)
+        assert attention_choice(GPT(cfg.model), cfg.kernels, cpu, torch.bfloat16).startswith(expect)
     cfg, _ = parse_megatron_args(base + ["--attention-backend", "flash4"])
     with pytest.raises(ValueError, match="flash4 cannot run: cpu device"):  # asked for by name: no silent fallback
-        Trainer._use_flash4(GPT(cfg.model), cfg)
+        attention_choice(GPT(cfg.model), cfg.kernels, cpu, torch.bfloat16)

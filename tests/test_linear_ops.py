@@ -6,10 +6,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from gptrain.config import parse_megatron_args
+from gptrain.config import KernelConfig, parse_megatron_args
 from gptrain.kernels.ops import gelu_tanh_derivative, linear_bias_gelu, linear_dgelu, linear_dgrad, linear_fwd, linear_wgrad
 from gptrain.model.gpt import GPT, GPTConfig
-from gptrain.model.linear import linear, linear_weight, mlp
+from gptrain.kernels.convert import linear_choice, use_cublaslt
+from gptrain.model.gpt import MLP
+from gptrain.model.linear import FusedBiasGeluMLP, TunedLinear, linear_weight
 from model_parity import assert_ops_change_nothing
 
 
@@ -34,7 +36,13 @@ def test_mlp_matches_plain_forward_and_all_gradients(fuse):
     x = torch.randn(3, 5, 16, dtype=torch.float64, requires_grad=True)
     g = torch.randn(3, 5, 16, dtype=torch.float64)
     plain, plain_grads = _grads(lambda: fc2(F.gelu(fc1(x), approximate="tanh")), x, params, g)
-    ours, our_grads = _grads(lambda: mlp(x, fc1, fc2, tuned=True, fuse_bias_gelu=fuse), x, params, g)
+    mlp = MLP.__new__(FusedBiasGeluMLP if fuse else MLP)
+    torch.nn.Module.__init__(mlp)
+    mlp.fc1, mlp.fc2 = fc1, fc2
+    if not fuse:
+        for layer in (fc1, fc2):
+            layer.__class__ = TunedLinear
+    ours, our_grads = _grads(lambda: mlp(x), x, params, g)
     torch.testing.assert_close(ours, plain, rtol=0, atol=1e-12)
     for name, a, b in zip(["x", "fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"], our_grads, plain_grads):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12, msg=name)
@@ -44,7 +52,10 @@ def test_linear_and_bias_free_linear_match_plain():
     fc1, _ = _layers()
     x = torch.randn(2, 7, 16, dtype=torch.float64, requires_grad=True)
     g = torch.randn(2, 7, 64, dtype=torch.float64)
-    for fn, ref, params in [(lambda: linear(x, fc1, True), lambda: fc1(x), [fc1.weight, fc1.bias]),
+    tuned = TunedLinear(16, 64, dtype=torch.float64)
+    tuned.load_state_dict(fc1.state_dict())
+    tuned.weight, tuned.bias = fc1.weight, fc1.bias
+    for fn, ref, params in [(lambda: tuned(x), lambda: F.linear(x, fc1.weight, fc1.bias), [fc1.weight, fc1.bias]),
                             (lambda: linear_weight(x, fc1.weight, True), lambda: F.linear(x, fc1.weight), [fc1.weight])]:
         ours, our_grads = _grads(fn, x, params, g)
         plain, plain_grads = _grads(ref, x, params, g)
@@ -67,29 +78,31 @@ def test_ops_pass_opcheck_and_references_agree():
 
 
 def test_model_on_cublaslt_ops_equals_plain_model_compiled():
-    def switch_on(model):
-        assert "cpu" in model.use_cublaslt()  # no cuBLASLt on the CPU...
-        assert model.use_cublaslt(allow_reference=True) is None  # ...but the reference ops
-        assert all(b.mlp.fuse_bias_gelu and b.attn.tuned for b in model.layers.values()) and model.tuned_head
+    def switch_on(model, loss):
+        cpu = torch.device("cpu")
+        assert "cpu" in use_cublaslt(model, loss, cpu, torch.float32)  # no cuBLASLt on the CPU...
+        assert use_cublaslt(model, loss, cpu, torch.float32, allow_reference=True) is None  # ...but the reference ops
+        assert all(isinstance(b.mlp, FusedBiasGeluMLP) and isinstance(b.attn.qkv, TunedLinear)
+                   for b in model.layers.values()) and loss.tuned
     assert_ops_change_nothing(switch_on)
 
 
 def test_flags():
     base = ["--mock-data", "--train-iters", "1"]
     cfg, _ = parse_megatron_args(base)
-    assert cfg.model.bias_gelu_fusion and cfg.model.linear_impl == "auto"
+    assert cfg.kernels.bias_gelu_fusion and cfg.kernels.linear_impl == "auto"
     cfg, _ = parse_megatron_args(base + ["--no-bias-gelu-fusion", "--linear-impl", "torch"])
-    assert not cfg.model.bias_gelu_fusion and cfg.model.linear_impl == "torch"
+    assert not cfg.kernels.bias_gelu_fusion and cfg.kernels.linear_impl == "torch"
     with pytest.raises(ValueError, match="linear-impl"):
-        GPTConfig(linear_impl="cutlass")
+        KernelConfig(linear_impl="cutlass")
 
 
 def test_auto_picks_torch_for_small_micro_batches():
-    from gptrain.train.loop import Trainer
-
     base = ["--mock-data", "--train-iters", "1", "--num-layers", "1", "--hidden-size", "32",
             "--num-attention-heads", "4", "--seq-length", "1024", "--bf16"]
     for mbs, impl, expect in [(8, "auto", "torch (auto: 8192 tokens"), (16, "auto", "torch (cuBLASLt not usable: cpu"),
                               (8, "cublaslt", "torch (cuBLASLt not usable: cpu"), (16, "torch", "torch (--linear-impl")]:
         cfg, _ = parse_megatron_args(base + ["--micro-batch-size", str(mbs), "--linear-impl", impl])
-        assert Trainer._use_cublaslt(GPT(cfg.model), cfg).startswith(expect)
+        tokens = cfg.train.micro_batch_size * cfg.model.seq_length
+        choice = linear_choice(GPT(cfg.model), None, cfg.kernels, torch.device("cpu"), torch.bfloat16, tokens, False)
+        assert choice.startswith(expect)

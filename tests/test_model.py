@@ -4,6 +4,8 @@ import torch
 from gptrain.interop.hf import from_hf_state_dict, hf_config_kwargs, to_hf_state_dict
 from gptrain.model import loss as loss_module
 from gptrain.model.gpt import GPT, GPTConfig
+from gptrain.model.loss import LMLoss
+from gptrain.train.build import TrainModule
 
 TINY = dict(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32, vocab_size=1000,
             attention_dropout=0.0, hidden_dropout=0.0)
@@ -28,13 +30,13 @@ def test_logits_equal_hugging_face_both_ways():
     ours = from_hf_state_dict(hf.state_dict(), cfg).eval()
     with torch.no_grad():
         expected = hf(tokens).logits
-        assert torch.allclose(ours(tokens), expected, atol=1e-5, rtol=1e-5)
+        assert torch.allclose(ours.logits(tokens), expected, atol=1e-5, rtol=1e-5)
         # and back: our random init exported into HF gives the same logits
         mine = GPT(cfg)
         mine.init_weights(7)
         mine.eval()
         hf.load_state_dict(to_hf_state_dict(mine))
-        assert torch.allclose(hf(tokens).logits, mine(tokens), atol=1e-5, rtol=1e-5)
+        assert torch.allclose(hf(tokens).logits, mine.logits(tokens), atol=1e-5, rtol=1e-5)
 
 
 def test_padding_gets_no_probability_or_gradient(monkeypatch):
@@ -42,13 +44,14 @@ def test_padding_gets_no_probability_or_gradient(monkeypatch):
     assert cfg.padded_vocab_size == 1024
     model = GPT(cfg)
     model.init_weights(0)
+    module = TrainModule(model, LMLoss(cfg.vocab_size))
     tokens = torch.randint(0, cfg.vocab_size, (2, cfg.seq_length))
     monkeypatch.setattr(loss_module, "CHUNK_ELEMENTS", 1024 * 10)  # several chunks
     losses = {}
     for fused in (True, False):
-        model.cfg.fused_cross_entropy = fused
+        module.loss.fused = fused
         model.zero_grad()
-        losses[fused] = model(tokens[:, :-1], tokens[:, 1:])
+        losses[fused] = module(tokens[:, :-1], tokens[:, 1:])
         losses[fused].backward()
         assert model.word_embeddings.weight.grad[cfg.vocab_size:].abs().max() == 0
         grads = {n: p.grad.clone() for n, p in model.named_parameters()}
@@ -58,9 +61,9 @@ def test_padding_gets_no_probability_or_gradient(monkeypatch):
         assert torch.allclose(g, losses[(False, "grads")][name], atol=1e-6), name
     # changing the padded rows changes nothing
     with torch.no_grad():
-        before = model(tokens[:, :-1], tokens[:, 1:])
+        before = module(tokens[:, :-1], tokens[:, 1:])
         model.word_embeddings.weight[cfg.vocab_size:] = 1e3
-        assert torch.equal(model(tokens[:, :-1], tokens[:, 1:]), before)
+        assert torch.equal(module(tokens[:, :-1], tokens[:, 1:]), before)
 
 
 def test_init_is_deterministic_and_scaled():

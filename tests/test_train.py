@@ -9,6 +9,7 @@ from gptrain.config import OptimConfig, TrainConfig, parse_megatron_args
 from gptrain.data.preprocess import PreprocessConfig, preprocess
 from gptrain.train.checkpoint import read_tracker
 from gptrain.train.precision import LossScaler
+from gptrain.train.build import parallel_dims
 from gptrain.train.run import train_main
 from gptrain.train.schedule import LRSchedule
 
@@ -35,7 +36,9 @@ def test_seed_script_flags_parse_unchanged():
 
 def test_unimplemented_flags_are_refused_by_name():
     with pytest.raises(ValueError, match="--tensor-model-parallel-size 2"):
-        parse_megatron_args(["--mock-data", "--train-iters", "1", "--tensor-model-parallel-size", "2"])
+        cfg, _ = parse_megatron_args(["--mock-data", "--train-iters", "1", "--tensor-model-parallel-size", "2"],
+                                     world_size=2)
+        parallel_dims(cfg, 2)
     with pytest.raises(ValueError, match="--swiglu"):
         parse_megatron_args(["--mock-data", "--train-iters", "1", "--swiglu"])
     with pytest.raises(ValueError, match="unknown flag.*--no-such-flag"):
@@ -153,8 +156,8 @@ def test_nan_iterations_stop_the_run_with_last_good_state(tmp_path, data_prefix,
     from gptrain.model.gpt import GPT
 
     original = GPT.forward
-    monkeypatch.setattr(GPT, "forward", lambda self, t, l=None: original(self, t, l) * float("nan")
-                        if self.training else original(self, t, l))
+    monkeypatch.setattr(GPT, "forward", lambda self, t: original(self, t) * float("nan")
+                        if self.training else original(self, t))
     lines = []
     rc = run_train(TINY + ["--data-path", data_prefix, "--data-cache-path", str(tmp_path / "cache"),
                            "--train-iters", "20", "--max-nan-iterations", "3", "--eval-interval", "100",
@@ -162,13 +165,12 @@ def test_nan_iterations_stop_the_run_with_last_good_state(tmp_path, data_prefix,
     assert rc == 1
     values = [line for line in lines if line.startswith(" iteration")]
     assert len(values) == 3 and "number of nan iterations:   1 |" in values[0] and "lm loss" not in values[0]
-    from safetensors.torch import load_file
-
     from gptrain.config import parse_megatron_args as parse
     from gptrain.model.gpt import GPT as Model
+    from gptrain.train.checkpoint import load_checkpoint
 
     cfg, _ = parse(TINY + ["--mock-data", "--train-iters", "1"])
-    fresh = Model(cfg.model)
+    fresh, saved = Model(cfg.model), Model(cfg.model)
     fresh.init_weights(7)
-    saved = load_file(tmp_path / "ck" / "iter_0000003" / "model.safetensors")
-    assert all(torch.equal(saved[k], v) for k, v in fresh.state_dict().items())  # never updated by NaNs
+    load_checkpoint(tmp_path / "ck", dict(saved.named_parameters()), None, cfg.model.vocab_size)
+    assert all(torch.equal(p, fresh.get_parameter(k)) for k, p in saved.named_parameters())  # never updated by NaNs

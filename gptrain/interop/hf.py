@@ -1,8 +1,9 @@
 """Weights between gptrain's GPT and Hugging Face ``transformers`` ``GPT2LMHeadModel``, both ways.
 
 HF's GPT-2 stores linear weights as ``Conv1D`` (input x output), so every matrix is transposed;
-its vocabulary is unpadded, so the padded rows of gptrain's embedding are dropped (export) or
-zero-filled (import).
+its fused QKV is ordered ``[3, heads, head_dim]`` where gptrain (like Megatron) uses per-head
+``[heads, 3, head_dim]``, so those rows are permuted; its vocabulary is unpadded, so the padded rows
+of gptrain's embedding are dropped (export) or zero-filled (import).
 """
 from __future__ import annotations
 
@@ -18,6 +19,16 @@ _LAYER_MAP = {  # gptrain name -> (HF name, transposed)
     "mlp.fc1.weight": ("mlp.c_fc.weight", True), "mlp.fc1.bias": ("mlp.c_fc.bias", False),
     "mlp.fc2.weight": ("mlp.c_proj.weight", True), "mlp.fc2.bias": ("mlp.c_proj.bias", False),
 }
+
+
+def qkv_to_per_head(t: torch.Tensor, heads: int) -> torch.Tensor:
+    """Fused QKV rows (weight or bias, rows first) from [3, heads, dim] to [heads, 3, dim]."""
+    return t.reshape(3, heads, -1, *t.shape[1:]).transpose(0, 1).reshape(t.shape).contiguous()
+
+
+def qkv_from_per_head(t: torch.Tensor, heads: int) -> torch.Tensor:
+    """Fused QKV rows from [heads, 3, dim] back to [3, heads, dim]."""
+    return t.reshape(heads, 3, -1, *t.shape[1:]).transpose(0, 1).reshape(t.shape).contiguous()
 
 
 def hf_config_kwargs(cfg: GPTConfig) -> dict:
@@ -40,6 +51,8 @@ def to_hf_state_dict(model: GPT) -> dict[str, torch.Tensor]:
     for i in range(cfg.num_layers):
         for ours, (theirs, transposed) in _LAYER_MAP.items():
             t = sd[f"layers.{i}.{ours}"]
+            if ours.startswith("attn.qkv."):
+                t = qkv_from_per_head(t, cfg.num_attention_heads)
             out[f"transformer.h.{i}.{theirs}"] = (t.t() if transposed else t).contiguous().clone()
     out["lm_head.weight"] = out["transformer.wte.weight"]
     return out
@@ -60,6 +73,8 @@ def from_hf_state_dict(hf_sd: dict[str, torch.Tensor], cfg: GPTConfig) -> GPT:
     for i in range(cfg.num_layers):
         for name, (theirs, transposed) in _LAYER_MAP.items():
             t = sd[f"transformer.h.{i}.{theirs}"]
-            ours[f"layers.{i}.{name}"] = t.t().contiguous() if transposed else t
+            t = t.t().contiguous() if transposed else t
+            ours[f"layers.{i}.{name}"] = qkv_to_per_head(t, cfg.num_attention_heads) if name.startswith("attn.qkv.") else t
+    ours["output_layer.weight"] = word  # the same parameter (tied)
     model.load_state_dict(ours, strict=True)
     return model

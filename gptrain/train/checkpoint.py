@@ -20,6 +20,7 @@ import json
 import os
 import random
 import shutil
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -121,7 +122,9 @@ def save_checkpoint(root: str | os.PathLike, iteration: int, params: dict[str, t
             shutil.rmtree(tmp)
         tmp.mkdir()
     barrier()
-    dcp.save(_state_dict(params, optimizer, vocab_size), checkpoint_id=tmp)
+    with warnings.catch_warnings():  # one process without a process group is a normal run here
+        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled")
+        dcp.save(_state_dict(params, optimizer, vocab_size), checkpoint_id=tmp)
     rng_tensors, rng_scalars = _rng_state()
     save_file(rng_tensors, tmp / f"rng_rank{rank:05d}.safetensors")
     (tmp / f"rng_rank{rank:05d}.json").write_text(json.dumps(rng_scalars))
@@ -166,7 +169,9 @@ def load_checkpoint(root: str | os.PathLike, params: dict[str, torch.Tensor],
         if shape is not None and shape != tuple(target.shape):
             raise ValueError(f"{path}: {key.split('/', 1)[1]} has shape {shape} in the checkpoint and "
                              f"{tuple(target.shape)} in the model: check the model flags against the saved config")
-    dcp.load(targets, checkpoint_id=path)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled")
+        dcp.load(targets, checkpoint_id=path)
     # the unpadded embedding-shaped tensors were read whole: pad with zeros and keep this rank's shard
     for key, value in targets.items():
         name = key.split("/")[1]

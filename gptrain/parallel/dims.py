@@ -44,12 +44,6 @@ class ParallelDims:
         if self.world_size % (self.tp * self.pp):
             raise ValueError(f"world size {self.world_size} is not divisible by tensor-model-parallel size "
                              f"{self.tp} x pipeline-model-parallel size {self.pp} = {self.tp * self.pp}")
-        if self.tp > 1:
-            raise ValueError(f"--tensor-model-parallel-size {self.tp}: tensor parallelism is not built yet "
-                             "(only size 1 runs)")
-        if self.pp > 1:
-            raise ValueError(f"--pipeline-model-parallel-size {self.pp}: pipeline parallelism is not built yet "
-                             "(only size 1 runs)")
         if num_heads % self.tp:
             raise ValueError(f"--num-attention-heads {num_heads} is not divisible by tensor-model-parallel size "
                              f"{self.tp}")
@@ -62,6 +56,12 @@ class ParallelDims:
             raise ValueError(f"--zero-stage {self.zero_stage}: use 0, 1, 2 or 3")
         if self.cpu_offload and self.zero_stage != 3:
             raise ValueError(f"--cpu-offload needs --zero-stage 3 (got {self.zero_stage})")
+        if self.tp > 1:
+            raise ValueError(f"--tensor-model-parallel-size {self.tp}: tensor parallelism is not built yet "
+                             "(only size 1 runs)")
+        if self.pp > 1:
+            raise ValueError(f"--pipeline-model-parallel-size {self.pp}: pipeline parallelism is not built yet "
+                             "(only size 1 runs)")
 
     def describe(self) -> str:
         return (f"using world size: {self.world_size}, data-parallel-size: {self.dp}, "

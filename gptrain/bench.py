@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from contextlib import nullcontext
 
 import torch
 import torch.nn as nn
@@ -17,6 +18,7 @@ import torch.nn.functional as F
 
 from gptrain.config import parse_megatron_args
 from gptrain.data.gpt_dataset import MockGPTDataset
+from gptrain.parallel.dims import init_distributed, is_logging_rank, world_from_env
 from gptrain.train import metrics
 from gptrain.train.build import build_training, parallel_dims
 from gptrain.train.loop import MicroBatchLoader, Trainer
@@ -90,11 +92,13 @@ def _measure(step, warmup: int, iters: int, device) -> tuple[float, float, float
 
 
 def synthetic_trainer(argv: list[str], iters: int) -> tuple[Trainer, MicroBatchLoader]:
-    """The real Trainer (``gptrain train``'s) on synthetic tokens, and a loader feeding it."""
-    cfg, _ = parse_megatron_args(argv + ["--mock-data", "--train-iters", str(iters)], world_size=1)
-    device = torch.device(cfg.train.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    dims = parallel_dims(cfg, 1)
-    parts = build_training(cfg, device, dims, None, log=lambda s: None)
+    """The real Trainer (``gptrain train``'s) on synthetic tokens, and a loader feeding it; under
+    torchrun, at the layout the flags and the world size give."""
+    world = world_from_env()[0]
+    cfg, _ = parse_megatron_args(argv + ["--mock-data", "--train-iters", str(iters)], world_size=world)
+    dims = parallel_dims(cfg, world)
+    device = init_distributed(torch.device(cfg.train.device or ("cuda" if torch.cuda.is_available() else "cpu")))
+    parts = build_training(cfg, device, dims, dims.build_mesh(device.type), log=lambda s: None)
     data = MockGPTDataset("train", 10 ** 9, cfg.model.seq_length, cfg.model.vocab_size, cfg.data.seed)
     trainer = Trainer(cfg, parts, data, None, None, device, log=lambda s: None)
     return trainer, trainer.loader(data, 0)
@@ -107,26 +111,34 @@ def bench_gptrain(argv: list[str], warmup: int, iters: int):
         timing = _measure(lambda: trainer.train_step(loader), warmup, iters, device)
     finally:
         loader.close()
-    tokens = cfg.train.global_batch_size * cfg.model.seq_length
-    impls = {"linear layers": trainer.linear_impl, "attention": trainer.attention_impl}
+    tokens = cfg.train.global_batch_size * cfg.model.seq_length // trainer.dp_size  # per device
+    impls = {"linear layers": trainer.linear_impl, "attention": trainer.attention_impl,
+             "layout": f"dp {trainer.dp_size}, " + trainer.parts.impls["parameters"]}
+    dp = trainer.dp_size
     del trainer
-    return cfg, device, timing, tokens, impls
+    return cfg, device, timing, tokens, impls, dp
 
 
-def bench_baseline(cfg, device, warmup: int, iters: int, compile_model: bool = True):
+def bench_baseline(cfg, device, warmup: int, iters: int, compile_model: bool = True, dp: int = 1):
+    """nanoGPT's recipe; under several processes, as nanoGPT runs it: compiled, then DDP, gradient
+    synchronisation only on the last micro-batch."""
     m = cfg.model
     model = BaselineGPT(m.padded_vocab_size, m.seq_length, m.hidden_size, m.num_attention_heads, m.num_layers).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     fwd = torch.compile(model) if compile_model else model
-    mbs, n_micro = cfg.train.micro_batch_size, cfg.train.num_micro_batches
+    if dp > 1:
+        fwd = torch.nn.parallel.DistributedDataParallel(fwd, device_ids=[device] if device.type == "cuda" else None)
+    mbs, n_micro = cfg.train.micro_batch_size, cfg.train.global_batch_size // (cfg.train.micro_batch_size * dp)
     gen = torch.Generator(device="cpu").manual_seed(0)
 
     def step():
-        for _ in range(n_micro):
+        for i in range(n_micro):
             batch = torch.randint(0, m.vocab_size, (mbs, m.seq_length + 1), generator=gen).to(device, non_blocking=True)
-            with torch.autocast(device.type, dtype=torch.bfloat16):
+            sync = nullcontext() if dp == 1 or i == n_micro - 1 else fwd.no_sync()
+            with sync, torch.autocast(device.type, dtype=torch.bfloat16):
                 loss = fwd(batch[:, :-1], batch[:, 1:]) / n_micro
-            loss.backward()
+            with sync:
+                loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -159,13 +171,15 @@ def bench_main(argv: list[str]) -> int:
     p.add_argument("--no-baseline", action="store_true", help="time gptrain only")
     p.add_argument("--baseline-no-compile", action="store_true", help="run the baseline eagerly")
     args, model_flags = p.parse_known_args(argv)
-    cfg, device, timing, tokens, impls = bench_gptrain(model_flags, args.warmup, args.iters)
+    cfg, device, timing, tokens, impls, dp = bench_gptrain(model_flags, args.warmup, args.iters)
     if device.type == "cuda":
         torch.cuda.empty_cache()
     rows = [("gptrain (train step)", *timing)]
     if not args.no_baseline:
-        rows.append(("baseline (plain PyTorch)",
-                     *bench_baseline(cfg, device, args.warmup, args.iters, not args.baseline_no_compile)))
+        rows.append(("baseline (plain PyTorch)" + (f", DDP x{dp}" if dp > 1 else ""),
+                     *bench_baseline(cfg, device, args.warmup, args.iters, not args.baseline_no_compile, dp)))
+    if not is_logging_rank():
+        return 0
     datasheet = metrics.device_peak_tflops(device, cfg.train.peak_tflops)
     ceiling = matmul_ceiling_tflops(device)
     fpt = cfg.model.flops_per_token()

@@ -29,6 +29,11 @@ for part in ${1:-a b c d e}; do
      for extra in "" "--cpu-offload"; do
        timeout 90 $RUN2 -m gptrain train $T --zero-stage 3 $extra 2>&1 | grep -E "lm loss:|parameters:|rror" | tee -a "$OUT/d_offload.txt"
      done ;;
+  f) echo "== f: ZeRO-3 and DP2 with torch's linear layers; ZeRO-3 at micro-batch 32" | tee "$OUT/f_variants.txt"
+     for v in "--zero-stage 3 --linear-impl torch" "--linear-impl torch" "--zero-stage 3 --micro-batch-size 32 --global-batch-size 64"; do
+       echo "-- $v" | tee -a "$OUT/f_variants.txt"
+       timeout 120 $RUN2 -m gptrain bench $COMMON --micro-batch-size $MBS --global-batch-size $((2 * MBS)) --no-baseline $v 2>&1 | show f_variants
+     done ;;
   e) echo "== e: 1 GPU, micro-batch 64" | tee "$OUT/e_1gpu_mbs64.txt"
      timeout 150 python3 -m gptrain bench $COMMON --micro-batch-size 64 2>&1 | show e_1gpu_mbs64 ;;
   esac

@@ -29,8 +29,10 @@ SDPA_BACKENDS = {
 }
 
 # --linear-impl auto: below this many tokens per micro-batch the cuBLASLt ops' host cost (~290
-# ctypes/custom-op calls per micro-batch for 24 layers) outweighs their gain (benchmarks/RESULTS.md)
+# ctypes/custom-op calls per micro-batch for 24 layers) outweighs their gain (benchmarks/RESULTS.md);
+# ZeRO-3 adds FSDP2's per-block gathers on the host, so it needs larger micro-batches to hide them
 AUTO_CUBLASLT_MIN_TOKENS = 16384
+AUTO_CUBLASLT_MIN_TOKENS_ZERO3 = 32768
 
 
 class Flash4Attention(nn.Module):
@@ -79,16 +81,18 @@ def use_flash4(model: GPT, device: torch.device, dtype: torch.dtype, allow_refer
 
 
 def linear_choice(model: GPT, loss: LMLoss | None, kernels, device: torch.device, dtype: torch.dtype,
-                  tokens_per_micro_batch: int, fp8: bool, blocked_by: str | None = None) -> str:
+                  tokens_per_micro_batch: int, fp8: bool, blocked_by: str | None = None,
+                  min_tokens: int = AUTO_CUBLASLT_MIN_TOKENS) -> str:
     if kernels.linear_impl == "torch":
         return "torch (--linear-impl torch)"
     if fp8:
         return "torch (fp8 layers do their own matmuls)"
     if blocked_by:
         return f"torch (cuBLASLt ops do not compose with {blocked_by})"
-    if kernels.linear_impl == "auto" and tokens_per_micro_batch < AUTO_CUBLASLT_MIN_TOKENS:
+    if kernels.linear_impl == "auto" and tokens_per_micro_batch < min_tokens:
         return (f"torch (auto: {tokens_per_micro_batch} tokens per micro-batch; cuBLASLt's host cost shows "
-                f"below {AUTO_CUBLASLT_MIN_TOKENS}, --linear-impl cublaslt forces it)")
+                f"below {min_tokens}{' under ZeRO-3' if min_tokens != AUTO_CUBLASLT_MIN_TOKENS else ''}, "
+                "--linear-impl cublaslt forces it)")
     reason = use_cublaslt(model, loss, device, dtype, fuse_bias_gelu=kernels.bias_gelu_fusion)
     if reason is not None:
         return f"torch (cuBLASLt not usable: {reason})"
@@ -110,8 +114,11 @@ def attention_choice(model: GPT, kernels, device: torch.device, dtype: torch.dty
 
 
 def apply_kernels(model: GPT, loss: LMLoss, kernels, device: torch.device, dtype: torch.dtype,
-                  tokens_per_micro_batch: int, fp8: bool = False, compiled: bool = False) -> dict[str, str]:
+                  tokens_per_micro_batch: int, fp8: bool = False, compiled: bool = False,
+                  zero3: bool = False) -> dict[str, str]:
     """Install the kernels the config asks for where they can run; returns what runs, by part."""
     loss.compiled = compiled
-    return {"linear layers": linear_choice(model, loss, kernels, device, dtype, tokens_per_micro_batch, fp8),
+    min_tokens = AUTO_CUBLASLT_MIN_TOKENS_ZERO3 if zero3 else AUTO_CUBLASLT_MIN_TOKENS
+    return {"linear layers": linear_choice(model, loss, kernels, device, dtype, tokens_per_micro_batch, fp8,
+                                           min_tokens=min_tokens),
             "attention": attention_choice(model, kernels, device, dtype)}

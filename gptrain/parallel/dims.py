@@ -33,8 +33,13 @@ class ParallelDims:
 
     @property
     def sharded(self) -> bool:
-        """Parameters live in FSDP2 (ZeRO stages, and plain data parallelism: see parallelize.py)."""
-        return self.dp > 1 or self.zero_stage > 0
+        """Parameters live in FSDP2 (the ZeRO stages); plain data parallelism keeps whole replicas."""
+        return self.zero_stage > 0
+
+    @property
+    def replicated(self) -> bool:
+        """Plain data parallelism: every rank holds the whole model and the gradients are all-reduced."""
+        return self.dp > 1 and not self.sharded
 
     def validate(self, num_layers: int, num_heads: int, micro_batch_size: int, global_batch_size: int) -> None:
         """Every impossible layout is refused here, with its numbers, before anything is built."""

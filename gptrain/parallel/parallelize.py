@@ -1,14 +1,16 @@
 """Apply the layout and the run-time transformations to a built (meta-device) model, in
 torchtitan's order: activation recompute -> compile -> FSDP2.
 
-Data parallelism and every ZeRO stage run on FSDP2 ``fully_shard`` with a mixed-precision policy:
-the parameters the optimizer sees are fp32 shards (the main parameters), each block computes in
-bf16/fp16 on an all-gathered copy, and gradients are reduce-scattered in fp32 as each block's
-backward finishes, so communication overlaps compute. ZeRO-3 frees the gathered copy after each
-block's forward (and gathers it again for the backward); ZeRO-1, ZeRO-2 and plain data parallelism
-keep it until the backward, which costs data parallelism's all-reduce volume (a reduce-scatter plus
-an all-gather) and stores a 1/dp share of the optimizer state and gradients. One device keeps the
-whole model and its fp32 main copies (train/main_params.py).
+Every ZeRO stage runs on FSDP2 ``fully_shard`` with a mixed-precision policy: the parameters the
+optimizer sees are fp32 shards (the main parameters), each block computes in bf16/fp16 on an
+all-gathered copy, and gradients are reduce-scattered in fp32 as each block's backward finishes,
+so communication overlaps compute. ZeRO-3 frees the gathered copy after each block's forward (and
+gathers it again for the backward); ZeRO-1 and ZeRO-2 keep it until the backward.
+
+One device and plain data parallelism keep the whole model, compiled as one graph, with fp32 main
+copies (train/main_params.py); data parallelism all-reduces the fp32 main-gradient buffer once per
+step (parallel/data_parallel.py). Measured faster than FSDP2 without resharding, whose per-block
+hooks cut the compiled graph into blocks and add host work (benchmarks/RESULTS.md, session 5).
 """
 from __future__ import annotations
 
@@ -29,10 +31,12 @@ def apply_recompute(model: GPT, mode: str | None) -> None:
 
 
 def describe_sharding(dims: ParallelDims) -> str:
+    if dims.replicated:
+        return (f"data parallel over {dims.dp} ranks: whole model on each, fp32 main parameters and gradients, "
+                "gradients all-reduced in fp32 once per step")
     if not dims.sharded:
         return "one device: whole model, fp32 main parameters and gradients"
-    how = {0: "data parallel", 1: "ZeRO-1 (runs as ZeRO-2: gradients are sharded too, same math)",
-           2: "ZeRO-2", 3: "ZeRO-3"}[dims.zero_stage]
+    how = {1: "ZeRO-1 (runs as ZeRO-2: gradients are sharded too, same math)", 2: "ZeRO-2", 3: "ZeRO-3"}[dims.zero_stage]
     keep = "gathered per block, freed after its forward" if dims.zero_stage == 3 else \
         "gathered per block, kept until its backward"
     offload = "; parameters, gradients and optimizer state in host memory" if dims.cpu_offload else ""
@@ -62,7 +66,7 @@ def parallelize(train_module: nn.Module, model: GPT, dims: ParallelDims, mesh: D
     ``(tokens, labels, loss_mask) -> loss``."""
     apply_recompute(model, recompute)
     if not dims.sharded:
-        # one device: the whole step's forward compiles as one graph
+        # one device or whole replicas: the whole step's forward compiles as one graph
         return torch.compile(train_module, mode=compile_mode) if compile_model else train_module
     if compile_model:
         # per block, so FSDP2's hooks sit between compiled regions and each block's gradient

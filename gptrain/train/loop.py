@@ -20,6 +20,7 @@ import torch
 
 from gptrain.config import RunConfig
 from gptrain.parallel.collectives import all_reduce_, global_norm_and_sum, world_size
+from gptrain.parallel.data_parallel import average_flat, average_gradients
 from gptrain.parallel.dims import is_logging_rank
 from gptrain.train import metrics
 from gptrain.train.build import TrainingParts
@@ -209,10 +210,16 @@ class Trainer:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         grads = [p.grad for p in self.params if p.grad is not None]
-        # one all-reduce gives every rank the global gradient norm and the global batch's loss
-        if self.main is not None:
-            grad_norm, loss_sum = self.main.grad_norm(), loss_acc
-        else:
+        dims = self.parts.dims
+        if dims.replicated:  # plain data parallelism: average the whole gradients over the replicas
+            group = self.parts.mesh["dp"].get_group()
+            if self.main is not None:
+                average_flat(self.main.grad_flat, group, dims.dp)
+            else:
+                average_gradients(grads, group, dims.dp)
+        if self.main is not None:  # the main gradients are whole (and equal on every replica)
+            grad_norm, loss_sum = self.main.grad_norm(), all_reduce_(loss_acc.clone())
+        else:  # one all-reduce gives every rank the global gradient norm and the global batch's loss
             grad_norm, loss_sum = global_norm_and_sum(grads, loss_acc)
         loss_acc = loss_sum / world_size()
         if self.scaler is not None:

@@ -100,4 +100,5 @@ def init_distributed(device: torch.device) -> torch.device:
 
 
 def is_logging_rank() -> bool:
-    return not dist.is_initialized() or dist.get_rank() == 0
+    """Rank 0 speaks; before the process group exists, torchrun's RANK says who that is."""
+    return (dist.get_rank() if dist.is_initialized() else world_from_env()[1]) == 0

@@ -15,7 +15,19 @@ import torch.nn.functional as F
 from cuda_timing import cuda_ms  # benchmarks/cuda_timing.py
 from gptrain.kernels import cublaslt as lt
 from gptrain.kernels.ops import gelu_tanh_derivative, linear_bias_gelu, linear_dgelu, linear_fwd, linear_wgrad
-from gptrain.model.linear import mlp
+from gptrain.model.linear import FusedBiasGeluMLP, TunedLinear
+
+
+def mlp(x, fc1, fc2, tuned: bool, fuse: bool):
+    """fc1 -> tanh GELU -> fc2, plain, on the cuBLASLt linears, or with bias + GELU fused (the
+    converter's module swaps, applied to these two layers)."""
+    if tuned and fuse:
+        module = FusedBiasGeluMLP()
+        module.fc1, module.fc2 = fc1, fc2
+        return module(x)
+    cls = TunedLinear if tuned else torch.nn.Linear
+    fc1.__class__ = fc2.__class__ = cls
+    return fc2(F.gelu(fc1(x), approximate="tanh"))
 
 
 def rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:

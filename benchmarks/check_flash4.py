@@ -28,7 +28,7 @@ CANDIDATES = {"cuDNN (SDPA)": sdpa(SDPBackend.CUDNN_ATTENTION), "FA2 (SDPA)": sd
 
 def check_numerics(b=2, s=1024, h=16, d=64):
     torch.manual_seed(0)
-    qkv = torch.randn(b, s, 3, h, d, device="cuda", dtype=torch.bfloat16)
+    qkv = torch.randn(b, s, h, 3, d, device="cuda", dtype=torch.bfloat16)
     grad = torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16)
     ref_in = qkv.float().requires_grad_()
     with sdpa_kernel([SDPBackend.MATH]):
@@ -45,12 +45,12 @@ def check_numerics(b=2, s=1024, h=16, d=64):
         y = fn(x)
         y.backward(grad)
         print(f"{name}: out rel err {rel(y, ref):.2e}; grad q/k/v "
-              + " / ".join(f"{rel(x.grad[:, :, i], ref_in.grad[:, :, i]):.2e}" for i in range(3)), flush=True)
+              + " / ".join(f"{rel(x.grad[:, :, :, i], ref_in.grad[:, :, :, i]):.2e}" for i in range(3)), flush=True)
 
 
 
 def bench(b, s=1024, h=16, d=64):
-    qkv = torch.randn(b, s, 3, h, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    qkv = torch.randn(b, s, h, 3, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     grad = torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16)
     fwd_flops = 2 * b * h * s * s * d  # causal: half of 4 b h s^2 d
     print(f"\nbatch {b}, seq {s}, {h} heads x {d}, causal bf16 (one layer; backward includes building dqkv)")
@@ -69,7 +69,7 @@ def bench(b, s=1024, h=16, d=64):
 
 
 def host_cost(calls=200):
-    qkv = torch.randn(1, 128, 3, 16, 64, device="cuda", dtype=torch.bfloat16)
+    qkv = torch.randn(1, 128, 16, 3, 64, device="cuda", dtype=torch.bfloat16)
     for name, fn in CANDIDATES.items():
         with torch.no_grad():
             fn(qkv)

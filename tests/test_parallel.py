@@ -194,3 +194,20 @@ def test_deepspeed_config_of_the_seeds_maps_onto_zero3_with_offload(tmp_path):
     assert parallel_dims(cfg, 4).dp == 4
     with pytest.raises(ValueError, match="contradicts --bf16"):
         parse_megatron_args(TINY + ["--train-iters", "1", "--bf16", "--deepspeed_config", str(ds)], world_size=4)
+
+
+def test_zero_on_one_process_is_one_device(one_process):
+    """Megatron scripts pass --use-distributed-optimizer on one GPU: ZeRO over one rank shards nothing."""
+    out = single(TINY + STEPS + ["--use-distributed-optimizer"])
+    assert "one device: whole model" in out
+    assert losses(out) == one_process[0]
+
+
+def test_fp16_checkpoint_before_the_first_update_resumes(tmp_path):
+    """fp16's first steps are skipped at the initial loss scale, so AdamW has taken no step yet when
+    this checkpoint is written; its state must still be complete."""
+    flags = TINY + ["--fp16", "--train-iters", "3"]
+    single(flags + ["--train-iters", "2", "--save", str(tmp_path)])
+    out = single(flags + ["--load", str(tmp_path), "--save", str(tmp_path)])
+    assert "successfully loaded checkpoint" in out and sorted(losses(out)) in ([], [3])
+    assert "number of skipped iterations:   1" in next(l for l in out.splitlines() if l.startswith(" iteration"))

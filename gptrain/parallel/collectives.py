@@ -27,7 +27,11 @@ def _replicas(t: torch.Tensor) -> int:
 
 def global_norm_and_sum(grads: list[torch.Tensor], value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The L2 norm of all gradients over every process, and ``value`` summed over every process,
-    in one all-reduce. Shards count once; replicated copies are divided by their number."""
+    in one all-reduce. Shards count once; replicated copies are divided by their number.
+
+    Written for data-parallel layouts (tensor and pipeline parallel size 1, which ParallelDims
+    enforces today): the all-reduce spans the world and plain tensors count as replicated on every
+    rank. Tensor/pipeline parallelism must reduce over the right groups instead."""
     by_replicas: dict[int, list[torch.Tensor]] = {}
     for g in grads:
         by_replicas.setdefault(_replicas(g), []).append(local(g))

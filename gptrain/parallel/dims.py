@@ -33,8 +33,9 @@ class ParallelDims:
 
     @property
     def sharded(self) -> bool:
-        """Parameters live in FSDP2 (the ZeRO stages); plain data parallelism keeps whole replicas."""
-        return self.zero_stage > 0
+        """Parameters live in FSDP2 (the ZeRO stages); plain data parallelism keeps whole replicas, and
+        ZeRO over one rank shards nothing (Megatron's scripts pass --use-distributed-optimizer on one GPU)."""
+        return self.zero_stage > 0 and self.dp > 1
 
     @property
     def replicated(self) -> bool:
@@ -59,7 +60,9 @@ class ParallelDims:
                              f"{micro_batch_size} x data-parallel size {self.dp} = {micro_batch_size * self.dp}")
         if self.zero_stage not in (0, 1, 2, 3):
             raise ValueError(f"--zero-stage {self.zero_stage}: use 0, 1, 2 or 3")
-        if self.cpu_offload and self.zero_stage != 3:
+        if self.cpu_offload and (self.zero_stage != 3 or self.dp == 1):
+            if self.zero_stage == 3:
+                raise ValueError("--cpu-offload needs ZeRO-3 over more than one data-parallel rank")
             raise ValueError(f"--cpu-offload needs --zero-stage 3 (got {self.zero_stage})")
         if self.tp > 1:
             raise ValueError(f"--tensor-model-parallel-size {self.tp}: tensor parallelism is not built yet "
@@ -93,7 +96,8 @@ def init_distributed(device: torch.device) -> torch.device:
     if device.type == "cuda":
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
-        dist.init_process_group("nccl", device_id=device)
+        # gloo beside NCCL: CPU-offloaded shards are gathered on the CPU (checkpoints of --cpu-offload)
+        dist.init_process_group("cpu:gloo,cuda:nccl", device_id=device)
     else:
         dist.init_process_group("gloo")
     return device

@@ -23,6 +23,7 @@ from gptrain.model.gpt import GPT
 from gptrain.model.loss import LMLoss
 from gptrain.parallel.dims import ParallelDims
 from gptrain.parallel.parallelize import describe_sharding, parallelize
+from gptrain.train.checkpoint import init_optimizer_state
 from gptrain.train.main_params import MainParams
 
 
@@ -102,6 +103,9 @@ def build_training(cfg: RunConfig, device: torch.device, dims: ParallelDims, mes
         main = MainParams(model, compute_dtype)
     opt_params = main.named() if main else dict(model.named_parameters())
     optimizer = build_optimizer(opt_params, cfg, device)
+    # AdamW's state exists from the start (what fused AdamW would create at its first step), so a
+    # checkpoint written before the first update (fp16's first steps are skipped) holds it all
+    init_optimizer_state(opt_params, optimizer)
     return TrainingParts(model, train_module, forward, main, opt_params, optimizer, dims, mesh, impls, fp8_layers)
 
 

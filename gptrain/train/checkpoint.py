@@ -131,12 +131,17 @@ def save_checkpoint(root: str | os.PathLike, iteration: int, params: dict[str, t
     barrier()
     if rank == 0:
         (tmp / "state.json").write_text(json.dumps({**state, "iteration": iteration, "format": FORMAT}, indent=1))
-        if final.exists():
-            shutil.rmtree(final)
+        old = root / f".{final.name}.old"
+        if final.exists():  # saving an iteration again: the previous copy goes only once the new one is in place
+            if old.exists():
+                shutil.rmtree(old)
+            os.replace(final, old)
         os.replace(tmp, final)
         tracker_tmp = root / f".{TRACKER}.tmp"
         tracker_tmp.write_text(str(iteration))
         os.replace(tracker_tmp, root / TRACKER)
+        if old.exists():
+            shutil.rmtree(old)
     barrier()
     return final
 

@@ -109,6 +109,7 @@ class Trainer:
         self.schedule = LRSchedule.from_config(cfg.optim, cfg.train)
         self.scaler = LossScaler.from_config(cfg.precision)
         self.iteration = 0
+        self.loaded_iteration: int | None = None
         self.consumed_train = 0
         self.consumed_valid = 0
         p = cfg.precision
@@ -141,6 +142,19 @@ class Trainer:
     def _loss_mask(self, tokens: torch.Tensor) -> torch.Tensor | None:
         # Megatron's --eod-mask-loss: positions whose input is the end-of-document token do not count
         return None if self.eod is None else (tokens != self.eod).float()
+
+    def _before_micro_batch(self, last: bool) -> None:
+        """ZeRO-1 and ZeRO-2 keep the gathered parameters between micro-batches (gathered once per
+        step); ZeRO-1 also keeps the gradients whole and reduce-scatters them once, after the last
+        micro-batch (FSDP2 accumulates them in fp32 meanwhile), where ZeRO-2 reduce-scatters after
+        each micro-batch and holds only shards."""
+        dims = self.parts.dims
+        if not dims.sharded or dims.zero_stage == 3:
+            return
+        module = self.parts.train_module
+        module.set_reshard_after_backward(last)
+        if dims.zero_stage == 1:
+            module.set_requires_gradient_sync(last)
 
     # ---- precision helpers
     def _autocast(self):
@@ -184,6 +198,7 @@ class Trainer:
             self.log(f" loaded weights from {t.load} (iteration {state['iteration']}); --finetune starts at 0")
             return
         self.iteration = int(state["iteration"]) if state["iteration"] != "release" else 0
+        self.loaded_iteration = self.iteration
         self.consumed_train = int(state["consumed_train_samples"])
         self.consumed_valid = int(state["consumed_valid_samples"])
         self.schedule.load_state_dict(state["schedule"])
@@ -198,7 +213,8 @@ class Trainer:
         n_micro = self.num_micro_batches
         scale = self.loss_scale
         loss_acc = torch.zeros((), device=self.device)
-        for _ in range(n_micro):
+        for i in range(n_micro):
+            self._before_micro_batch(last=i == n_micro - 1)
             tokens, labels = loader.next()
             with self._autocast():
                 loss = self.forward(tokens, labels, self._loss_mask(tokens)) / n_micro
@@ -341,6 +357,17 @@ class Trainer:
                                   f"(--max-nan-iterations {t.max_nan_iterations}): stopping; {saved}. Lower --lr, "
                                   "check the data, or use --bf16 instead of --fp16.")
 
+    def _out_of_time(self, run_start: float) -> bool:
+        """--exit-duration-in-mins: every rank must stop at the same iteration, so with several
+        processes the clocks are compared (the latest wins) once per log interval."""
+        late = (time.perf_counter() - run_start) / 60.0 > self.cfg.train.exit_duration_in_mins
+        if world_size() == 1:
+            return late
+        if self.iteration % self.cfg.train.log_interval:
+            return False
+        flag = torch.tensor(float(late), device=self.device)
+        return bool(all_reduce_(flag, torch.distributed.ReduceOp.MAX).item())
+
     def train(self) -> None:
         t = self.cfg.train
         self.parts.train_module.train()
@@ -366,7 +393,7 @@ class Trainer:
                     stats.start_time = time.perf_counter()  # evaluation time is not training time
                 if t.save_interval and self.iteration % t.save_interval == 0:
                     self.save()
-                if t.exit_duration_in_mins and (time.perf_counter() - run_start) / 60.0 > t.exit_duration_in_mins:
+                if t.exit_duration_in_mins and self._out_of_time(run_start):
                     exit_reason = f"exiting program after {t.exit_duration_in_mins} minutes"
                 if t.exit_interval and self.iteration % t.exit_interval == 0:
                     exit_reason = f"exiting program at iteration {self.iteration}"
@@ -374,7 +401,9 @@ class Trainer:
                     break
         finally:
             loader.close()
-        if self.iteration and not (t.save_interval and self.iteration % t.save_interval == 0):
+        # the final state, unless it is already saved or nothing ran since the checkpoint it came from
+        if self.iteration and self.iteration != self.loaded_iteration \
+                and not (t.save_interval and self.iteration % t.save_interval == 0):
             self.save()
         if exit_reason:
             self.log(exit_reason)

@@ -37,6 +37,7 @@ def one_process(tmp_path_factory):
 
 @pytest.mark.parametrize("flags", [[], ["--use-distributed-optimizer"], ["--zero-stage", "2"], ["--zero-stage", "3"]],
                          ids=["dp2", "zero1", "zero2", "zero3"])
+@pytest.mark.slow
 def test_data_parallel_and_zero_equal_one_process(flags, one_process, tmp_path):
     ref_losses, ref_weights = one_process
     out = torchrun(2, TINY + STEPS + flags + ["--save", str(tmp_path)])
@@ -51,6 +52,7 @@ def test_data_parallel_and_zero_equal_one_process(flags, one_process, tmp_path):
         torch.testing.assert_close(weights[name], ref, rtol=1e-5, atol=1e-6, msg=name)
 
 
+@pytest.mark.slow
 def test_resume_at_the_same_layout_is_exact(tmp_path):
     flags = TINY + ["--zero-stage", "3", "--train-iters", "6"]
     straight = losses(torchrun(2, flags + ["--save", str(tmp_path / "a")]))
@@ -62,6 +64,7 @@ def test_resume_at_the_same_layout_is_exact(tmp_path):
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+@pytest.mark.slow
 def test_two_nodes_through_c10d_rendezvous(one_process):
     """Two torchrun launchers of one process each meet at a c10d rendezvous, as two nodes would."""
     port = free_port()
@@ -103,6 +106,7 @@ def _fp16_run(rank: int, bad_call: int, out_path: str) -> None:
             json.dump({"rc": rc, "lines": lines}, f)
 
 
+@pytest.mark.slow
 def test_fp16_overflow_on_one_rank_skips_on_all(tmp_path):
     # step 3's last micro-batch overflows: in one process that is its 4th micro-batch of the step
     spawn(1, _fp16_run, 3 * 4, str(tmp_path / "one.json"))
@@ -139,6 +143,7 @@ def _initial_weights(rank: int, flags: list[str], out_path: str) -> None:
     torch.distributed.destroy_process_group() if torch.distributed.is_initialized() else None
 
 
+@pytest.mark.slow
 def test_initial_weights_are_equal_at_every_layout(tmp_path):
     spawn(1, _initial_weights, [], str(tmp_path / "one.pt"))
     spawn(2, _initial_weights, ["--zero-stage", "3"], str(tmp_path / "zero3.pt"))
@@ -171,6 +176,7 @@ def test_impossible_layouts_are_refused_with_their_numbers(world, flags, message
     assert message in str(err.value)
 
 
+@pytest.mark.slow
 def test_torchrun_error_is_one_line_from_one_rank():
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "gptrain",
            "train", *TINY, "--train-iters", "1", "--global-batch-size", "6"]
@@ -196,6 +202,7 @@ def test_deepspeed_config_of_the_seeds_maps_onto_zero3_with_offload(tmp_path):
         parse_megatron_args(TINY + ["--train-iters", "1", "--bf16", "--deepspeed_config", str(ds)], world_size=4)
 
 
+@pytest.mark.slow
 def test_zero_on_one_process_is_one_device(one_process):
     """Megatron scripts pass --use-distributed-optimizer on one GPU: ZeRO over one rank shards nothing."""
     out = single(TINY + STEPS + ["--use-distributed-optimizer"])
@@ -203,6 +210,7 @@ def test_zero_on_one_process_is_one_device(one_process):
     assert losses(out) == one_process[0]
 
 
+@pytest.mark.slow
 def test_fp16_checkpoint_before_the_first_update_resumes(tmp_path):
     """fp16's first steps are skipped at the initial loss scale, so AdamW has taken no step yet when
     this checkpoint is written; its state must still be complete."""

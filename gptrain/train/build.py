@@ -79,6 +79,8 @@ def build_optimizer(params: dict[str, torch.Tensor], cfg: RunConfig, device: tor
 def build_training(cfg: RunConfig, device: torch.device, dims: ParallelDims, mesh: DeviceMesh | None,
                    log=print) -> TrainingParts:
     p = cfg.precision
+    if dims.cpu_offload and device.type != "cuda":
+        raise ValueError(f"--cpu-offload moves ZeRO-3's shards from the GPU to host memory; this run is on {device.type}")
     compute_dtype = torch.bfloat16 if p.bf16 else torch.float16 if p.fp16 else torch.float32
     param_dtype = compute_dtype if p.half_params else None  # None: fp32 parameters (autocast or fp32)
     with torch.device("meta"):

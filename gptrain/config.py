@@ -107,6 +107,7 @@ class TrainConfig:
     compile_mode: str | None = None  # torch.compile mode; None is its default
     peak_tflops: float | None = None
     device: str | None = None  # default: cuda if available
+    dry_run: bool = False  # validate and print the layout, build nothing
     no_load_optim: bool = False
     no_load_rng: bool = False
     finetune: bool = False
@@ -312,6 +313,10 @@ def _parser() -> argparse.ArgumentParser:
       help="torch.compile mode (implies --compile); max-autotune compiles for many minutes")
     a("--peak-tflops", type=float, default=None, help="device peak for MFU (default: known from the device name)")
     a("--device", default=None, help="cpu, cuda, cuda:1 (default: cuda when available)")
+    a("--dry-run", action="store_true",
+      help="check the flags and the layout, print it and each rank's parameter count, build and train nothing")
+    a("--world-size", type=int, default=None,
+      help="with --dry-run: the number of processes to plan for (default: torchrun's WORLD_SIZE, else 1)")
     a("--no-load-optim", action="store_true")
     a("--no-load-rng", action="store_true")
     a("--finetune", action="store_true")
@@ -338,7 +343,7 @@ def parse_megatron_args(argv: list[str], world_size: int | None = None) -> tuple
     """Translate ``pretrain_gpt.py`` flags; returns the config and notes on accepted no-op flags.
     ``world_size`` (default: torchrun's WORLD_SIZE) resolves a ds.json's batch sizes."""
     if world_size is None:
-        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        world_size = planned_world_size(argv)
     for flag in NOT_IMPLEMENTED:
         if flag in argv:
             raise ValueError(f"{flag} is a Megatron flag gptrain does not implement: {NOT_IMPLEMENTED[flag]}")
@@ -404,9 +409,19 @@ def parse_megatron_args(argv: list[str], world_size: int | None = None) -> tuple
         exit_duration_in_mins=args.exit_duration_in_mins, max_nan_iterations=args.max_nan_iterations,
         tensorboard_dir=args.tensorboard_dir, compile=args.compile or args.compile_mode is not None,
         compile_mode=args.compile_mode, peak_tflops=args.peak_tflops,
-        device=args.device, no_load_optim=args.no_load_optim, no_load_rng=args.no_load_rng, finetune=args.finetune,
+        device=args.device, dry_run=args.dry_run, no_load_optim=args.no_load_optim, no_load_rng=args.no_load_rng, finetune=args.finetune,
     )
     return RunConfig(model, data, optim, precision, train, kernels, parallel), notes
+
+
+def planned_world_size(argv: list[str]) -> int:
+    """--world-size N (for a dry run), else torchrun's WORLD_SIZE, else 1."""
+    if "--world-size" in argv and argv.index("--world-size") + 1 < len(argv):
+        try:
+            return int(argv[argv.index("--world-size") + 1])
+        except ValueError:
+            raise ValueError(f"--world-size {argv[argv.index('--world-size') + 1]}: expected a number") from None
+    return int(os.environ.get("WORLD_SIZE", "1"))
 
 
 def _apply_deepspeed_config(args, parallel: ParallelConfig, world_size: int) -> list[str]:

@@ -42,8 +42,10 @@ class ParallelDims:
         """Plain data parallelism: every rank holds the whole model and the gradients are all-reduced."""
         return self.dp > 1 and not self.sharded
 
-    def validate(self, num_layers: int, num_heads: int, micro_batch_size: int, global_batch_size: int) -> None:
-        """Every impossible layout is refused here, with its numbers, before anything is built."""
+    def validate(self, num_layers: int, num_heads: int, micro_batch_size: int, global_batch_size: int,
+                 planning: bool = False) -> None:
+        """Every impossible layout is refused here, with its numbers, before anything is built.
+        ``planning`` (the dry run) also accepts layouts whose training is not built yet."""
         for name, value in (("--tensor-model-parallel-size", self.tp), ("--pipeline-model-parallel-size", self.pp)):
             if value < 1:
                 raise ValueError(f"{name} {value} must be at least 1")
@@ -64,10 +66,10 @@ class ParallelDims:
             if self.zero_stage == 3:
                 raise ValueError("--cpu-offload needs ZeRO-3 over more than one data-parallel rank")
             raise ValueError(f"--cpu-offload needs --zero-stage 3 (got {self.zero_stage})")
-        if self.tp > 1:
+        if self.tp > 1 and not planning:
             raise ValueError(f"--tensor-model-parallel-size {self.tp}: tensor parallelism is not built yet "
                              "(only size 1 runs)")
-        if self.pp > 1:
+        if self.pp > 1 and not planning:
             raise ValueError(f"--pipeline-model-parallel-size {self.pp}: pipeline parallelism is not built yet "
                              "(only size 1 runs)")
 

@@ -35,7 +35,8 @@ def describe_sharding(dims: ParallelDims) -> str:
         return (f"data parallel over {dims.dp} ranks: whole model on each, fp32 main parameters and gradients, "
                 "gradients all-reduced in fp32 once per step")
     if not dims.sharded:
-        return "one device: whole model, fp32 main parameters and gradients"
+        where = "one device" if dims.world_size == 1 else "no data parallelism"
+        return f"{where}: whole model, fp32 main parameters and gradients"
     how = {1: "ZeRO-1 (runs as ZeRO-2: gradients are sharded too, same math)", 2: "ZeRO-2", 3: "ZeRO-3"}[dims.zero_stage]
     keep = "gathered per block, freed after its forward" if dims.zero_stage == 3 else \
         "gathered per block, kept until its backward"

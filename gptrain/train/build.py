@@ -53,12 +53,12 @@ class TrainingParts:
     fp8_layers: int
 
 
-def parallel_dims(cfg: RunConfig, world_size: int) -> ParallelDims:
+def parallel_dims(cfg: RunConfig, world_size: int, planning: bool = False) -> ParallelDims:
     p = cfg.parallel
     dims = ParallelDims(world_size=world_size, tp=p.tensor_parallel, pp=p.pipeline_parallel,
                         zero_stage=p.zero_stage, cpu_offload=p.cpu_offload)
     dims.validate(cfg.model.num_layers, cfg.model.num_attention_heads, cfg.train.micro_batch_size,
-                  cfg.train.global_batch_size)
+                  cfg.train.global_batch_size, planning=planning)
     if dims.sharded and cfg.precision.fp8:
         raise ValueError("--fp8 with data parallelism / ZeRO is not built yet (fp8 runs on one device)")
     return dims

@@ -7,13 +7,15 @@ import sys
 import numpy as np
 import torch
 
-from gptrain.config import RunConfig, parse_megatron_args
+from gptrain.config import RunConfig, parse_megatron_args, planned_world_size
 from gptrain.data.blend import BlendedDataset, parse_data_path, samples_per_dataset
 from gptrain.data.gpt_dataset import GPTDataset, MockGPTDataset, parse_split
 from gptrain.data.indexed import IndexedDataset
 from gptrain.data.provenance import check_tokenizer
 from gptrain.model.gpt import GPT
 from gptrain.parallel.dims import init_distributed, is_logging_rank, world_from_env
+from gptrain.parallel.layout import parameter_counts
+from gptrain.parallel.parallelize import describe_sharding
 from gptrain.tokenizer import GPT2Tokenizer
 from gptrain.train.build import build_training, parallel_dims, parameter_count
 from gptrain.train.loop import Trainer, TrainingStopped
@@ -124,6 +126,22 @@ def _report_parameters(parts, log) -> None:
         log(f" > number of parameters on (tensor, pipeline) model parallel rank ({t}, {p}): {n}")
 
 
+def dry_run(cfg: RunConfig, world: int, log) -> None:
+    """``--dry-run``: the layout and what each rank would hold, from the meta-device model."""
+    dims = parallel_dims(cfg, world, planning=True)
+    log("dry run: flags and layout checked; nothing is built or trained")
+    log(dims.describe())
+    log(f"setting number of micro-batches to constant "
+        f"{cfg.train.global_batch_size // (cfg.train.micro_batch_size * dims.dp)}")
+    log(f" > padded vocab (size: {cfg.model.vocab_size}) with "
+        f"{cfg.model.padded_vocab_size - cfg.model.vocab_size} dummy tokens (new size: {cfg.model.padded_vocab_size})")
+    for (t, p), n in sorted(parameter_counts(cfg.model, dims).items(), key=lambda kv: (kv[0][1], kv[0][0])):
+        log(f" > number of parameters on (tensor, pipeline) model parallel rank ({t}, {p}): {n}")
+    log(f" > parameters: {describe_sharding(dims)}")
+    if dims.tp > 1 or dims.pp > 1:
+        log(" > note: tensor and pipeline parallel training are not built yet; this layout can be planned, not run")
+
+
 def train_main(argv: list[str], log=None) -> int:
     log = log or (lambda s: print(s, flush=True))
     try:
@@ -131,6 +149,9 @@ def train_main(argv: list[str], log=None) -> int:
         if rank != 0:  # one rank speaks; every rank still runs the same code
             log = lambda s: None  # noqa: E731
         cfg, tokenizer = setup(argv, log)
+        if cfg.train.dry_run:
+            dry_run(cfg, planned_world_size(argv), log)
+            return 0
         dims = parallel_dims(cfg, world)
         device = init_distributed(pick_device(cfg.train.device))
         mesh = dims.build_mesh(device.type)

@@ -115,10 +115,12 @@ def attention_choice(model: GPT, kernels, device: torch.device, dtype: torch.dty
 
 def apply_kernels(model: GPT, loss: LMLoss, kernels, device: torch.device, dtype: torch.dtype,
                   tokens_per_micro_batch: int, fp8: bool = False, compiled: bool = False,
-                  zero3: bool = False) -> dict[str, str]:
+                  zero3: bool = False, tensor_parallel: bool = False) -> dict[str, str]:
     """Install the kernels the config asks for where they can run; returns what runs, by part."""
     loss.compiled = compiled
     min_tokens = AUTO_CUBLASLT_MIN_TOKENS_ZERO3 if zero3 else AUTO_CUBLASLT_MIN_TOKENS
+    # the cuBLASLt ops take plain tensors; tensor parallelism hands the linear layers DTensor weights
+    blocked = "tensor parallelism (DTensor weights)" if tensor_parallel else None
     return {"linear layers": linear_choice(model, loss, kernels, device, dtype, tokens_per_micro_batch, fp8,
-                                           min_tokens=min_tokens),
+                                           blocked_by=blocked, min_tokens=min_tokens),
             "attention": attention_choice(model, kernels, device, dtype)}

@@ -21,7 +21,10 @@ def _replicas(t: torch.Tensor) -> int:
     """How many processes hold the same values as this one's: every data-parallel rank for a plain
     tensor, the sizes of the mesh dimensions a DTensor is replicated over."""
     if isinstance(t, DTensor):
-        return math.prod(t.device_mesh.size(i) for i, p in enumerate(t.placements) if p.is_replicate())
+        # replicated over its own mesh's Replicate dimensions, and over every rank outside that mesh
+        # (a tensor-parallel DTensor under plain data parallelism)
+        outside = (dist.get_world_size() if distributed() else 1) // t.device_mesh.size()
+        return outside * math.prod(t.device_mesh.size(i) for i, p in enumerate(t.placements) if p.is_replicate())
     return dist.get_world_size() if distributed() else 1
 
 

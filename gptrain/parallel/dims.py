@@ -66,9 +66,6 @@ class ParallelDims:
             if self.zero_stage == 3:
                 raise ValueError("--cpu-offload needs ZeRO-3 over more than one data-parallel rank")
             raise ValueError(f"--cpu-offload needs --zero-stage 3 (got {self.zero_stage})")
-        if self.tp > 1 and not planning:
-            raise ValueError(f"--tensor-model-parallel-size {self.tp}: tensor parallelism is not built yet "
-                             "(only size 1 runs)")
         if self.pp > 1 and not planning:
             raise ValueError(f"--pipeline-model-parallel-size {self.pp}: pipeline parallelism is not built yet "
                              "(only size 1 runs)")

@@ -51,6 +51,8 @@ def apply_fsdp(train_module: nn.Module, model: GPT, mesh: DeviceMesh, dims: Para
 
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     offload = CPUOffloadPolicy() if dims.cpu_offload else OffloadPolicy()
+    # with tensor parallelism the parameters are already DTensors on the tp dimension: FSDP2 shards
+    # them further over dp (a 2-D layout)
     dp_mesh = mesh["dp"]
     reshard = dims.zero_stage == 3
     for block in model.layers.values():
@@ -66,6 +68,9 @@ def parallelize(train_module: nn.Module, model: GPT, dims: ParallelDims, mesh: D
     """Transform in place; returns the callable the trainer runs forward through:
     ``(tokens, labels, loss_mask) -> loss``."""
     apply_recompute(model, recompute)
+    if dims.tp > 1:
+        from gptrain.parallel.tensor_parallel import apply_tensor_parallel
+        apply_tensor_parallel(model, mesh["tp"])
     if not dims.sharded:
         # one device or whole replicas: the whole step's forward compiles as one graph
         return torch.compile(train_module, mode=compile_mode) if compile_model else train_module

@@ -59,19 +59,24 @@ def parallel_dims(cfg: RunConfig, world_size: int, planning: bool = False) -> Pa
                         zero_stage=p.zero_stage, cpu_offload=p.cpu_offload)
     dims.validate(cfg.model.num_layers, cfg.model.num_attention_heads, cfg.train.micro_batch_size,
                   cfg.train.global_batch_size, planning=planning)
-    if dims.sharded and cfg.precision.fp8:
-        raise ValueError("--fp8 with data parallelism / ZeRO is not built yet (fp8 runs on one device)")
+    if (dims.sharded or dims.tp > 1) and cfg.precision.fp8:
+        raise ValueError("--fp8 with ZeRO or tensor parallelism is not built yet (fp8 runs on one device or "
+                         "with plain data parallelism)")
     return dims
 
 
 def build_optimizer(params: dict[str, torch.Tensor], cfg: RunConfig, device: torch.device) -> torch.optim.AdamW:
     """AdamW over the named parameters; biases and LayerNorm parameters without weight decay
     (Megatron's rule)."""
-    decay, no_decay = [], []
+    from torch.distributed.tensor import DTensor
+
+    # one group per (weight decay, DTensor or not): the fused kernel takes one kind of tensor per call,
+    # and tensor parallelism leaves LayerNorms and position embeddings plain
+    groups: dict[tuple[bool, bool], list[torch.Tensor]] = {}
     for p in params.values():
-        (no_decay if p.ndim == 1 else decay).append(p)
-    groups = [{"params": decay, "weight_decay": cfg.optim.weight_decay},
-              {"params": no_decay, "weight_decay": 0.0}]
+        groups.setdefault((p.ndim > 1, isinstance(p, DTensor)), []).append(p)
+    groups = [{"params": ps, "weight_decay": cfg.optim.weight_decay if decay else 0.0}
+              for (decay, _), ps in sorted(groups.items(), key=lambda kv: (not kv[0][0], kv[0][1]))]
     return torch.optim.AdamW(groups, lr=cfg.optim.lr, betas=(cfg.optim.adam_beta1, cfg.optim.adam_beta2),
                              eps=cfg.optim.adam_eps, fused=True)
 
@@ -91,7 +96,8 @@ def build_training(cfg: RunConfig, device: torch.device, dims: ParallelDims, mes
     fp8_layers = convert_to_fp8(model, p.fp8, p.fp8_recipe, emulate=device.type != "cuda") if p.fp8 else 0
     impls = apply_kernels(model, loss, cfg.kernels, device, param_dtype or torch.float32,
                           cfg.train.micro_batch_size * cfg.model.seq_length, fp8=bool(p.fp8),
-                          compiled=cfg.train.compile, zero3=dims.sharded and dims.zero_stage == 3)
+                          compiled=cfg.train.compile, zero3=dims.sharded and dims.zero_stage == 3,
+                          tensor_parallel=dims.tp > 1)
     forward = parallelize(train_module, model, dims, mesh, cfg.kernels.recompute, param_dtype,
                           cfg.train.compile, cfg.train.compile_mode)
     impls["parameters"] = describe_sharding(dims)
@@ -112,6 +118,17 @@ def build_training(cfg: RunConfig, device: torch.device, dims: ParallelDims, mes
 
 
 def parameter_count(model: GPT) -> int:
-    """Parameters of this (tensor, pipeline) model-parallel rank: data-parallel shards count whole,
-    as Megatron counts them."""
-    return sum(p.numel() for p in model.parameters())
+    """Parameters of this (tensor, pipeline) model-parallel rank: tensor-parallel shards count what
+    this rank holds, data-parallel (FSDP) shards count whole, as Megatron counts them."""
+    from torch.distributed.tensor import DTensor
+
+    total = 0
+    for p in model.parameters():
+        n = p.numel()
+        if isinstance(p, DTensor):
+            names = p.device_mesh.mesh_dim_names or ()
+            for dim, placement in enumerate(p.placements):
+                if placement.is_shard() and names[dim] == "tp":
+                    n //= p.device_mesh.size(dim)
+        total += n
+    return total

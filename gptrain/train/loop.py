@@ -233,7 +233,7 @@ class Trainer:
                 average_flat(self.main.grad_flat, group, dims.dp)
             else:
                 average_gradients(grads, group, dims.dp)
-        if self.main is not None:  # the main gradients are whole (and equal on every replica)
+        if self.main is not None and dims.tp == 1:  # the main gradients are whole (equal on every replica)
             grad_norm, loss_sum = self.main.grad_norm(), all_reduce_(loss_acc.clone())
         else:  # one all-reduce gives every rank the global gradient norm and the global batch's loss
             grad_norm, loss_sum = global_norm_and_sum(grads, loss_acc)

@@ -1,0 +1,80 @@
+"""Tensor parallelism on DTensor: Megatron's column/row split of each block, the vocabulary-parallel
+word embeddings, and a vocabulary-parallel cross-entropy that never gathers the logits.
+
+QKV and fc1 are column-parallel (each rank holds whole heads: the QKV rows are in per-head order),
+the attention projection and fc2 row-parallel (their outputs all-reduced), the word embeddings split
+by vocabulary rows. Between the blocks' parallel regions activations are whole, plain tensors on
+every rank, so LayerNorms, dropout and the model's own code stay as they are.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+from gptrain.model.gpt import GPT
+
+
+def apply_tensor_parallel(model: GPT, tp_mesh: DeviceMesh) -> None:
+    for block in model.layers.values():
+        parallelize_module(block, tp_mesh, {
+            "attn.qkv": ColwiseParallel(), "attn.proj": RowwiseParallel(),
+            "mlp.fc1": ColwiseParallel(), "mlp.fc2": RowwiseParallel(),
+        })
+    # vocabulary-parallel embedding: each rank looks up its rows, the partial sums are all-reduced
+    parallelize_module(model.word_embeddings, tp_mesh, RowwiseParallel(input_layouts=Replicate()))
+    model.output_layer.weight = model.word_embeddings.weight  # the tie survives the swap to a DTensor
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Megatron's vocabulary-parallel cross-entropy of ``h @ w.T`` where each rank holds the rows
+    [rank x V/tp, (rank + 1) x V/tp) of w: max, sum of exponentials and the label's logit are
+    all-reduced, never the logits. Returns each token's loss. Columns from ``vocab_size`` on
+    (padding) get no probability."""
+
+    @staticmethod
+    def forward(ctx, h, w_local, labels, vocab_size: int, group):
+        rank = dist.get_rank(group)
+        width = w_local.shape[0]
+        first = rank * width
+        logits = (h @ w_local.t()).float()
+        column = torch.arange(first, first + width, device=h.device)
+        logits = logits.masked_fill(column >= vocab_size, float("-inf"))
+        row_max = logits.max(dim=-1).values
+        dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
+        exp = torch.exp(logits - row_max[:, None])
+        sum_exp = exp.sum(dim=-1)
+        dist.all_reduce(sum_exp, group=group)
+        local = (labels >= first) & (labels < first + width)
+        index = (labels - first).clamp(0, width - 1)
+        target = torch.where(local, logits.gather(1, index[:, None]).squeeze(1), torch.zeros_like(row_max))
+        dist.all_reduce(target, group=group)
+        losses = torch.log(sum_exp) + row_max - target
+        probs = exp / sum_exp[:, None]
+        ctx.save_for_backward(h, w_local, probs, index, local)
+        ctx.group = group
+        return losses
+
+    @staticmethod
+    def backward(ctx, grad_losses):
+        h, w_local, probs, index, local = ctx.saved_tensors
+        grad = probs
+        grad[torch.arange(grad.shape[0], device=grad.device)[local], index[local]] -= 1.0
+        grad = (grad * grad_losses[:, None]).to(h.dtype)
+        grad_h = grad @ w_local
+        dist.all_reduce(grad_h, group=ctx.group)  # h feeds every rank's share of the vocabulary
+        return grad_h, grad.t() @ h, None, None, None
+
+
+def vocab_parallel_cross_entropy(h: torch.Tensor, weight: DTensor, labels: torch.Tensor, vocab_size: int,
+                                 loss_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Mean token cross-entropy with the output layer's weight split by vocabulary rows."""
+    h2, y = h.reshape(-1, h.shape[-1]), labels.reshape(-1)
+    group = weight.device_mesh.get_group()
+    losses = _VocabParallelCrossEntropy.apply(h2, weight.to_local(), y, vocab_size, group)
+    if loss_mask is None:
+        return losses.mean()
+    mask = loss_mask.reshape(-1).to(losses.dtype)
+    return (losses * mask).sum() / mask.sum().clamp(min=1.0)

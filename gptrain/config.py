@@ -160,6 +160,7 @@ class ParallelConfig:
     """The layout asked for; the data-parallel size is what the world size leaves (parallel/dims.py)."""
     tensor_parallel: int = 1
     pipeline_parallel: int = 1
+    sequence_parallel: bool = False  # with TP: LayerNorms and dropout on sequence shards
     zero_stage: int = 0  # 1: optimizer state sharded, 2: + gradients, 3: + parameters (FSDP2)
     cpu_offload: bool = False  # stage 3: parameters, gradients and optimizer state in host memory
     deepspeed_config: str | None = None  # the ds.json it came from, if any
@@ -199,7 +200,6 @@ ACCEPTED_NO_OP_WITH_VALUE = {
     "--num-workers": None, "--distributed-timeout-minutes": None,
 }
 NOT_IMPLEMENTED = {
-    "--sequence-parallel": "sequence parallelism comes with tensor parallelism, not built yet",
     "--num-layers-per-virtual-pipeline-stage": "interleaved pipelines are not built yet",
     "--rampup-batch-size": "batch-size ramp-up is not implemented",
     "--swiglu": "only the GPT-2 MLP is implemented", "--use-rotary-position-embeddings": "only learned positions",
@@ -249,6 +249,8 @@ def _parser() -> argparse.ArgumentParser:
     # parallelism (the data-parallel size is what the world size leaves)
     a("--tensor-model-parallel-size", type=int, default=1)
     a("--pipeline-model-parallel-size", type=int, default=1)
+    a("--sequence-parallel", action="store_true",
+      help="with tensor parallelism: LayerNorms, dropout and the residual stream on sequence shards")
     a("--zero-stage", type=int, default=None, choices=[0, 1, 2, 3],
       help="ZeRO sharding on FSDP2: 1 optimizer state, 2 + gradients, 3 + parameters")
     a("--use-distributed-optimizer", action="store_true", help="Megatron's sharded optimizer (= --zero-stage 1)")
@@ -369,6 +371,7 @@ def parse_megatron_args(argv: list[str], world_size: int | None = None) -> tuple
     if args.use_distributed_optimizer and zero_stage == 0:
         raise ValueError("--use-distributed-optimizer is ZeRO stage 1; it contradicts --zero-stage 0")
     parallel = ParallelConfig(tensor_parallel=args.tensor_model_parallel_size,
+                              sequence_parallel=args.sequence_parallel,
                               pipeline_parallel=args.pipeline_model_parallel_size, zero_stage=zero_stage,
                               cpu_offload=args.cpu_offload, deepspeed_config=args.deepspeed_config)
     if args.deepspeed_config:

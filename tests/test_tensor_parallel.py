@@ -1,5 +1,5 @@
-"""Tensor parallelism (DTensor) against one process: the same losses and weights at TP2, TP2 x DP2 and
-TP2 x ZeRO-3 (fp32, tiny model, no dropout); Megatron's per-rank parameter counts, built and planned
+"""Tensor parallelism (DTensor) against one process: the same losses and weights at TP2, TP2 with
+sequence parallelism, TP2 x DP2 and TP2 x ZeRO-3 (fp32, tiny model, no dropout); Megatron's per-rank parameter counts, built and planned
 (seeds/004's figures for the 345M model); a checkpoint saved at TP2 resumed by one process."""
 from __future__ import annotations
 
@@ -31,8 +31,8 @@ def one_process(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("nproc, flags", [(2, []), (4, []), (4, ["--zero-stage", "3"])],
-                         ids=["tp2", "tp2xdp2", "tp2xzero3"])
+@pytest.mark.parametrize("nproc, flags", [(2, []), (2, ["--sequence-parallel"]), (4, []), (4, ["--zero-stage", "3"])],
+                         ids=["tp2", "tp2+sp", "tp2xdp2", "tp2xzero3"])
 def test_tensor_parallel_equals_one_process(nproc, flags, one_process, tmp_path):
     out = torchrun(nproc, TINY + STEPS + ["--tensor-model-parallel-size", "2", "--save", str(tmp_path)] + flags)
     got = losses(out)

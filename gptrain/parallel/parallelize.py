@@ -64,13 +64,13 @@ def apply_fsdp(train_module: nn.Module, model: GPT, mesh: DeviceMesh, dims: Para
 
 def parallelize(train_module: nn.Module, model: GPT, dims: ParallelDims, mesh: DeviceMesh | None,
                 recompute: str | None, param_dtype: torch.dtype | None, compile_model: bool,
-                compile_mode: str | None):
+                compile_mode: str | None, sequence_parallel: bool = False):
     """Transform in place; returns the callable the trainer runs forward through:
     ``(tokens, labels, loss_mask) -> loss``."""
     apply_recompute(model, recompute)
     if dims.tp > 1:
         from gptrain.parallel.tensor_parallel import apply_tensor_parallel
-        apply_tensor_parallel(model, mesh["tp"])
+        apply_tensor_parallel(model, mesh["tp"], sequence_parallel)
     if not dims.sharded:
         # one device or whole replicas: the whole step's forward compiles as one graph
         return torch.compile(train_module, mode=compile_mode) if compile_model else train_module

@@ -11,18 +11,38 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, PrepareModuleOutput,
+                                               RowwiseParallel, SequenceParallel, parallelize_module)
 
 from gptrain.model.gpt import GPT
 
 
-def apply_tensor_parallel(model: GPT, tp_mesh: DeviceMesh) -> None:
+def apply_tensor_parallel(model: GPT, tp_mesh: DeviceMesh, sequence_parallel: bool = False) -> None:
+    """Megatron's split; with ``sequence_parallel`` the residual stream between the parallel regions,
+    its LayerNorms and dropout hold 1/tp of the sequence on each rank (the row-parallel outputs are
+    reduce-scattered instead of all-reduced, and gathered again before each column-parallel input)."""
+    if sequence_parallel:
+        plan = {"ln1": SequenceParallel(), "ln2": SequenceParallel(),
+                "attn.qkv": ColwiseParallel(input_layouts=Shard(1)),
+                "attn.proj": RowwiseParallel(output_layouts=Shard(1)),
+                "mlp.fc1": ColwiseParallel(input_layouts=Shard(1)),
+                "mlp.fc2": RowwiseParallel(output_layouts=Shard(1))}
+    else:
+        plan = {"attn.qkv": ColwiseParallel(), "attn.proj": RowwiseParallel(),
+                "mlp.fc1": ColwiseParallel(), "mlp.fc2": RowwiseParallel()}
     for block in model.layers.values():
-        parallelize_module(block, tp_mesh, {
-            "attn.qkv": ColwiseParallel(), "attn.proj": RowwiseParallel(),
-            "mlp.fc1": ColwiseParallel(), "mlp.fc2": RowwiseParallel(),
-        })
+        parallelize_module(block, tp_mesh, plan)
+    if sequence_parallel:
+        first = next(iter(model.layers.values()))
+        # the embeddings' sum (whole on every rank) enters the first block as this rank's sequence share;
+        # the final LayerNorm runs on the shares and the loss gets the whole sequence back
+        parallelize_module(first, tp_mesh, PrepareModuleInput(input_layouts=(Replicate(),),
+                                                              desired_input_layouts=(Shard(1),),
+                                                              use_local_output=True))
+        parallelize_module(model.final_layernorm, tp_mesh, SequenceParallel())
+        parallelize_module(model.final_layernorm, tp_mesh, PrepareModuleOutput(
+            output_layouts=(Shard(1),), desired_output_layouts=(Replicate(),), use_local_output=True))
     # vocabulary-parallel embedding: each rank looks up its rows, the partial sums are all-reduced
     parallelize_module(model.word_embeddings, tp_mesh, RowwiseParallel(input_layouts=Replicate()))
     model.output_layer.weight = model.word_embeddings.weight  # the tie survives the swap to a DTensor

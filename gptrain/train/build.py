@@ -59,6 +59,11 @@ def parallel_dims(cfg: RunConfig, world_size: int, planning: bool = False) -> Pa
                         zero_stage=p.zero_stage, cpu_offload=p.cpu_offload)
     dims.validate(cfg.model.num_layers, cfg.model.num_attention_heads, cfg.train.micro_batch_size,
                   cfg.train.global_batch_size, planning=planning)
+    if cfg.parallel.sequence_parallel and dims.tp == 1:
+        raise ValueError("--sequence-parallel needs --tensor-model-parallel-size above 1")
+    if cfg.parallel.sequence_parallel and cfg.model.seq_length % dims.tp:
+        raise ValueError(f"--sequence-parallel: --seq-length {cfg.model.seq_length} is not divisible by "
+                         f"tensor-model-parallel size {dims.tp}")
     if (dims.sharded or dims.tp > 1) and cfg.precision.fp8:
         raise ValueError("--fp8 with ZeRO or tensor parallelism is not built yet (fp8 runs on one device or "
                          "with plain data parallelism)")
@@ -99,7 +104,7 @@ def build_training(cfg: RunConfig, device: torch.device, dims: ParallelDims, mes
                           compiled=cfg.train.compile, zero3=dims.sharded and dims.zero_stage == 3,
                           tensor_parallel=dims.tp > 1)
     forward = parallelize(train_module, model, dims, mesh, cfg.kernels.recompute, param_dtype,
-                          cfg.train.compile, cfg.train.compile_mode)
+                          cfg.train.compile, cfg.train.compile_mode, cfg.parallel.sequence_parallel)
     impls["parameters"] = describe_sharding(dims)
     init_device = torch.device("cpu") if dims.cpu_offload else device
     train_module.to_empty(device=init_device)

@@ -745,7 +745,7 @@ class MegatronCheckpoint:
             max_position_embeddings=self.state["position_embeddings.weight"].shape[0],
             vocab_size=vocab_size, make_vocab_size_divisible_by=a.get("make_vocab_size_divisible_by") or 128,
             tensor_parallel_size=self.tp,
-            layernorm_epsilon=a.get("norm_epsilon", a.get("layernorm_epsilon", 1e-5)),
+            layernorm_epsilon=a.get("norm_epsilon") or a.get("layernorm_epsilon") or 1e-5,
         )
         for name in ("init_method_std", "attention_dropout", "hidden_dropout"):
             if isinstance(a.get(name), float):

@@ -108,6 +108,7 @@ class TrainConfig:
     peak_tflops: float | None = None
     device: str | None = None  # default: cuda if available
     dry_run: bool = False  # validate and print the layout, build nothing
+    skip_train: bool = False  # Megatron's --skip-train: evaluate the validation and test splits only
     no_load_optim: bool = False
     no_load_rng: bool = False
     finetune: bool = False
@@ -144,6 +145,8 @@ class KernelConfig:
     # chunked loss that never holds the whole batch's logits (benchmarks/RESULTS.md has its cost)
     fused_cross_entropy: bool = False
     recompute: str | None = None  # None, "full" (whole blocks) or "selective" (core attention)
+    # Megatron's loss: softmax over the padded vocabulary too (its numbers depend on the TP padding)
+    softmax_over_padded_vocab: bool = False
 
     def __post_init__(self):
         if self.recompute not in (None, "full", "selective"):
@@ -315,6 +318,11 @@ def _parser() -> argparse.ArgumentParser:
       help="torch.compile mode (implies --compile); max-autotune compiles for many minutes")
     a("--peak-tflops", type=float, default=None, help="device peak for MFU (default: known from the device name)")
     a("--device", default=None, help="cpu, cuda, cuda:1 (default: cuda when available)")
+    a("--skip-train", action="store_true",
+      help="no training: evaluate the validation and test splits (of a --load checkpoint) and print Megatron's lines")
+    a("--softmax-over-padded-vocab", action="store_true",
+      help="the loss's softmax over all padded vocabulary rows, as Megatron computes it (default: the real "
+           "vocabulary only, layout-independent)")
     a("--dry-run", action="store_true",
       help="check the flags and the layout, print it and each rank's parameter count, build and train nothing")
     a("--world-size", type=int, default=None,
@@ -392,7 +400,8 @@ def parse_megatron_args(argv: list[str], world_size: int | None = None) -> tuple
     )
     kernels = KernelConfig(recompute=_recompute_mode(args), fused_cross_entropy=args.fused_cross_entropy,
                            attention_backend=args.attention_backend, linear_impl=args.linear_impl,
-                           bias_gelu_fusion=args.bias_gelu_fusion)
+                           bias_gelu_fusion=args.bias_gelu_fusion,
+                           softmax_over_padded_vocab=args.softmax_over_padded_vocab)
     data = DataConfig(data_path=args.data_path, split=args.split, mock_data=args.mock_data,
                       vocab_file=args.vocab_file, merge_file=args.merge_file,
                       data_cache_path=args.data_cache_path, seed=args.seed, eod_mask_loss=args.eod_mask_loss)
@@ -412,7 +421,8 @@ def parse_megatron_args(argv: list[str], world_size: int | None = None) -> tuple
         exit_duration_in_mins=args.exit_duration_in_mins, max_nan_iterations=args.max_nan_iterations,
         tensorboard_dir=args.tensorboard_dir, compile=args.compile or args.compile_mode is not None,
         compile_mode=args.compile_mode, peak_tflops=args.peak_tflops,
-        device=args.device, dry_run=args.dry_run, no_load_optim=args.no_load_optim, no_load_rng=args.no_load_rng, finetune=args.finetune,
+        device=args.device, dry_run=args.dry_run, skip_train=args.skip_train, no_load_optim=args.no_load_optim,
+        no_load_rng=args.no_load_rng, finetune=args.finetune,
     )
     return RunConfig(model, data, optim, precision, train, kernels, parallel), notes
 

@@ -95,7 +95,8 @@ def build_training(cfg: RunConfig, device: torch.device, dims: ParallelDims, mes
     param_dtype = compute_dtype if p.half_params else None  # None: fp32 parameters (autocast or fp32)
     with torch.device("meta"):
         model = GPT(cfg.model)
-        loss = LMLoss(cfg.model.vocab_size, fused=cfg.kernels.fused_cross_entropy)
+        loss_vocab = cfg.model.padded_vocab_size if cfg.kernels.softmax_over_padded_vocab else cfg.model.vocab_size
+        loss = LMLoss(loss_vocab, fused=cfg.kernels.fused_cross_entropy)
     train_module = TrainModule(model, loss)
     # converters: module swaps on the meta model, told the device and dtype the parameters will have
     fp8_layers = convert_to_fp8(model, p.fp8, p.fp8_recipe, emulate=device.type != "cuda") if p.fp8 else 0

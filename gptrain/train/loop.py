@@ -376,7 +376,7 @@ class Trainer:
         stats = IntervalStats(start_time=time.perf_counter())
         exit_reason = None
         try:
-            while self.iteration < t.train_iters:
+            while self.iteration < t.train_iters and not t.skip_train:
                 skipped = self.train_step(loader)
                 self.iteration += 1
                 self.consumed_train += t.global_batch_size

@@ -72,7 +72,9 @@ def test_fixture_loads_in_gptrain_names(name, pp):
     # trained weights, not an init: LayerNorm gains moved off 1, biases off 0
     assert not torch.equal(ck.state["layers.0.ln1.weight"], torch.ones(64))
     assert ck.state["layers.1.attn.qkv.bias"].abs().sum() > 0
-    assert ck.gpt_config() == cfg  # NullTokenizer --vocab-size 50256 -> 50257 tokens
+    assert a["attention_dropout"] == a["hidden_dropout"] == 0.0  # the fixtures ran without dropout
+    # NullTokenizer --vocab-size 50256 -> 50257 tokens
+    assert ck.gpt_config() == GPTConfig(**FIXTURE_CFG, attention_dropout=0.0, hidden_dropout=0.0)
 
     if pp == 1:
         assert ck.output_layer_matches_embeddings is None
@@ -270,8 +272,9 @@ def legacy_rank_files(ref, version, old_names: bool, tp=TP, pp=PP):
                 pre = f"layers.{local}."
                 enc[pre + "input_layernorm.weight"] = g("ln1.weight").clone()
                 enc[pre + "input_layernorm.bias"] = g("ln1.bias").clone()
-                enc[pre + f"{attention}.query_key_value.weight"] = to_legacy_qkv(shard(g("attn.qkv.weight"), 0, r), version, tp)
-                enc[pre + f"{attention}.query_key_value.bias"] = to_legacy_qkv(shard(g("attn.qkv.bias"), 0, r), version, tp)
+                for kind in ("weight", "bias"):
+                    qkv = shard(g(f"attn.qkv.{kind}"), 0, r)
+                    enc[pre + f"{attention}.query_key_value.{kind}"] = to_legacy_qkv(qkv, version, tp)
                 enc[pre + f"{attention}.dense.weight"] = shard(g("attn.proj.weight"), 1, r)
                 enc[pre + f"{attention}.dense.bias"] = g("attn.proj.bias").clone()
                 enc[pre + "post_attention_layernorm.weight"] = g("ln2.weight").clone()
@@ -390,7 +393,8 @@ def test_missing_rank_file_is_named(tmp_path):
     ref = reference_state()
     folder = _layout_checkpoint(tmp_path, legacy_rank_files(ref, 3.0, old_names=False), iteration=7)
     (folder / "mp_rank_01_001" / "model_optim_rng.pt").unlink()
-    with pytest.raises(FileNotFoundError, match=r"mp_rank_01_001/model_optim_rng\.pt: missing.*tensor parallel 2 x pipeline 2"):
+    with pytest.raises(FileNotFoundError,
+                       match=r"mp_rank_01_001/model_optim_rng\.pt: missing.*tensor parallel 2 x pipeline 2"):
         read_megatron_checkpoint(tmp_path)
     (folder / "mp_rank_00_000" / "model_optim_rng.pt").unlink()
     with pytest.raises(FileNotFoundError, match=r"mp_rank_00_000/model_optim_rng\.pt: missing"):

@@ -50,6 +50,7 @@ megatron-core: already per head).
 """
 from __future__ import annotations
 
+import _compat_pickle
 import argparse
 import builtins
 import collections
@@ -251,14 +252,18 @@ class _RestrictedUnpickler(pickle.Unpickler):
         self._load_storage = load_storage
 
     def find_class(self, module, name):
-        module = {"__builtin__": "builtins", "copy_reg": "copyreg"}.get(module, module)
+        # Python 2 names, as protocol 2 writes some globals (pickle's fix_imports)
+        if (module, name) in _compat_pickle.NAME_MAPPING:
+            module, name = _compat_pickle.NAME_MAPPING[(module, name)]
+        elif module in _compat_pickle.IMPORT_MAPPING:
+            module = _compat_pickle.IMPORT_MAPPING[module]
         key = (module, name)
         if key in _TORCH_FUNCTIONS:
             return _TORCH_FUNCTIONS[key]
         if key in _SAFE_GLOBALS:
             return _SAFE_GLOBALS[key]
         if module == "torch":
-            obj = getattr(torch, name, None) if _IDENTIFIER.match(name) else None
+            obj = vars(torch).get(name)  # no getattr: torch's module __getattr__ imports submodules
             if isinstance(obj, torch.dtype):
                 return obj
             if name.endswith("Storage") and (obj is torch.UntypedStorage or (
@@ -425,9 +430,11 @@ def _unpickle_legacy(path: Path, lazy: bool):
         if len(head) >= 262 and head[257:262] == b"ustar":
             raise _open_error(path, "a tar-format torch checkpoint (torch < 0.4) is not supported")
 
+        def no_storage(*_):
+            raise UnsafeCheckpointError(f"{path}: a storage in a header pickle")
+
         def plain():
-            return _RestrictedUnpickler(f, path, lambda *a: (_ for _ in ()).throw(
-                UnsafeCheckpointError(f"{path}: unexpected storage in a header pickle"))).load()
+            return _RestrictedUnpickler(f, path, no_storage).load()
 
         if plain() != _LEGACY_MAGIC:
             raise _open_error(path, "neither a zip nor a legacy torch checkpoint (bad magic number)")
@@ -858,6 +865,8 @@ def read_megatron_checkpoint(root, iteration=None, *, overrides: dict | None = N
                     raise FileNotFoundError(f"{path}: missing: the checkpoint's args say tensor parallel "
                                             f"{tp} x pipeline {pp}")
                 sd, lazy = _unpickle(path, lazy=True)
+                if not isinstance(sd, dict):
+                    raise ValueError(f"{path}: holds a {type(sd).__name__}, not Megatron's checkpoint dict")
             models = {k: v for k, v in sd.items() if isinstance(k, str) and re.fullmatch(r"model\d*", k)}
             if not models:
                 raise ValueError(f"{path}: no 'model' entry (keys: {sorted(map(str, sd))[:8]})")

@@ -408,3 +408,50 @@ def test_not_a_checkpoint_file(tmp_path):
     (tmp_path / "latest_checkpointed_iteration.txt").write_text("1")
     with pytest.raises(ValueError, match=r"model_optim_rng\.pt: .*not a readable torch checkpoint"):
         read_megatron_checkpoint(tmp_path)
+
+
+# ---- `gptrain train --load MEGATRON_DIR`: the weights at work in a gptrain run
+
+def _train_flags(data_prefix):
+    return ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 64 --max-position-embeddings 64 "
+            "--micro-batch-size 4 --global-batch-size 8 --lr 1e-3 --split 900,80,20 --seed 1234 --eval-iters 4 "
+            "--eval-interval 1000 --train-iters 20 --attention-dropout 0 --hidden-dropout 0 --device cpu "
+            f"--data-path {data_prefix} --log-interval 1").split()
+
+
+@pytest.fixture(scope="module")
+def data_prefix(tmp_path_factory):
+    from gptrain.data.preprocess import PreprocessConfig, preprocess
+
+    root = tmp_path_factory.mktemp("megatron_data")
+    texts = [f"document {i}: " + "the model reads tokens and predicts the next one. " * (1 + i % 7) for i in range(200)]
+    with open(root / "d.jsonl", "w") as f:
+        for t in texts:
+            f.write('{"text": "%s"}\n' % t)
+    preprocess(PreprocessConfig(inputs=[str(root / "d.jsonl")], output_prefix=str(root / "d"), append_eod=True,
+                                workers=1, progress=False))
+    return str(root / "d_text_document")
+
+
+@pytest.mark.parametrize("name", ["dev_tp1", "dev_pp2"])
+def test_load_megatron_folder_and_evaluate(name, data_prefix):
+    from gptrain.train.run import train_main
+
+    lines = []
+    rc = train_main(_train_flags(data_prefix) + ["--load", str(FIXTURES / name), "--skip-train",
+                                                 "--softmax-over-padded-vocab"], log=lines.append)
+    assert rc == 0
+    assert any(f"loaded Megatron-LM checkpoint from {FIXTURES / name} at iteration 20" in line for line in lines)
+    values = [float(line.split("lm loss value: ")[1].split()[0]) for line in lines if "lm loss value" in line]
+    # trained 20 iterations on another corpus: below the ~10.83 of an untrained model, finite
+    assert len(values) == 2 and all(5.0 < v < 10.8 for v in values)
+    assert not any(line.startswith(" iteration") for line in lines)  # --skip-train trains nothing
+
+
+def test_load_megatron_refuses_a_contradicting_flag(data_prefix, capsys):
+    from gptrain.train.run import train_main
+
+    flags = _train_flags(data_prefix)
+    flags[flags.index("--hidden-size") + 1] = "32"
+    assert train_main(flags + ["--load", str(FIXTURES / "dev_tp1"), "--skip-train"], log=lambda s: None) == 2
+    assert "--hidden-size 32 contradicts the checkpoint's hidden_size 64" in capsys.readouterr().err

@@ -25,6 +25,7 @@ from gptrain.parallel.dims import is_logging_rank
 from gptrain.train import metrics
 from gptrain.train.build import TrainingParts
 from gptrain.train.checkpoint import load_checkpoint, save_checkpoint
+from gptrain.train.megatron_load import is_megatron_checkpoint, load_megatron
 from gptrain.train.precision import LossScaler
 from gptrain.train.schedule import LRSchedule
 
@@ -187,6 +188,9 @@ class Trainer:
         t = self.cfg.train
         if not t.load:
             return
+        if is_megatron_checkpoint(t.load):
+            self._load_megatron()
+            return
         state = load_checkpoint(t.load, self.opt_params, None if (t.no_load_optim or t.finetune) else self.optimizer,
                                 self.cfg.model.vocab_size, load_rng=not (t.no_load_rng or t.finetune))
         if self.main is not None and state is not None:
@@ -205,6 +209,20 @@ class Trainer:
         if self.scaler and state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
         self.log(f"  successfully loaded checkpoint from {t.load} at iteration {self.iteration}")
+
+    def _load_megatron(self) -> None:
+        t = self.cfg.train
+        state = load_megatron(t.load, self.opt_params, self.cfg)
+        if self.main is not None:
+            self.main.copy_to_model()
+        self.log(f"  loaded Megatron-LM checkpoint from {t.load} at iteration {state['iteration']} ({state['layout']}); "
+                 "optimizer state starts fresh")
+        if t.finetune or state["iteration"] == "release":
+            return
+        self.iteration = self.loaded_iteration = int(state["iteration"])
+        self.consumed_train = state["consumed_train_samples"]
+        self.consumed_valid = state["consumed_valid_samples"]
+        self.schedule.num_steps = self.consumed_train  # Megatron's schedule counts samples, as gptrain's does
 
     # ---- one optimisation step
     def train_step(self, loader: MicroBatchLoader) -> bool | None:

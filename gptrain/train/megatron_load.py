@@ -1,0 +1,69 @@
+"""``--load`` of a Megatron-LM checkpoint folder: its weights into the run's parameters at any
+gptrain layout, its iteration and consumed samples into the trainer's state.
+
+The architecture comes from the checkpoint's ``args``: a flag that contradicts it is an error
+naming both values. Optimizer state is not imported (the run says it starts the optimizer fresh).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from gptrain.config import RunConfig
+from gptrain.model.gpt import copy_full_into
+from gptrain.train.checkpoint import TRACKER, iteration_dir, read_tracker
+
+# Megatron's args -> (gptrain's config attribute, the flag a user writes)
+_ARCHITECTURE = {"num_layers": ("num_layers", "--num-layers"), "hidden_size": ("hidden_size", "--hidden-size"),
+                 "num_attention_heads": ("num_attention_heads", "--num-attention-heads"),
+                 "ffn_hidden_size": ("ffn_hidden_size", "--ffn-hidden-size"),
+                 "max_position_embeddings": ("max_position_embeddings", "--max-position-embeddings")}
+
+
+def is_megatron_checkpoint(root) -> bool:
+    """A tracker naming a folder of ``mp_rank_*`` subfolders (gptrain's own folders hold DCP files)."""
+    try:
+        iteration = read_tracker(root)
+    except ValueError:
+        return False
+    if iteration is None:
+        return False
+    folder = iteration_dir(root, iteration)
+    return folder.is_dir() and any(p.name.startswith("mp_rank_") for p in folder.iterdir())
+
+
+def check_architecture(args: dict, cfg: RunConfig, where: str) -> None:
+    for key, (attr, flag) in _ARCHITECTURE.items():
+        theirs, ours = args.get(key), getattr(cfg.model, attr)
+        if theirs is not None and theirs != ours:
+            raise ValueError(f"{flag} {ours} contradicts the checkpoint's {key} {theirs} ({where})")
+
+
+@torch.no_grad()
+def load_megatron(root, params: dict[str, torch.Tensor], cfg: RunConfig) -> dict:
+    """Copy a Megatron checkpoint's weights into ``params`` (plain or sharded); returns the trainer
+    state it implies (iteration, consumed samples)."""
+    from gptrain.interop.megatron import read_megatron_checkpoint
+
+    ckpt = read_megatron_checkpoint(root)
+    where = str(Path(root) / TRACKER)
+    check_architecture(ckpt.args, cfg, where)
+    missing = sorted(set(params) - set(ckpt.state))
+    if missing:
+        raise ValueError(f"{root}: the Megatron checkpoint lacks {missing[:3]} ({len(missing)} in all)")
+    for name, target in params.items():
+        full = ckpt.state[name].float()
+        if name == "word_embeddings.weight" and full.shape[0] != target.shape[0]:
+            # another tensor-parallel padding: the real vocabulary's rows carry over, the rest is zero
+            rows = min(full.shape[0], target.shape[0], cfg.model.padded_vocab_size)
+            padded = torch.zeros(tuple(target.shape))
+            padded[:rows] = full[:rows]
+            full = padded
+        if tuple(full.shape) != tuple(target.shape):
+            raise ValueError(f"{root}: {name} is {tuple(full.shape)} in the checkpoint, {tuple(target.shape)} here")
+        copy_full_into(target, full)
+    args = ckpt.args
+    return {"iteration": ckpt.iteration, "consumed_train_samples": int(args.get("consumed_train_samples") or 0),
+            "consumed_valid_samples": int(args.get("consumed_valid_samples") or 0),
+            "layout": f"TP{ckpt.tp} x PP{ckpt.pp}, {ckpt.layout} layout"}

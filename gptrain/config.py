@@ -462,6 +462,6 @@ def _apply_deepspeed_config(args, parallel: ParallelConfig, world_size: int) -> 
     dp = max(1, world_size // max(1, args.tensor_model_parallel_size * args.pipeline_model_parallel_size))
     args.micro_batch_size, args.global_batch_size = resolve_batch_sizes(ds, dp, args.micro_batch_size,
                                                                         args.global_batch_size)
-    return [f"{name}: {note}" for note in ds.notes] + [
+    return list(ds.notes) + [
         f"{name}: ZeRO stage {parallel.zero_stage}" + (", CPU offload" if parallel.cpu_offload else "")
         + f", micro-batch {args.micro_batch_size}, global batch {args.global_batch_size}"]

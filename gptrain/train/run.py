@@ -138,8 +138,8 @@ def dry_run(cfg: RunConfig, world: int, log) -> None:
     for (t, p), n in sorted(parameter_counts(cfg.model, dims).items(), key=lambda kv: (kv[0][1], kv[0][0])):
         log(f" > number of parameters on (tensor, pipeline) model parallel rank ({t}, {p}): {n}")
     log(f" > parameters: {describe_sharding(dims)}")
-    if dims.tp > 1 or dims.pp > 1:
-        log(" > note: tensor and pipeline parallel training are not built yet; this layout can be planned, not run")
+    if dims.pp > 1:
+        log(" > note: pipeline parallel training is not built yet; this layout can be planned, not run")
 
 
 def train_main(argv: list[str], log=None) -> int:

@@ -1,0 +1,114 @@
+# shellcheck shell=bash
+# The GPT-3 175B training flags shared by pretrain_gpt3_175b_64gpu.sh (torchrun on each node) and
+# pretrain_gpt3_175b_64gpu.sbatch (SLURM). Sourced, not run: it defines the array GPT3_175B_ARGS.
+#
+# Seed: seeds/002 -- GPT-3 175B pretraining with Megatron-DeepSpeed: wikipedia + openwebtext blended
+# 0.35/0.65, a data cache path, global batch 1536, micro-batch 1, fp16, flash attention v2, TP 8 x PP 8
+# on 64 GPUs. The seed shows the variables of its train_gpt3_175b_distributed.sh and elides the rest
+# ("..."); the flags below are that script's, as in a public copy of the same document set.
+#
+# Seed flags gptrain refuses, left out (gptrain's messages):
+#   --rampup-batch-size 16 16 433870
+#       gptrain: error: --rampup-batch-size is a Megatron flag gptrain does not implement: batch-size
+#       ramp-up is not implemented
+#   --lr-decay-samples 9400526, --lr-warmup-samples 13558, --use-flash-attn-v2,
+#   --log-validation-ppl-to-tensorboard
+#       gptrain: error: unknown flag(s) <flag>: gptrain refuses flags it does not implement rather than
+#       ignoring them (see `gptrain train --help`)
+# Without the two sample-based schedule flags gptrain decays the learning rate over the whole run
+# (--train-samples / --global-batch-size = 7061 iterations) with no warmup; to come close to the seed's
+# schedule append e.g. `--lr-decay-iters 6120 --lr-warmup-iters 9` (its sample counts / 1536).
+# Attention always runs through PyTorch's scaled_dot_product_attention (flash kernels on GPU), which is
+# what --use-flash-attn-v2 asked for.
+#
+# Environment (the seed took the first four as positional arguments $1..$4):
+#   CHECKPOINT_PATH TENSORBOARD_LOGS_PATH VOCAB_FILE MERGE_FILE DATASET_PATH DATASETCACHE
+#   DATASET (the whole blend, default "0.35 <wikipedia> 0.65 <openwebtext>")
+#   ACTIVATION_CHECKPOINT DISTRIBUTED_OPTIMIZER (true/false, default false as in the seed)
+# VOCAB_FILE/MERGE_FILE default to empty, and then gptrain's bundled GPT-2 vocabulary and merges are used.
+
+CHECKPOINT_PATH=${CHECKPOINT_PATH:-./checkpoints/gpt3_175b}
+TENSORBOARD_LOGS_PATH=${TENSORBOARD_LOGS_PATH:-./tensorboard/gpt3_175b}
+VOCAB_FILE=${VOCAB_FILE:-}   # seed: <Specify path to file>/gpt2-vocab.json
+MERGE_FILE=${MERGE_FILE:-}   # seed: <Specify path to file>/gpt2-merges.txt
+
+DATASET_PATH=${DATASET_PATH:-./data}
+DATASET_1="$DATASET_PATH/wikipedia_20220301_en_text_document"
+DATASET_2="$DATASET_PATH/openwebtext_Skylion007_text_document"
+DATASET=${DATASET:-"0.35 ${DATASET_1} 0.65 ${DATASET_2}"}
+DATASETCACHE=${DATASETCACHE:-$DATASET_PATH/gptcache}   # seed: $PATH_TO/gptcache
+read -r -a DATASET_ARGS <<< "$DATASET"
+
+log_interval=10
+batch_size=1
+global_batch_size=1536
+
+mp_size=8
+pp_size=8
+
+## Activation checkpointing saves GPU memory, but reduces training speed
+activation_checkpoint=${ACTIVATION_CHECKPOINT:-false}
+
+## use distributed optimizer (zero liked method)
+distributed_optimizer=${DISTRIBUTED_OPTIMIZER:-false}
+
+GPT_MODEL_ARGS=(
+    --num-layers 96
+    --hidden-size 12288
+    --num-attention-heads 96
+    --seq-length 2048
+    --max-position-embeddings 2048
+)
+
+TRAINING_ARGS=(
+    --micro-batch-size $batch_size
+    --global-batch-size $global_batch_size
+    --train-samples 10846761
+    --lr 6.0e-5
+    --min-lr 6.0e-6
+    --lr-decay-style cosine
+    --clip-grad 1.0
+    --weight-decay 0.1
+    --adam-beta1 0.9
+    --adam-beta2 0.95
+    --init-method-std 0.006
+    --fp16
+)
+if [ "${activation_checkpoint}" = "true" ]; then
+    TRAINING_ARGS+=(--recompute-activations)
+fi
+if [ "${distributed_optimizer}" = "true" ]; then
+    TRAINING_ARGS+=(--use-distributed-optimizer)
+fi
+
+MODEL_PARALLEL_ARGS=(
+    --tensor-model-parallel-size $mp_size
+    --pipeline-model-parallel-size $pp_size
+)
+
+DATA_ARGS=(
+    --data-path "${DATASET_ARGS[@]}"
+    --data-cache-path "$DATASETCACHE"
+    --split 98,2,0
+)
+if [ -n "$VOCAB_FILE" ] || [ -n "$MERGE_FILE" ]; then
+    DATA_ARGS+=(--vocab-file "$VOCAB_FILE" --merge-file "$MERGE_FILE")
+fi
+
+EVAL_AND_LOGGING_ARGS=(
+    --log-interval $log_interval
+    --save-interval 1000
+    --eval-interval 100
+    --save "$CHECKPOINT_PATH"
+    --load "$CHECKPOINT_PATH"
+    --eval-iters 40
+    --tensorboard-dir "$TENSORBOARD_LOGS_PATH"
+)
+
+GPT3_175B_ARGS=(
+    "${GPT_MODEL_ARGS[@]}"
+    "${TRAINING_ARGS[@]}"
+    "${MODEL_PARALLEL_ARGS[@]}"
+    "${DATA_ARGS[@]}"
+    "${EVAL_AND_LOGGING_ARGS[@]}"
+)

@@ -186,7 +186,7 @@ class GPT(nn.Module):
         gen = torch.Generator(device="cpu").manual_seed(seed)
         scaled_std = self.cfg.init_method_std / math.sqrt(2.0 * self.cfg.num_layers)
         for name, param in self.named_parameters():
-            shape = full_shape(param)
+            shape = param.shape  # a DTensor's shape is the global one
             if name.endswith("bias"):
                 value = torch.zeros(shape)
             elif "layernorm" in name or ".ln" in name:
@@ -214,11 +214,6 @@ class GPT(nn.Module):
     def logits(self, tokens: torch.Tensor) -> torch.Tensor:
         """Logits over the real vocabulary (inference and tests)."""
         return self.output_layer(self(tokens))
-
-
-def full_shape(param: torch.Tensor) -> torch.Size:
-    """The global shape of a parameter, sharded (DTensor) or not."""
-    return param.shape  # a DTensor's .shape is already the global one
 
 
 @torch.no_grad()

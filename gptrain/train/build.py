@@ -70,7 +70,7 @@ def parallel_dims(cfg: RunConfig, world_size: int, planning: bool = False) -> Pa
     return dims
 
 
-def build_optimizer(params: dict[str, torch.Tensor], cfg: RunConfig, device: torch.device) -> torch.optim.AdamW:
+def build_optimizer(params: dict[str, torch.Tensor], cfg: RunConfig) -> torch.optim.AdamW:
     """AdamW over the named parameters; biases and LayerNorm parameters without weight decay
     (Megatron's rule)."""
     from torch.distributed.tensor import DTensor
@@ -116,7 +116,7 @@ def build_training(cfg: RunConfig, device: torch.device, dims: ParallelDims, mes
         # one device: bf16/fp16 model, fp32 main copies taken from the exact initialisation
         main = MainParams(model, compute_dtype)
     opt_params = main.named() if main else dict(model.named_parameters())
-    optimizer = build_optimizer(opt_params, cfg, device)
+    optimizer = build_optimizer(opt_params, cfg)
     # AdamW's state exists from the start (what fused AdamW would create at its first step), so a
     # checkpoint written before the first update (fp16's first steps are skipped) holds it all
     init_optimizer_state(opt_params, optimizer)

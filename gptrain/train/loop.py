@@ -21,7 +21,7 @@ import torch
 from gptrain.config import RunConfig
 from gptrain.parallel.collectives import all_reduce_, global_norm_and_sum, world_size
 from gptrain.parallel.data_parallel import average_flat, average_gradients
-from gptrain.parallel.dims import is_logging_rank
+from gptrain.parallel.dims import is_logging_rank, world_from_env
 from gptrain.train import metrics
 from gptrain.train.build import TrainingParts
 from gptrain.train.checkpoint import load_checkpoint, save_checkpoint
@@ -117,7 +117,7 @@ class Trainer:
         # autocast only where the parameters stay fp32 (--autocast)
         self.compute_dtype = None if p.half_params else torch.bfloat16 if p.bf16 else torch.float16 if p.fp16 else None
         self.eod = cfg.data.eod_token if cfg.data.eod_mask_loss else None
-        self.tb = metrics.TensorBoard(cfg.train.tensorboard_dir if is_logging_rank() else None)
+        self.tb = metrics.TensorBoard(cfg.train.tensorboard_dir, rank=world_from_env()[1])  # rank 0 writes
         self.peak = metrics.device_peak_tflops(device, cfg.train.peak_tflops)
         self.flops_per_token = cfg.model.flops_per_token()
         self.params = list(self.opt_params.values())

@@ -433,6 +433,7 @@ def data_prefix(tmp_path_factory):
     return str(root / "d_text_document")
 
 
+@needs_fixtures
 @pytest.mark.parametrize("name", ["dev_tp1", "dev_pp2"])
 def test_load_megatron_folder_and_evaluate(name, data_prefix):
     from gptrain.train.run import train_main
@@ -448,6 +449,7 @@ def test_load_megatron_folder_and_evaluate(name, data_prefix):
     assert not any(line.startswith(" iteration") for line in lines)  # --skip-train trains nothing
 
 
+@needs_fixtures
 def test_load_megatron_refuses_a_contradicting_flag(data_prefix, capsys):
     from gptrain.train.run import train_main
 

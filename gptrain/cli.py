@@ -123,6 +123,30 @@ def cmd_demo(argv: list[str]) -> int:
     return demo_main(argv)
 
 
+def cmd_generate(argv: list[str]) -> int:
+    from gptrain.inference.generate_cli import generate_main
+
+    return generate_main(argv)
+
+
+def cmd_serve(argv: list[str]) -> int:
+    from gptrain.serve.main import serve_main
+
+    return serve_main(argv)
+
+
+def cmd_client(argv: list[str]) -> int:
+    from gptrain.serve.client import client_main
+
+    return client_main(argv)
+
+
+def cmd_evaluate(argv: list[str]) -> int:
+    from gptrain.evaluate import evaluate_main
+
+    return evaluate_main(argv)
+
+
 def _fail(message: str) -> int:
     print(f"gptrain: error: {message}", file=sys.stderr)
     return 2
@@ -135,6 +159,10 @@ COMMANDS: dict[str, tuple[Callable[[list[str]], int], str]] = {
     "data": (cmd_data, "builtin corpus | inspect a dataset | build-cache"),
     "train": (cmd_train, "pretrain a GPT (pretrain_gpt.py flags)"),
     "bench": (cmd_bench, "training throughput against a plain PyTorch baseline"),
+    "generate": (cmd_generate, "stream a completion from a gptrain, Megatron or HF GPT-2 checkpoint"),
+    "serve": (cmd_serve, "text generation server: Megatron's PUT /api, OpenAI /v1/completions, a web page"),
+    "client": (cmd_client, "Megatron's text_generation_cli loop against a server (or one prompt)"),
+    "evaluate": (cmd_evaluate, "perplexity / bits per byte and LAMBADA-style cloze accuracy of a checkpoint"),
 }
 
 

@@ -1,0 +1,92 @@
+"""Loading for inference from a HF GPT-2 folder, a Megatron-LM folder and a gptrain checkpoint, and
+`gptrain generate` against transformers' greedy output."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from gptrain.cli import main
+from gptrain.inference.load import load_for_inference
+from gptrain.model.gpt import GPT, GPTConfig
+from gptrain.tokenizer import GPT2Tokenizer
+
+transformers = pytest.importorskip("transformers")
+
+
+def tiny_cfg(**kw) -> GPTConfig:
+    return GPTConfig(num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_size=128, seq_length=16,
+                     max_position_embeddings=16, vocab_size=50257, hidden_dropout=0.0, attention_dropout=0.0,
+                     init_method_std=0.2, **kw)
+
+
+@pytest.fixture(scope="module")
+def hf_folder(tmp_path_factory):
+    from gptrain.interop.hf import hf_config_kwargs, to_hf_state_dict
+
+    model = GPT(tiny_cfg())
+    model.init_weights(11)
+    hf = transformers.GPT2LMHeadModel(transformers.GPT2Config(**hf_config_kwargs(model.cfg))).eval()
+    hf.load_state_dict(to_hf_state_dict(model), strict=False)
+    folder = tmp_path_factory.mktemp("hf") / "tiny-gpt2"
+    hf.save_pretrained(folder, safe_serialization=True)
+    return folder, hf
+
+
+def test_hf_folder_and_generate_command(hf_folder, capsys):
+    folder, hf = hf_folder
+    loaded = load_for_inference(folder)
+    assert loaded.kind == "huggingface"
+    tokens = torch.tensor([[464, 1351, 286, 262, 995]])
+    with torch.no_grad():
+        torch.testing.assert_close(loaded.model.logits(tokens), hf(tokens).logits, rtol=1e-4, atol=1e-4)
+        hf.generation_config.eos_token_id = None
+        expected = hf.generate(tokens, max_new_tokens=8, do_sample=False, pad_token_id=0,
+                               attention_mask=torch.ones_like(tokens))[0, 5:].tolist()
+    tok = GPT2Tokenizer()
+    prompt = tok.decode(tokens[0].tolist())
+    assert main(["generate", "--load", str(folder), "--prompt", prompt, "--greedy", "--tokens-to-generate", "8"]) == 0
+    out = capsys.readouterr().out
+    # the command stops at <|endoftext|>, as the server does
+    if tok.eod in expected:
+        expected = expected[: expected.index(tok.eod)]
+    assert out == prompt + tok.decode(expected) + "\n"
+
+
+def test_megatron_folder(tmp_path):
+    from test_megatron_import import _layout_checkpoint, legacy_rank_files
+
+    model = GPT(tiny_cfg())
+    model.init_weights(5)
+    ref = {n: p.detach().clone() for n, p in model.named_parameters()}
+    _layout_checkpoint(tmp_path / "meg", legacy_rank_files(ref, 3.0, False, tp=1, pp=1), iteration=7)
+    loaded = load_for_inference(tmp_path / "meg")
+    assert loaded.kind == "megatron"
+    tokens = torch.randint(0, 50257, (2, 9))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded.model.logits(tokens), model.logits(tokens))
+
+
+def test_gptrain_checkpoint(tmp_path):
+    from gptrain.train.checkpoint import save_checkpoint
+
+    model = GPT(tiny_cfg())
+    model.init_weights(9)
+    params = dict(model.named_parameters())
+    state = {"config": {"model": dataclasses.asdict(model.cfg), "data": {"vocab_file": None}}}
+    save_checkpoint(tmp_path / "ck", 3, params, torch.optim.AdamW(params.values()), state, model.cfg.vocab_size)
+    loaded = load_for_inference(tmp_path / "ck")
+    assert loaded.kind == "gptrain"
+    tokens = torch.randint(0, 50257, (2, 9))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded.model.logits(tokens), model.logits(tokens))
+
+
+def test_bad_load_is_one_line(tmp_path, capsys):
+    assert main(["generate", "--load", str(tmp_path / "nothing"), "--prompt", "x"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "no such checkpoint" in err
+    (tmp_path / "empty").mkdir()
+    assert main(["generate", "--load", str(tmp_path / "empty"), "--prompt", "x"]) == 2
+    assert "neither a gptrain/Megatron checkpoint" in capsys.readouterr().err

@@ -25,6 +25,8 @@ class SamplingParams:
     temperature: float = 1.0  # 0: greedy
     top_k: int = 0  # 0: no limit; 1: greedy
     top_p: float = 0.0  # 0: no nucleus filter
+    top_p_decay: float = 0.0  # Megatron's: after each token top_p *= decay, not below top_p_bound
+    top_p_bound: float = 0.0
     seed: int = 0
     stop_ids: tuple[int, ...] = ()  # ids that end the row (kept in its tokens, as Megatron keeps eod)
     stop_on_eol: bool = False
@@ -47,9 +49,11 @@ class Generation:
 
 @dataclass
 class EolIds:
-    """GPT-2's "\\n" and "\\n\\n" ids (Megatron's stop_on_eol / stop_on_double_eol rules)."""
+    """GPT-2's "\\n", "\\n\\n" and ":" ids (Megatron's stop_on_eol / stop_on_double_eol /
+    prevent_newline_after_colon rules)."""
     eol: int = 198
     double_eol: int = 628
+    colon: int = 25
 
 
 def _stops(params: SamplingParams, token: int, previous: int, eol: EolIds) -> bool:
@@ -66,12 +70,13 @@ def _stops(params: SamplingParams, token: int, previous: int, eol: EolIds) -> bo
 def generate(model: GPT, prompts: list[list[int]], params: list[SamplingParams] | SamplingParams,
              logprobs: bool = False, top_logprobs: int = 0, eol: EolIds | None = None,
              on_token: Callable[[int, int], bool | None] | None = None, cache: KVCache | None = None,
-             step_fn=None) -> list[Generation]:
+             step_fn=None, no_newline_after_colon: list[bool] | None = None) -> list[Generation]:
     """Generate for each prompt. ``on_token(row, token)`` is called for every generated token (a
     streaming hook; returning True ends that row, finish_reason "stop"). ``logprobs`` returns each
     token's log-probability (prompt tokens included), ``top_logprobs`` the n most likely tokens at
     each position. ``step_fn(tokens, position)`` replaces the one-token forward (the CUDA-graph
-    decoder) and returns (batch, vocab) logits."""
+    decoder) and returns (batch, vocab) logits. ``no_newline_after_colon`` (per row) forbids "\\n"
+    right after ":"."""
     if not prompts:
         return []
     if isinstance(params, SamplingParams):
@@ -97,6 +102,11 @@ def generate(model: GPT, prompts: list[list[int]], params: list[SamplingParams] 
     top_k = torch.tensor([p.top_k for p in params], device=device, dtype=torch.long)
     top_p = torch.tensor([p.top_p for p in params], device=device, dtype=torch.float32)
     seeds = torch.tensor([p.seed for p in params], device=device, dtype=torch.long)
+    decay = torch.tensor([p.top_p_decay for p in params], device=device, dtype=torch.float32)
+    bound = torch.tensor([p.top_p_bound for p in params], device=device, dtype=torch.float32)
+    decaying = bool((decay > 0).any())
+    colon_rows = (torch.tensor(no_newline_after_colon, device=device)
+                  if no_newline_after_colon and any(no_newline_after_colon) else None)
     prompt_len = torch.tensor(lengths, device=device)
     out = [Generation(tokens=list(p), prompt_length=len(p)) for p in prompts]
     want_lp = logprobs or top_logprobs > 0
@@ -116,7 +126,14 @@ def generate(model: GPT, prompts: list[list[int]], params: list[SamplingParams] 
     t = start
     pending = (lambda t: not all(done) or (want_lp and t < max(lengths)))  # rows to generate or score
     while t < total and pending(t):
+        if colon_rows is not None:
+            banned = colon_rows & (tokens_dev[:, t - 1] == eol.colon)
+            logits[:, eol.eol] = logits[:, eol.eol].masked_fill(banned, float("-inf"))
         chosen = sample(logits, temperature, top_k, top_p, seeds, torch.full_like(seeds, t))
+        if decaying:
+            generating = t >= prompt_len
+            decayed = torch.maximum(top_p * decay, bound)
+            top_p = torch.where(generating & (decay > 0) & (top_p > 0), decayed, top_p)
         chosen = torch.where(t < prompt_len, tokens_dev[:, t], chosen)
         tokens_dev[:, t] = chosen
         host = [chosen]

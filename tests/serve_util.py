@@ -1,0 +1,87 @@
+"""Helpers for the server tests: a tiny GPT-2 saved as a HF folder, and `gptrain serve` on a free
+loopback port (bounded waits; the process is always ended)."""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import torch
+
+from gptrain.model.gpt import GPT, GPTConfig
+
+
+def tiny_gpt(positions: int = 128, seed: int = 11, std: float = 0.2) -> GPT:
+    cfg = GPTConfig(num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_size=128, seq_length=positions,
+                    vocab_size=50257, hidden_dropout=0.0, attention_dropout=0.0, init_method_std=std)
+    model = GPT(cfg)
+    model.init_weights(seed)
+    return model.eval()
+
+
+def save_hf_folder(model: GPT, folder: Path) -> Path:
+    import transformers
+
+    from gptrain.interop.hf import hf_config_kwargs, to_hf_state_dict
+
+    hf = transformers.GPT2LMHeadModel(transformers.GPT2Config(**hf_config_kwargs(model.cfg))).eval()
+    hf.load_state_dict(to_hf_state_dict(model), strict=False)
+    hf.save_pretrained(folder, safe_serialization=True)
+    return folder
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def get_json(url: str, timeout: float = 30):
+    with urllib.request.urlopen(url, timeout=timeout) as r:
+        return json.loads(r.read())
+
+
+def call(method: str, url: str, body=None, timeout: float = 60, raw: bytes | None = None):
+    """(status, parsed JSON) of one request; HTTP errors are returned, not raised."""
+    data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
+    req = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read() or b"null")
+
+
+@contextlib.contextmanager
+def running_server(load: Path, *extra: str, wait_s: float = 120):
+    port = free_port()
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "gptrain", "serve", "--load", str(load), "--port", str(port),
+                             "--device", "cpu", *extra], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + wait_s
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"gptrain serve exited {proc.returncode}: {proc.stdout.read().decode()[-2000:]}")
+            try:
+                get_json(base + "/health", timeout=2)
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"gptrain serve did not answer within {wait_s} s") from None
+                time.sleep(0.2)
+        yield base
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=15)

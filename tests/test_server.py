@@ -1,0 +1,274 @@
+"""`gptrain serve` over HTTP on loopback: Megatron's PUT /api contract (every bad field is a 400
+naming it), OpenAI's /v1/completions (text and token-id prompts, n, seed, stop, echo + logprobs,
+SSE streaming), the tokenizer endpoints, concurrent requests, and the limits (413, 503)."""
+from __future__ import annotations
+
+import json
+import threading
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from gptrain.inference.generate import SamplingParams, generate
+from gptrain.tokenizer import GPT2Tokenizer
+from serve_util import call, get_json, running_server, save_hf_folder, tiny_gpt
+
+pytest.importorskip("fastapi")
+pytest.importorskip("transformers")
+
+TOK = GPT2Tokenizer()
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_gpt()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, model):
+    folder = save_hf_folder(model, tmp_path_factory.mktemp("srv") / "tiny-gpt2")
+    with running_server(folder, "--max-batch", "16") as base:
+        yield base
+
+
+def local(model, prompt: str, n: int, **kw):
+    return generate(model, [TOK.encode(prompt)], SamplingParams(max_new_tokens=n, stop_ids=(TOK.eod,), **kw))[0]
+
+
+BAD = [
+    ({}, "prompts"),
+    ({"prompts": "hi"}, "prompts"),
+    ({"prompts": []}, "prompts"),
+    ({"prompts": ["a"] * 129}, "prompts"),
+    ({"prompts": [""]}, "add_BOS"),
+    ({"prompts": ["a"], "tokens_to_generate": -1}, "tokens_to_generate"),
+    ({"prompts": ["a"], "tokens_to_generate": 2.5}, "tokens_to_generate"),
+    ({"prompts": ["a"], "logprobs": "yes"}, "logprobs"),
+    ({"prompts": ["a"], "temperature": 0}, "temperature"),
+    ({"prompts": ["a"], "temperature": 100.5}, "temperature"),
+    ({"prompts": ["a"], "top_k": 1001}, "top_k"),
+    ({"prompts": ["a"], "top_k": -1}, "top_k"),
+    ({"prompts": ["a"], "top_p": 1.5}, "top_p"),
+    ({"prompts": ["a"], "top_p": 0.5, "top_k": 5}, "top_p"),
+    ({"prompts": ["a"], "top_p_decay": 0.5}, "top_p_decay"),
+    ({"prompts": ["a"], "top_p": 0.5, "top_p_bound": 0.9}, "top_p_bound"),
+    ({"prompts": ["a"], "add_BOS": 1}, "add_BOS"),
+    ({"prompts": ["a"], "stop_on_eol": "true"}, "stop_on_eol"),
+    ({"prompts": ["a"], "stop_on_double_eol": 0}, "stop_on_double_eol"),
+    ({"prompts": ["a"], "prevent_newline_after_colon": None}, "prevent_newline_after_colon"),
+    ({"prompts": ["a"], "random_seed": -5}, "random_seed"),
+    ({"prompts": ["a"], "random_seed": "1"}, "random_seed"),
+    ({"prompts": ["a"], "stop_token": 60000}, "stop_token"),
+    ({"prompts": ["a"], "beam_width": 2}, "beam_width"),
+    ({"prompts": ["a"], "no_log": "no"}, "no_log"),
+    ({"prompts": ["a"], "max_len": 5}, "max_len"),
+    ({"prompts": ["a"], "sentences": ["a"]}, "sentences"),
+    ({"prompts": ["a"], "bogus": 1}, "bogus"),
+    ({"prompts": ["a"], "tokens_to_generate": 200}, "128"),
+]
+
+
+def test_megatron_api_rejects_each_bad_field(server):
+    for body, field in BAD:
+        status, answer = call("PUT", server + "/api", body)
+        assert status == 400, (body, answer)
+        assert set(answer) == {"error"} and field in answer["error"], (body, answer)
+    status, answer = call("PUT", server + "/api", raw=b"{not json")
+    assert status == 400 and "JSON" in answer["error"]
+    # a body over the limit is refused from its Content-Length, before it is read
+    import http.client
+    from urllib.parse import urlparse
+
+    conn = http.client.HTTPConnection(urlparse(server).hostname, urlparse(server).port, timeout=30)
+    conn.putrequest("PUT", "/api")
+    conn.putheader("Content-Type", "application/json")
+    conn.putheader("Content-Length", str(2 << 20))
+    conn.endheaders()
+    resp = conn.getresponse()
+    assert resp.status == 413 and "exceeds the limit" in json.loads(resp.read())["error"]
+    conn.close()
+    status, _ = call("POST", server + "/api", {"prompts": ["a"]})
+    assert status == 405
+    status, answer = call("PUT", server + "/api", {"prompts": ["a b c"], "tokens_to_generate": 126})
+    assert status == 400 and "3 tokens" in answer["error"] and "126" in answer["error"] and "128" in answer["error"]
+
+
+def test_megatron_api_generates(server, model):
+    status, answer = call("PUT", server + "/api", {"prompts": ["The list", "Hello there, world"],
+                                                   "tokens_to_generate": 12, "top_k": 1, "logprobs": True})
+    assert status == 200 and set(answer) == {"text", "segments", "logprobs", "tokens"}
+    for i, prompt in enumerate(["The list", "Hello there, world"]):
+        ref = local(model, prompt, 12, temperature=0.0)
+        assert answer["tokens"][i] == ref.tokens
+        assert answer["text"][i] == TOK.decode(ref.tokens) and answer["text"][i].startswith(prompt)
+        assert answer["segments"][i] == [TOK.decode([t]) for t in ref.tokens]
+        assert len(answer["logprobs"][i]) == len(ref.tokens) - 1
+        with torch.no_grad():
+            lp = torch.log_softmax(model.logits(torch.tensor([ref.tokens])), dim=-1)[0]
+        expected = [lp[j - 1, ref.tokens[j]].item() for j in range(1, len(ref.tokens))]
+        assert answer["logprobs"][i] == pytest.approx(expected, abs=1e-4)
+    # random_seed: reproducible, and it matters
+    body = {"prompts": ["Once upon a time"], "tokens_to_generate": 10, "random_seed": 7, "top_p": 0.9}
+    first, second = call("PUT", server + "/api", body)[1], call("PUT", server + "/api", body)[1]
+    other = call("PUT", server + "/api", {**body, "random_seed": 8})[1]
+    assert first["tokens"] == second["tokens"] != other["tokens"]
+    assert first["logprobs"] is None
+    # add_BOS puts <|endoftext|> first; an empty prompt then works
+    bos = call("PUT", server + "/api", {"prompts": ["", "x"], "add_BOS": True, "tokens_to_generate": 3, "top_k": 1})[1]
+    assert [t[0] for t in bos["tokens"]] == [TOK.eod, TOK.eod]
+    # stop_token takes effect (the token the greedy continuation reaches third)
+    free = local(model, "The list", 12, temperature=0.0).generated
+    stopped = call("PUT", server + "/api", {"prompts": ["The list"], "tokens_to_generate": 12, "top_k": 1,
+                                            "stop_token": free[2]})[1]
+    assert stopped["tokens"][0][len(TOK.encode("The list")):] == free[: free.index(free[2]) + 1]
+    # tokens_to_generate 0 scores the prompt
+    scored = call("PUT", server + "/api", {"prompts": ["a b c d"], "tokens_to_generate": 0, "logprobs": True})[1]
+    assert scored["tokens"][0] == TOK.encode("a b c d") and len(scored["logprobs"][0]) == 3
+
+
+def test_openai_completions(server, model):
+    prompt = "The quick brown fox"
+    status, answer = call("POST", server + "/v1/completions",
+                          {"model": "x", "prompt": prompt, "max_tokens": 8, "temperature": 0})
+    assert status == 200 and answer["object"] == "text_completion"
+    ref = local(model, prompt, 8, temperature=0.0)
+    eod_cut = ref.generated[:-1] if ref.finish_reason == "stop" else ref.generated
+    assert answer["choices"][0]["text"] == TOK.decode(eod_cut)
+    assert answer["choices"][0]["finish_reason"] == ref.finish_reason
+    assert answer["usage"] == {"prompt_tokens": 4, "completion_tokens": len(eod_cut), "total_tokens": 4 + len(eod_cut)}
+    # token-id prompts, several prompts, n, seed
+    ids = TOK.encode(prompt)
+    body = {"prompt": [ids, "Hello"], "max_tokens": 6, "n": 2, "seed": 3, "temperature": 1.0}
+    a, b = call("POST", server + "/v1/completions", body)[1], call("POST", server + "/v1/completions", body)[1]
+    assert [c["text"] for c in a["choices"]] == [c["text"] for c in b["choices"]]
+    assert [c["index"] for c in a["choices"]] == [0, 1, 2, 3]
+    assert a["usage"]["prompt_tokens"] == len(ids) + 1
+    # echo + logprobs on token ids: what lm-evaluation-harness asks for a loglikelihood
+    status, scored = call("POST", server + "/v1/completions", {"prompt": [ids], "max_tokens": 1, "logprobs": 1,
+                                                             "echo": True, "temperature": 0, "seed": 1234})
+    lp = scored["choices"][0]["logprobs"]
+    assert lp["token_logprobs"][0] is None and len(lp["token_logprobs"]) == len(ids) + 1
+    assert lp["tokens"][: len(ids)] == [TOK.decode([t]) for t in ids]
+    full = ids + [TOK.encode(lp["tokens"][-1])[0]]
+    with torch.no_grad():
+        ref_lp = torch.log_softmax(model.logits(torch.tensor([full])), dim=-1)[0]
+    assert lp["token_logprobs"][1:] == pytest.approx([ref_lp[j - 1, full[j]].item() for j in range(1, len(full))],
+                                                     abs=1e-4)
+    assert all(max(top.values()) >= v - 1e-9 for top, v in zip(lp["top_logprobs"][1:], lp["token_logprobs"][1:]))
+    assert scored["choices"][0]["text"].startswith(prompt)
+    # stop strings cut the text
+    free = call("POST", server + "/v1/completions", {"prompt": prompt, "max_tokens": 12, "temperature": 0})[1]
+    text = free["choices"][0]["text"]
+    stop = text[3:5]
+    cut = call("POST", server + "/v1/completions", {"prompt": prompt, "max_tokens": 12, "temperature": 0,
+                                                    "stop": [stop]})[1]["choices"][0]
+    assert cut["text"] == text[: text.find(stop)] and cut["finish_reason"] == "stop"
+    for body, field in [({"prompt": 5}, "prompt"), ({"prompt": "a", "max_tokens": -2}, "max_tokens"),
+                        ({"prompt": "a", "temperature": -1}, "temperature"), ({"prompt": "a", "top_p": 0}, "top_p"),
+                        ({"prompt": "a", "n": 0}, "n"), ({"prompt": "a", "logprobs": 9}, "logprobs"),
+                        ({"prompt": "a", "stop": [1]}, "stop"), ({"prompt": "a", "echo": "y"}, "echo"),
+                        ({"prompt": "a", "seed": -1}, "seed"), ({"prompt": [[70000]]}, "prompt"),
+                        ({"prompt": "a", "presence_penalty": 1}, "presence_penalty"),
+                        ({"prompt": "a", "frobnicate": 1}, "frobnicate"),
+                        ({"prompt": "a", "max_tokens": 500}, "128")]:
+        status, answer = call("POST", server + "/v1/completions", body)
+        assert status == 400 and field in answer["error"], (body, answer)
+
+
+def _sse(url: str, body: dict) -> list:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
+                                 headers={"Content-Type": "application/json"})
+    events = []
+    with urllib.request.urlopen(req, timeout=60) as r:
+        assert r.headers["content-type"].startswith("text/event-stream")
+        for line in r:
+            line = line.decode().strip()
+            if line.startswith("data: "):
+                events.append(line[6:])
+    return events
+
+
+def test_streaming_equals_the_whole_answer(server):
+    body = {"prompt": ["Streaming is", "Two"], "max_tokens": 20, "seed": 5, "temperature": 0.9}
+    whole = call("POST", server + "/v1/completions", body)[1]
+    events = _sse(server + "/v1/completions", {**body, "stream": True, "stream_options": {"include_usage": True}})
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    texts = ["", ""]
+    for c in chunks[:-1]:
+        for ch in c["choices"]:
+            texts[ch["index"]] += ch["text"]
+    assert texts == [c["text"] for c in whole["choices"]]
+    assert len([c for c in chunks if c["choices"] and c["choices"][0]["text"]]) >= 4  # it arrived in pieces
+    assert chunks[-1]["usage"] == whole["usage"]
+    finals = {ch["index"]: ch["finish_reason"] for c in chunks for ch in c["choices"] if ch["finish_reason"]}
+    assert finals == {0: whole["choices"][0]["finish_reason"], 1: whole["choices"][1]["finish_reason"]}
+
+
+def test_endpoints(server):
+    assert get_json(server + "/health")["status"] == "ok"
+    models = get_json(server + "/v1/models")
+    assert models["data"][0]["id"] == "tiny-gpt2" and models["data"][0]["max_model_len"] == 128
+    spec = get_json(server + "/openapi.json")
+    assert {"/api", "/v1/completions", "/v1/models", "/health", "/tokenize", "/tokenizer_info"} <= set(spec["paths"])
+    info = get_json(server + "/tokenizer_info")
+    assert info["eos_token"] == "<|endoftext|>"
+    status, toks = call("POST", server + "/tokenize", {"prompt": "Hello world<|endoftext|>", "add_special_tokens": False})
+    assert status == 200 and toks["tokens"] == TOK.encode("Hello world") + [TOK.eod]
+    assert call("POST", server + "/detokenize", {"tokens": toks["tokens"]})[1]["prompt"] == "Hello world<|endoftext|>"
+    assert call("POST", server + "/tokenize", {"prompt": 3})[0] == 400
+
+
+def test_concurrent_requests_do_not_mix(server):
+    bodies = [{"prompts": [f"Request number {i} says"], "tokens_to_generate": 10 + i, "random_seed": i, "top_p": 0.9}
+              for i in range(12)]
+    alone = [call("PUT", server + "/api", b)[1]["tokens"] for b in bodies]
+    with ThreadPoolExecutor(12) as pool:
+        together = list(pool.map(lambda b: call("PUT", server + "/api", b)[1]["tokens"], bodies))
+    assert together == alone
+
+
+def test_queue_limit_is_503(model):
+    """A queue that is full answers 503 (the engine's generation held on an event)."""
+    import uvicorn
+
+    from gptrain.serve.app import build_app
+    from gptrain.serve.engine import Engine
+    from serve_util import free_port
+
+    release = threading.Event()
+
+    def held(*args, **kw):
+        release.wait(30)
+        return generate(*args, **kw)
+
+    engine = Engine(model, TOK, max_batch=1, max_queue=2, generate_fn=held)
+    port = free_port()
+    srv = uvicorn.Server(uvicorn.Config(build_app(engine, "held", log=lambda s: None), host="127.0.0.1", port=port,
+                                        log_level="warning"))
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    base = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(200):
+            if srv.started:
+                break
+            threading.Event().wait(0.05)
+        body = {"prompts": ["a"], "tokens_to_generate": 1}
+        with ThreadPoolExecutor(4) as pool:
+            first = [pool.submit(call, "PUT", base + "/api", body) for _ in range(3)]  # 1 running, 2 queued
+            for _ in range(200):
+                if engine._waiting == 2:
+                    break
+                threading.Event().wait(0.05)
+            status, answer = call("PUT", base + "/api", body)
+            assert status == 503 and "queue" in answer["error"]
+            release.set()
+            assert [f.result(timeout=60)[0] for f in first] == [200, 200, 200]
+    finally:
+        release.set()
+        srv.should_exit = True
+        thread.join(timeout=10)
+        engine.close()

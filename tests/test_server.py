@@ -272,3 +272,23 @@ def test_queue_limit_is_503(model):
         srv.should_exit = True
         thread.join(timeout=10)
         engine.close()
+
+
+def test_client_loop_and_one_shot(server):
+    import subprocess
+    import sys
+
+    address = server.removeprefix("http://")
+    run = subprocess.run([sys.executable, "-m", "gptrain", "client", address], input="The list\n5\nx\n-1\n",
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.count("Enter prompt: ") == 3 and run.stdout.count("Enter number of tokens to generate: ") == 2
+    response = run.stdout.split("Megatron Response: \n", 1)[1]
+    assert response.startswith("The list")
+    assert "Error 400: tokens_to_generate" in run.stdout
+    one = subprocess.run([sys.executable, "-m", "gptrain", "client", address, "--prompt", "Hello",
+                          "--tokens-to-generate", "4"], capture_output=True, text=True, timeout=120)
+    assert one.returncode == 0 and one.stdout.startswith("Megatron Response: \nHello")
+    down = subprocess.run([sys.executable, "-m", "gptrain", "client", "127.0.0.1:1", "--prompt", "x"],
+                          capture_output=True, text=True, timeout=120)
+    assert down.returncode == 2 and down.stderr.count("\n") == 1 and "error" in down.stderr

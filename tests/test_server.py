@@ -292,3 +292,46 @@ def test_client_loop_and_one_shot(server):
     down = subprocess.run([sys.executable, "-m", "gptrain", "client", "127.0.0.1:1", "--prompt", "x"],
                           capture_output=True, text=True, timeout=120)
     assert down.returncode == 2 and down.stderr.count("\n") == 1 and "error" in down.stderr
+
+
+@pytest.mark.slow
+def test_lm_evaluation_harness_against_the_server(server, model, tmp_path, monkeypatch):
+    """lm-eval's local-completions model with the remote tokenizer, unmodified, on a task file the
+    test writes: its loglikelihoods and greedy generations equal the model's own."""
+    lm_eval = pytest.importorskip("lm_eval")
+    from lm_eval.tasks import TaskManager
+
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    docs = [{"context": "The capital of France is", "continuation": " Paris"},
+            {"context": "One, two, three,", "continuation": " four, five"},
+            {"context": "Water boils at", "continuation": " 100 degrees"}]
+    data = tmp_path / "tiny.jsonl"
+    data.write_text("".join(json.dumps(d) + "\n" for d in docs))
+    common = (f"dataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {data}\ntest_split: test\n"
+              "doc_to_text: '{{context}}'\ndoc_to_target: '{{continuation}}'\n")
+    (tmp_path / "ll.yaml").write_text("task: gptrain_ll\noutput_type: loglikelihood\n" + common
+                                      + "metric_list:\n  - metric: acc\n")
+    (tmp_path / "gen.yaml").write_text("task: gptrain_gen\noutput_type: generate_until\n" + common
+                                       + "generation_kwargs:\n  until: ['\\n']\n  max_gen_toks: 6\n  temperature: 0\n"
+                                       + "metric_list:\n  - metric: exact_match\n")
+    results = lm_eval.simple_evaluate(
+        model="local-completions",
+        model_args=f"base_url={server}/v1/completions,model=tiny-gpt2,tokenizer_backend=remote,max_length=128,"
+                   "num_concurrent=2,max_retries=1,tokenized_requests=True",
+        tasks=["gptrain_ll", "gptrain_gen"], task_manager=TaskManager(include_path=str(tmp_path)),
+        log_samples=True, limit=None)
+    ll = sorted(results["samples"]["gptrain_ll"], key=lambda s: s["doc_id"])
+    gen = sorted(results["samples"]["gptrain_gen"], key=lambda s: s["doc_id"])
+    for doc, sample_ll, sample_gen in zip(docs, ll, gen):
+        ctx, cont = TOK.encode(doc["context"]), TOK.encode(doc["continuation"])
+        with torch.no_grad():
+            lp = torch.log_softmax(model.logits(torch.tensor([ctx + cont])), dim=-1)[0]
+        expected = sum(lp[len(ctx) + j - 1, t].item() for j, t in enumerate(cont))
+        greedy_ok = all(lp[len(ctx) + j - 1].argmax().item() == t for j, t in enumerate(cont))
+        got, is_greedy = sample_ll["resps"][0][0]
+        assert got == pytest.approx(expected, abs=1e-3) and is_greedy == greedy_ok
+        ref = local(model, doc["context"], 6, temperature=0.0)
+        text = TOK.decode([t for t in ref.generated if t != TOK.eod]).split("\n")[0]
+        assert sample_gen["resps"][0][0] == text
+    assert "acc,none" in results["results"]["gptrain_ll"]

@@ -10,7 +10,6 @@ from __future__ import annotations
 import hashlib
 import os
 from dataclasses import dataclass
-from functools import cached_property
 from pathlib import Path
 
 import numpy as np
@@ -47,37 +46,75 @@ class TokenizerFiles:
         return cls(vocab, merges)
 
 
+def _fingerprint(vocab_bytes: bytes, merge_bytes: bytes) -> str:
+    """sha256 over the vocabulary and merges bytes: identifies the tokenizer in data provenance."""
+    return hashlib.sha256(vocab_bytes + b"\0" + merge_bytes).hexdigest()
+
+
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2's printable stand-in character for each byte (``bytes_to_unicode``), inverted."""
+    printable = [b for b in range(256) if chr(b).isprintable() and chr(b) != " "]
+    table = {chr(b): b for b in printable}
+    n = 0
+    for b in range(256):
+        if b not in printable:
+            table[chr(256 + n)] = b
+            n += 1
+    return table
+
+
+def _load_bpe(files: TokenizerFiles, vocab_bytes: bytes, merge_bytes: bytes) -> tuple[dict, dict[bytes, int]]:
+    """(encoder.json, tiktoken's mergeable ranks) from the files' bytes, as tiktoken's
+    ``data_gym_to_mergeable_bpe_ranks`` builds them, with a one-line error where they disagree."""
+    import json
+
+    table = _byte_decoder()
+
+    def decode(token: str) -> bytes:
+        return bytes(table[ch] for ch in token)
+
+    try:
+        encoder = json.loads(vocab_bytes.decode("utf-8"))
+        if not isinstance(encoder, dict) or not all(isinstance(v, int) for v in encoder.values()):
+            raise ValueError("not a JSON object of token -> id")
+        ranks = {bytes([b]): i for i, b in enumerate(table.values())}
+        for line in merge_bytes.decode("utf-8").split("\n")[1:-1]:
+            first, second = line.split()
+            ranks[decode(first) + decode(second)] = len(ranks)
+        loaded = {decode(k): v for k, v in encoder.items() if k not in (EOD_TEXT, "<|startoftext|>")}
+    except (ValueError, KeyError) as err:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        raise ValueError(f"{files.vocab_file} / {files.merge_file}: not a GPT-2 vocabulary and merges pair ({err})") from None
+    if loaded != ranks:
+        wrong = sum(1 for k, v in loaded.items() if ranks.get(k) != v) + len(ranks.keys() - loaded.keys())
+        raise ValueError(f"{files.vocab_file} does not match {files.merge_file}: {wrong} of {len(ranks)} tokens have "
+                         "another id than the merges give them (use the vocabulary made with these merges)")
+    return encoder, ranks
+
+
 class GPT2Tokenizer:
     """Byte-level BPE with GPT-2's vocabulary; ``eod`` is the ``<|endoftext|>`` id (50256 for GPT-2)."""
 
     def __init__(self, vocab_file: str | os.PathLike | None = None, merge_file: str | os.PathLike | None = None):
-        import json
-
         import tiktoken
-        from tiktoken.load import data_gym_to_mergeable_bpe_ranks
 
         self.files = TokenizerFiles.resolve(vocab_file, merge_file)
-        ranks = data_gym_to_mergeable_bpe_ranks(str(self.files.merge_file), str(self.files.vocab_file))
-        encoder = json.loads(self.files.vocab_file.read_text(encoding="utf-8"))
+        # read once: the ranks and the fingerprint come from the same bytes (tiktoken's own loader
+        # caches by path, so a file changed in place would be encoded with its old contents)
+        vocab_bytes, merge_bytes = self.files.vocab_file.read_bytes(), self.files.merge_file.read_bytes()
+        encoder, ranks = _load_bpe(self.files, vocab_bytes, merge_bytes)
         if EOD_TEXT not in encoder:
             raise ValueError(f"{self.files.vocab_file}: the vocabulary has no {EOD_TEXT} token")
         self.eod = int(encoder[EOD_TEXT])
         self.vocab_size = len(encoder)
+        # the largest id decides the token dtype (an eod id may lie beyond the vocabulary's length)
+        self.max_id = max(max(int(v) for v in encoder.values()), self.eod)
+        self.fingerprint = _fingerprint(vocab_bytes, merge_bytes)
         self._enc = tiktoken.Encoding(
             name=f"gpt2bpe-{self.fingerprint[:12]}",
             pat_str=GPT2_PATTERN,
             mergeable_ranks=ranks,
             special_tokens={EOD_TEXT: self.eod},
         )
-
-    @cached_property
-    def fingerprint(self) -> str:
-        """sha256 over the vocabulary and merges bytes: identifies the tokenizer in data provenance."""
-        h = hashlib.sha256()
-        h.update(self.files.vocab_file.read_bytes())
-        h.update(b"\0")
-        h.update(self.files.merge_file.read_bytes())
-        return h.hexdigest()
 
     def encode(self, text: str, allow_special: bool = False) -> list[int]:
         """Token ids of ``text``; ``<|endoftext|>`` maps to ``eod`` only with ``allow_special``."""
@@ -98,4 +135,5 @@ class GPT2Tokenizer:
             "sha256": self.fingerprint,
             "vocab_size": self.vocab_size,
             "eod": self.eod,
+            "max_id": self.max_id,
         }

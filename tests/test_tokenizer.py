@@ -74,3 +74,65 @@ def test_missing_file_is_a_clear_error(tmp_path):
         GPT2Tokenizer(tmp_path / "nope.json", tmp_path / "nope.txt")
     with pytest.raises(ValueError, match="both"):
         GPT2Tokenizer(tmp_path / "nope.json", None)
+
+
+def _tiny_bpe(tmp_path, name, merges, extra=None):
+    """A small real GPT-2-format pair: the 256 byte tokens, ``merges`` and <|endoftext|>, ids in
+    tiktoken's rank order (so tiktoken's own loader accepts it)."""
+    import json
+
+    from tiktoken.load import data_gym_to_mergeable_bpe_ranks  # noqa: F401  (the format's reference)
+
+    from gptrain.tokenizer import _byte_decoder
+
+    chars = list(_byte_decoder())
+    encoder = {ch: i for i, ch in enumerate(chars)}
+    for a, b in merges:
+        encoder[a + b] = len(encoder)
+    encoder["<|endoftext|>"] = len(encoder)
+    encoder.update(extra or {})
+    vocab, merge = tmp_path / f"{name}-vocab.json", tmp_path / f"{name}-merges.txt"
+    vocab.write_text(json.dumps(encoder))
+    merge.write_text("#version: 0.2\n" + "".join(f"{a} {b}\n" for a, b in merges))
+    return vocab, merge
+
+
+def test_changed_files_at_the_same_path_are_read_again(tmp_path):
+    """tiktoken's loader caches by path (data-gym-cache): the second pair must be encoded with its own
+    merges, and fingerprinted by its own bytes."""
+    vocab, merge = _tiny_bpe(tmp_path, "v", [("h", "e")])
+    first = GPT2Tokenizer(vocab, merge)
+    assert first.encode("he") == [256]
+    vocab, merge = _tiny_bpe(tmp_path, "v", [("l", "o"), ("h", "e")])  # same paths, new contents
+    second = GPT2Tokenizer(vocab, merge)
+    assert second.encode("he") == [257] and second.encode("lo") == [256]
+    assert second.vocab_size == 259 and second.fingerprint != first.fingerprint
+    reference = tiktoken.Encoding("tiny", pat_str=GPT2_PATTERN,
+                                  mergeable_ranks=data_gym_to_mergeable_bpe_ranks(str(merge), str(vocab)),
+                                  special_tokens={})
+    assert second.encode("hello, lo he") == reference.encode_ordinary("hello, lo he")
+
+
+def test_vocabulary_not_matching_merges_is_one_line(tmp_path):
+    import json
+
+    import pytest
+
+    vocab, merge = _tiny_bpe(tmp_path, "m", [("h", "e"), ("l", "o")])
+    encoder = json.loads(vocab.read_text())
+    encoder["he"], encoder["lo"] = encoder["lo"], encoder["he"]
+    vocab.write_text(json.dumps(encoder))
+    with pytest.raises(ValueError) as err:
+        GPT2Tokenizer(vocab, merge)
+    assert "does not match" in str(err.value) and "\n" not in str(err.value)
+
+
+def test_largest_id_is_recorded(tmp_path):
+    vocab, merge = _tiny_bpe(tmp_path, "e", [("h", "e")])
+    import json
+
+    encoder = json.loads(vocab.read_text())
+    encoder["<|endoftext|>"] = 70000
+    vocab.write_text(json.dumps(encoder))
+    tok = GPT2Tokenizer(vocab, merge)
+    assert tok.eod == 70000 and tok.max_id == 70000 and tok.vocab_size == 258

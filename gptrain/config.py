@@ -112,6 +112,8 @@ class TrainConfig:
     no_load_optim: bool = False
     no_load_rng: bool = False
     finetune: bool = False
+    exit_signal_handler: bool = False  # SIGTERM/SIGINT: save at the end of the iteration and exit 0
+    async_save: bool = False  # checkpoints written by a background thread (DCP's async_save)
 
     def __post_init__(self):
         if self.global_batch_size is None:
@@ -329,7 +331,11 @@ def _parser() -> argparse.ArgumentParser:
       help="with --dry-run: the number of processes to plan for (default: torchrun's WORLD_SIZE, else 1)")
     a("--no-load-optim", action="store_true")
     a("--no-load-rng", action="store_true")
-    a("--finetune", action="store_true")
+    a("--finetune", action="store_true", help="--load weights only: iteration, optimizer and schedule start fresh")
+    a("--exit-signal-handler", action="store_true",
+      help="on SIGTERM/SIGINT: finish the iteration, save a checkpoint and exit 0")
+    a("--async-save", action="store_true",
+      help="write checkpoints in a background thread; published once durable")
     # accepted for compatibility (see ACCEPTED_NO_OP*)
     for flag in ACCEPTED_NO_OP:
         a(flag, action="store_true", help=argparse.SUPPRESS)
@@ -422,7 +428,8 @@ def parse_megatron_args(argv: list[str], world_size: int | None = None) -> tuple
         tensorboard_dir=args.tensorboard_dir, compile=args.compile or args.compile_mode is not None,
         compile_mode=args.compile_mode, peak_tflops=args.peak_tflops,
         device=args.device, dry_run=args.dry_run, skip_train=args.skip_train, no_load_optim=args.no_load_optim,
-        no_load_rng=args.no_load_rng, finetune=args.finetune,
+        no_load_rng=args.no_load_rng, finetune=args.finetune, exit_signal_handler=args.exit_signal_handler,
+        async_save=args.async_save,
     )
     return RunConfig(model, data, optim, precision, train, kernels, parallel), notes
 

@@ -105,6 +105,7 @@ def generate(model: GPT, prompts: list[list[int]], params: list[SamplingParams] 
     decay = torch.tensor([p.top_p_decay for p in params], device=device, dtype=torch.float32)
     bound = torch.tensor([p.top_p_bound for p in params], device=device, dtype=torch.float32)
     decaying = bool((decay > 0).any())
+    all_greedy = all(p.temperature <= 0 or p.top_k == 1 for p in params)
     colon_rows = (torch.tensor(no_newline_after_colon, device=device)
                   if no_newline_after_colon and any(no_newline_after_colon) else None)
     prompt_len = torch.tensor(lengths, device=device)
@@ -129,7 +130,10 @@ def generate(model: GPT, prompts: list[list[int]], params: list[SamplingParams] 
         if colon_rows is not None:
             banned = colon_rows & (tokens_dev[:, t - 1] == eol.colon)
             logits[:, eol.eol] = logits[:, eol.eol].masked_fill(banned, float("-inf"))
-        chosen = sample(logits, temperature, top_k, top_p, seeds, torch.full_like(seeds, t))
+        if all_greedy:
+            chosen = logits.argmax(dim=-1)
+        else:
+            chosen = sample(logits, temperature, top_k, top_p, seeds, torch.full_like(seeds, t))
         if decaying:
             generating = t >= prompt_len
             decayed = torch.maximum(top_p * decay, bound)

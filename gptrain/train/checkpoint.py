@@ -8,11 +8,15 @@ layout (the word embeddings are stored at the real vocabulary's size, without th
                                                AdamW state
     SAVE/iter_0000500/rng_rank00000.safetensors, rng_rank00000.json   each rank's generator states
     SAVE/iter_0000500/state.json              iteration, consumed samples, lr schedule, loss scaler,
-                                              layout, the resolved run config
+                                              layout, the resolved run config, and (written last) the
+                                              manifest: every file's size
 
-Everything is written into a temporary directory that rank 0 renames into place once every rank
-has finished, then the tracker file is replaced atomically: a crash mid-save leaves the previous
-checkpoint as the latest.
+Never losing work: everything is written into ``.iter_0000500.tmp`` and fsynced, rank 0 renames it
+into place (a copy of the same iteration is moved aside first, never deleted before), fsyncs the
+folder, and only then replaces the tracker. A start puts back a copy moved aside by a killed save
+and removes temporary folders (``recover``); a tracker naming a missing or incomplete folder falls
+back to the newest complete checkpoint, with a warning; a failed save (a full disk) is one line,
+with its partial files removed.
 """
 from __future__ import annotations
 
@@ -20,17 +24,22 @@ import json
 import os
 import random
 import shutil
+import sys
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file, save_file
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor
 
 from gptrain.model.gpt import copy_full_into
 from gptrain.parallel.collectives import barrier, distributed
+from gptrain.train.durable import crash_point, fsync_file, fsync_tree, replace_durable, write_durable
+from gptrain.train.signals import deferred_signals
 
 TRACKER = "latest_checkpointed_iteration.txt"
 FORMAT = "gptrain-checkpoint/2"
@@ -108,48 +117,235 @@ def _state_dict(params: dict[str, torch.Tensor], optimizer: torch.optim.Optimize
     return out
 
 
+class CheckpointError(RuntimeError):
+    """A save that could not complete (a full disk, ...): one line; its partial files are removed
+    and the previous checkpoints are kept."""
+
+
+def _tmp_dir(final: Path) -> Path:
+    return final.with_name(f".{final.name}.tmp")
+
+
+def _aside_dir(final: Path) -> Path:
+    return final.with_name(f".{final.name}.old")
+
+
+def _iteration_of(name: str) -> int | str | None:
+    if name == "release":
+        return "release"
+    if len(name) == 12 and name.startswith("iter_") and name[5:].isdigit():
+        return int(name[5:])
+    return None
+
+
+def is_complete(path: Path) -> tuple[bool, str]:
+    """Whether a checkpoint folder holds everything its manifest (``state.json``, written last)
+    lists, at the listed sizes; else False and what is wrong."""
+    if not path.is_dir():
+        return False, "missing"
+    try:
+        state = json.loads((path / "state.json").read_text())
+    except (OSError, ValueError):
+        return False, "incomplete (no readable state.json)"
+    files = state.get("files")
+    if files is None:  # written before manifests: state.json came after the DCP files
+        return ((path / ".metadata").is_file(), "incomplete (no .metadata)")
+    for name, size in files.items():
+        f = path / name
+        if not f.is_file() or f.stat().st_size != size:
+            return False, f"incomplete ({name} missing or truncated)"
+    return True, ""
+
+
+def complete_checkpoints(root: str | os.PathLike) -> list[Path]:
+    """The complete checkpoint folders under ``root``, newest first (``release`` last)."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = [(it, p) for p in root.iterdir() if (it := _iteration_of(p.name)) is not None and is_complete(p)[0]]
+    return [p for _, p in sorted(found, key=lambda x: -1 if x[0] == "release" else x[0], reverse=True)]
+
+
+def newest_complete(root: str | os.PathLike) -> str:
+    """For messages: the newest complete checkpoint, or that there is none."""
+    found = complete_checkpoints(root) if root else []
+    return f"the newest complete checkpoint is {found[0]}" if found else f"there is no complete checkpoint in {root}"
+
+
+def _warn(log, message: str) -> None:
+    if _rank() == 0:
+        (log or (lambda s: print(s, file=sys.stderr, flush=True)))(message)
+
+
+def recover(root: str | os.PathLike | None, log=None) -> None:
+    """At start (every rank calls it): put back a checkpoint that a killed re-save had moved aside,
+    and remove the temporary folders of killed or failed saves, saying what was done."""
+    if root and _rank() == 0 and Path(root).is_dir():
+        root = Path(root)
+        for aside in sorted(root.glob(".*.old")):
+            final = root / aside.name[1:-len(".old")]
+            if _iteration_of(final.name) is None:
+                continue
+            if is_complete(final)[0]:
+                shutil.rmtree(aside)
+                continue
+            if final.exists():
+                shutil.rmtree(final)
+            replace_durable(aside, final)
+            _warn(log, f"WARNING: restored {final}, which a save killed before its replacement was complete "
+                       "had moved aside")
+        stale = sorted(p for p in root.iterdir() if p.name.startswith(".") and p.name.endswith(".tmp"))
+        for p in stale:
+            shutil.rmtree(p) if p.is_dir() else p.unlink()
+        if stale:
+            _warn(log, f"WARNING: removed {len(stale)} temporary folder(s) of interrupted saves from {root}: "
+                       + ", ".join(p.name for p in stale))
+    barrier()
+
+
+def _reason(err: BaseException) -> str:
+    """One line for a failed save: the operating system's words where there are some."""
+    stack, seen = [err], set()
+    while stack:
+        e = stack.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.strerror:
+            return e.strerror + (f" ({e.filename})" if e.filename else "")
+        failures = getattr(e, "failures", None)  # DCP's CheckpointException: rank -> (exception, trace)
+        if isinstance(failures, dict):
+            stack += [v[0] if isinstance(v, tuple) else v for v in failures.values()]
+        stack += [e.__cause__, e.__context__]
+    text = str(err).strip().splitlines()
+    return text[0] if text else type(err).__name__
+
+
+def _together(what: str, fn, where: str, root: Path) -> None:
+    """Run ``fn`` on this rank; if it failed on any rank, every rank raises the same CheckpointError
+    (no rank is left waiting in a collective)."""
+    error = None
+    try:
+        fn()
+    except (Exception, CheckpointException) as err:
+        error = err
+    failed = torch.tensor([0.0 if error is None else 1.0])
+    if distributed():
+        torch.distributed.all_reduce(failed, op=torch.distributed.ReduceOp.MAX)
+    if failed.item():
+        if _rank() == 0:
+            _discard(where)
+        reason = _reason(error) if error is not None else "it failed on another rank"
+        raise CheckpointError(f"could not {what}: {reason}; its partial files were removed and "
+                              f"{newest_complete(root)}") from None
+
+
+def _discard(final_name: str) -> None:
+    """Rank 0 after a failed save: remove the partial copy, put back a copy moved aside."""
+    final = Path(final_name)
+    shutil.rmtree(_tmp_dir(final), ignore_errors=True)
+    aside = _aside_dir(final)
+    if aside.exists() and not final.exists():
+        os.replace(aside, final)
+
+
+@dataclass
+class PendingSave:
+    """A save whose data is still being written (``--async-save``); ``finish_save`` publishes it."""
+    root: Path
+    iteration: int | str
+    final: Path
+    state: dict
+    future: object
+
+
 def save_checkpoint(root: str | os.PathLike, iteration: int, params: dict[str, torch.Tensor],
-                    optimizer: torch.optim.Optimizer, state: dict, vocab_size: int) -> Path:
+                    optimizer: torch.optim.Optimizer, state: dict, vocab_size: int, *, async_save: bool = False,
+                    stager=None, process_group=None) -> Path | PendingSave:
     """``params``: the name -> tensor map the optimizer updates (fp32 main copies, or FSDP2's
-    fp32 shards). Every rank calls this."""
+    fp32 shards). Every rank calls this. With ``async_save`` the tensors are staged in host memory,
+    written by a background thread, and ``finish_save`` publishes the checkpoint once they are durable.
+
+    The copy is written into a temporary folder, fsynced, renamed into place and only then named by
+    the tracker; re-saving an existing iteration moves the old copy aside until the new one is in
+    place (``recover`` puts it back after a crash in between)."""
     root = Path(root)
     final = iteration_dir(root, iteration)
-    tmp = root / f".{final.name}.tmp"
+    tmp = _tmp_dir(final)
     rank = _rank()
-    if rank == 0:
-        root.mkdir(parents=True, exist_ok=True)
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        tmp.mkdir()
-    barrier()
-    with warnings.catch_warnings():  # one process without a process group is a normal run here
-        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled")
-        dcp.save(_state_dict(params, optimizer, vocab_size), checkpoint_id=tmp)
-    rng_tensors, rng_scalars = _rng_state()
-    save_file(rng_tensors, tmp / f"rng_rank{rank:05d}.safetensors")
-    (tmp / f"rng_rank{rank:05d}.json").write_text(json.dumps(rng_scalars))
-    barrier()
-    if rank == 0:
-        (tmp / "state.json").write_text(json.dumps({**state, "iteration": iteration, "format": FORMAT}, indent=1))
-        old = root / f".{final.name}.old"
-        if final.exists():  # saving an iteration again: the previous copy goes only once the new one is in place
-            if old.exists():
-                shutil.rmtree(old)
-            os.replace(final, old)
-        os.replace(tmp, final)
-        tracker_tmp = root / f".{TRACKER}.tmp"
-        tracker_tmp.write_text(str(iteration))
-        os.replace(tracker_tmp, root / TRACKER)
-        if old.exists():
-            shutil.rmtree(old)
-    barrier()
+    what = f"save the checkpoint of iteration {iteration} to {root}"
+
+    def prepare():
+        if rank == 0:
+            root.mkdir(parents=True, exist_ok=True)
+            if tmp.exists():
+                shutil.rmtree(tmp)
+            tmp.mkdir()
+
+    with deferred_signals():
+        _together(what, prepare, str(final), root)
+        future = None
+
+        def write():
+            nonlocal future
+            with warnings.catch_warnings():  # one process without a process group is a normal run here
+                warnings.filterwarnings("ignore", message=".*torch.distributed is disabled")
+                if async_save:
+                    future = dcp.async_save(_state_dict(params, optimizer, vocab_size), checkpoint_id=tmp,
+                                            async_stager=stager, process_group=process_group)
+                else:
+                    dcp.save(_state_dict(params, optimizer, vocab_size), checkpoint_id=tmp)
+            rng_tensors, rng_scalars = _rng_state()
+            save_file(rng_tensors, tmp / f"rng_rank{rank:05d}.safetensors")
+            fsync_file(tmp / f"rng_rank{rank:05d}.safetensors")
+            write_durable(tmp / f"rng_rank{rank:05d}.json", json.dumps(rng_scalars))
+
+        _together(what, write, str(final), root)
+        pending = PendingSave(root, iteration, final, state, future)
+        if async_save:
+            return pending
+        return finish_save(pending)
+
+
+def finish_save(pending: PendingSave) -> Path:
+    """Wait for the data of a save (every rank), then rank 0 publishes it: the manifest and
+    fsyncs, the rename into place, the tracker."""
+    final, root, iteration = pending.final, pending.root, pending.iteration
+    what = f"save the checkpoint of iteration {iteration} to {root}"
+    with deferred_signals():
+        if pending.future is not None:
+            upload = getattr(pending.future, "upload_completion", pending.future)
+            _together(what, upload.result, str(final), root)
+        _together(what, lambda: _publish(pending) if _rank() == 0 else None, str(final), root)
     return final
 
 
-def load_checkpoint(root: str | os.PathLike, params: dict[str, torch.Tensor],
-                    optimizer: torch.optim.Optimizer | None, vocab_size: int, load_rng: bool = True) -> dict | None:
-    """Restore into ``params`` (as for saving) and ``optimizer``; return the saved state dict, or
-    None if there is no checkpoint."""
+def _publish(pending: PendingSave) -> None:
+    final, root, iteration = pending.final, pending.root, pending.iteration
+    tmp, aside = _tmp_dir(final), _aside_dir(final)
+    files = {p.name: p.stat().st_size for p in sorted(tmp.iterdir()) if p.is_file()}
+    write_durable(tmp / "state.json", json.dumps({**pending.state, "iteration": iteration, "format": FORMAT,
+                                                  "files": files}, indent=1))
+    fsync_tree(tmp)
+    crash_point("written", iteration)
+    if final.exists():  # saving an iteration again: the old copy stays until the new one is in place
+        if aside.exists():
+            shutil.rmtree(aside)
+        replace_durable(final, aside)
+        crash_point("moved-aside", iteration)
+    replace_durable(tmp, final)
+    crash_point("renamed", iteration)
+    write_durable(root / f".{TRACKER}.tmp", str(iteration))
+    replace_durable(root / f".{TRACKER}.tmp", root / TRACKER)
+    crash_point("tracker", iteration)
+    if aside.exists():
+        shutil.rmtree(aside)
+
+
+def find_checkpoint(root: str | os.PathLike, log=None) -> Path | None:
+    """The folder to load: the tracker's, or, if that one is missing or incomplete, the newest
+    complete one (said loudly). None without a tracker."""
+    root = Path(root)
     iteration = read_tracker(root)
     if iteration is None:
         return None
@@ -158,9 +354,26 @@ def load_checkpoint(root: str | os.PathLike, params: dict[str, torch.Tensor],
         raise ValueError(f"{path} is a gptrain-checkpoint/1 checkpoint, written before the fused QKV rows took "
                          "Megatron's per-head order; it cannot be resumed by this version (retrain, or load it "
                          "with gptrain 0.1)")
-    if not (path / ".metadata").is_file():
-        raise FileNotFoundError(f"{path}/.metadata is missing although {Path(root) / TRACKER} names it "
-                                "(a Megatron model_optim_rng.pt checkpoint must be imported first)")
+    ok, why = is_complete(path)
+    if ok:
+        return path
+    found = complete_checkpoints(root)
+    if not found:
+        raise FileNotFoundError(f"{root / TRACKER} names {path.name}, which is {why}, and {root} holds no complete "
+                                "checkpoint (a Megatron model_optim_rng.pt checkpoint is read by --load directly)")
+    _warn(log, f"WARNING: {root / TRACKER} names {path.name}, which is {why}: loading the newest complete "
+               f"checkpoint, {found[0].name}, instead")
+    return found[0]
+
+
+def load_checkpoint(root: str | os.PathLike, params: dict[str, torch.Tensor],
+                    optimizer: torch.optim.Optimizer | None, vocab_size: int, load_rng: bool = True,
+                    log=None) -> dict | None:
+    """Restore into ``params`` (as for saving) and ``optimizer``; return the saved state dict, or
+    None if there is no checkpoint."""
+    path = find_checkpoint(root, log)
+    if path is None:
+        return None
     if optimizer is not None:
         init_optimizer_state(params, optimizer)
     targets = _state_dict(params, optimizer, vocab_size)

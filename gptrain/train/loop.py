@@ -24,7 +24,8 @@ from gptrain.parallel.data_parallel import average_flat, average_gradients
 from gptrain.parallel.dims import is_logging_rank, world_from_env
 from gptrain.train import metrics
 from gptrain.train.build import TrainingParts
-from gptrain.train.checkpoint import load_checkpoint, save_checkpoint
+from gptrain.train import signals
+from gptrain.train.checkpoint import iteration_dir, load_checkpoint, recover, save_checkpoint
 from gptrain.train.megatron_load import is_megatron_checkpoint, load_megatron
 from gptrain.train.precision import LossScaler
 from gptrain.train.schedule import LRSchedule
@@ -186,13 +187,15 @@ class Trainer:
 
     def load(self) -> None:
         t = self.cfg.train
+        for root in dict.fromkeys(r for r in (t.save, t.load) if r and not is_megatron_checkpoint(r)):
+            recover(root, self.log)  # put back what a killed save moved aside, drop its temporary files
         if not t.load:
             return
         if is_megatron_checkpoint(t.load):
             self._load_megatron()
             return
         state = load_checkpoint(t.load, self.opt_params, None if (t.no_load_optim or t.finetune) else self.optimizer,
-                                self.cfg.model.vocab_size, load_rng=not (t.no_load_rng or t.finetune))
+                                self.cfg.model.vocab_size, load_rng=not (t.no_load_rng or t.finetune), log=self.log)
         if self.main is not None and state is not None:
             self.main.copy_to_model()
         if state is None:
@@ -415,6 +418,9 @@ class Trainer:
                     exit_reason = f"exiting program after {t.exit_duration_in_mins} minutes"
                 if t.exit_interval and self.iteration % t.exit_interval == 0:
                     exit_reason = f"exiting program at iteration {self.iteration}"
+                if (name := signals.exit_signal()) is not None:  # --exit-signal-handler, agreed by all ranks
+                    saved = iteration_dir(t.save, self.iteration) if t.save else "nothing (no --save)"
+                    exit_reason = f"exiting program after receiving {name} at iteration {self.iteration}; saved {saved}"
                 if exit_reason:
                     break
         finally:

@@ -18,6 +18,8 @@ from gptrain.parallel.layout import parameter_counts
 from gptrain.parallel.parallelize import describe_sharding
 from gptrain.tokenizer import GPT2Tokenizer
 from gptrain.train.build import build_training, parallel_dims, parameter_count
+from gptrain.train import signals
+from gptrain.train.checkpoint import CheckpointError, newest_complete
 from gptrain.train.loop import Trainer, TrainingStopped
 
 
@@ -144,6 +146,8 @@ def dry_run(cfg: RunConfig, world: int, log) -> None:
 
 def train_main(argv: list[str], log=None) -> int:
     log = log or (lambda s: print(s, flush=True))
+    trainer = cfg = None
+    signals.install(exit_handler="--exit-signal-handler" in argv)
     try:
         world, rank, _ = world_from_env()
         if rank != 0:  # one rank speaks; every rank still runs the same code
@@ -178,14 +182,28 @@ def train_main(argv: list[str], log=None) -> int:
         if is_logging_rank():
             print(f"gptrain: training stopped: {err}", file=sys.stderr)
         return 1
+    except CheckpointError as err:
+        if is_logging_rank():
+            print(f"gptrain: error: {err}", file=sys.stderr)
+        return 1
+    except signals.Interrupted as err:  # without --exit-signal-handler: one line, no traceback
+        if is_logging_rank():
+            where = f" at iteration {trainer.iteration}" if trainer is not None else ""
+            saved = newest_complete(cfg.train.save or cfg.train.load) if cfg and (cfg.train.save or cfg.train.load) \
+                else "no checkpoint is written without --save"
+            print(f"gptrain: stopped by {err.name}{where}; {saved}", file=sys.stderr)
+        return err.exit_code
     except (ValueError, FileNotFoundError) as err:
         if is_logging_rank():
             print(f"gptrain: error: {err}", file=sys.stderr)
         return 2
     finally:
+        signals.uninstall()
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
     return 0
+
+
 def build_cache(argv: list[str]) -> int:
     """``gptrain data build-cache`` with the training flags: build the index maps, train nothing."""
     try:

@@ -1,0 +1,61 @@
+"""Durable file operations for checkpoints: fsync of files and directories, and the crash points
+the kill tests use.
+
+A rename is durable only once the directory holding it is fsynced, and a file's bytes only once
+the file is; a checkpoint is published (renamed into place, then named by the tracker) only after
+both, so a power loss or a SIGKILL never leaves a published name over missing data.
+"""
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+CRASH_ENV = "GPTRAIN_CRASH_AT"  # tests: "POINT" or "POINT@ITERATION" -> SIGKILL there
+
+
+def fsync_file(path: str | os.PathLike) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_dir(path: str | os.PathLike) -> None:
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(path: str | os.PathLike) -> None:
+    """Every file directly in ``path``, then ``path`` itself."""
+    for p in Path(path).iterdir():
+        if p.is_file():
+            fsync_file(p)
+    fsync_dir(path)
+
+
+def write_durable(path: str | os.PathLike, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def replace_durable(src: str | os.PathLike, dst: str | os.PathLike) -> None:
+    """``os.replace`` and fsync of the directory holding both."""
+    os.replace(src, dst)
+    fsync_dir(Path(dst).parent)
+
+
+def crash_point(name: str, iteration: int | str | None = None) -> None:
+    """SIGKILL this process here when ``GPTRAIN_CRASH_AT`` names this point (kill tests only)."""
+    want = os.environ.get(CRASH_ENV)
+    if not want:
+        return
+    point, _, at = want.partition("@")
+    if point == name and (not at or str(iteration) == at):
+        os.kill(os.getpid(), signal.SIGKILL)

@@ -1,0 +1,193 @@
+"""Checkpoints never lose work: a save killed (SIGKILL) at each point of its protocol, a tracker
+naming a missing or truncated folder, a write that fails (the file-size limit standing in for a
+full disk), and SIGTERM/SIGINT with and without --exit-signal-handler, each followed by a resume."""
+from __future__ import annotations
+
+import os
+import re
+import resource
+import shutil
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from distributed import TINY, _env, free_port, losses
+from gptrain.config import parse_megatron_args
+from gptrain.model.gpt import GPT
+from gptrain.train.checkpoint import TRACKER, is_complete, load_checkpoint, read_tracker
+from gptrain.train.run import train_main
+
+SCHEDULE = ["--lr-decay-iters", "6"]  # one schedule for runs of 4 and 6 iterations
+RUN = TINY + SCHEDULE + ["--save-interval", "2"]
+
+
+def _train(argv: list[str]) -> tuple[int, list[str]]:
+    lines: list[str] = []
+    return train_main(argv, log=lines.append), lines
+
+
+def _subprocess(argv: list[str], env: dict | None = None, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "gptrain", "train", *argv], capture_output=True, text=True,
+                          timeout=300, env={**_env(), **(env or {})}, **kw)
+
+
+def _dot_entries(root) -> list[str]:
+    return sorted(p.name for p in root.iterdir() if p.name.startswith("."))
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    """Six iterations without a break, and a checkpoint folder of the first four (iterations 2, 4)."""
+    root = tmp_path_factory.mktemp("ck")
+    rc, lines = _train(RUN + ["--train-iters", "6"])
+    assert rc == 0
+    rc, _ = _train(RUN + ["--train-iters", "4", "--save", str(root / "ck")])
+    assert rc == 0 and read_tracker(root / "ck") == 4
+    return losses("\n".join(lines)), root / "ck"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("point", ["written", "moved-aside", "tracker"])
+def test_killed_while_resaving_an_iteration_then_resume(point, straight, tmp_path):
+    """Rerunning the finished job from scratch re-saves iteration 4 over the live copy; SIGKILL at
+    each step of that save; the next start restores or keeps a complete iteration 4 and resumes."""
+    ref, saved = straight
+    ck = tmp_path / "ck"
+    shutil.copytree(saved, ck)
+    done = _subprocess(TINY + SCHEDULE + ["--train-iters", "4", "--save-interval", "4", "--save", str(ck)],
+                       env={"GPTRAIN_CRASH_AT": f"{point}@4"})
+    assert done.returncode == -signal.SIGKILL, done.stdout[-2000:] + done.stderr[-2000:]
+    assert _dot_entries(ck), "the kill should leave a temporary or moved-aside folder behind"
+    rc, lines = _train(RUN + ["--train-iters", "6", "--load", str(ck), "--save", str(ck)])
+    assert rc == 0
+    assert "  successfully loaded checkpoint from %s at iteration 4" % ck in lines
+    if point in ("written", "moved-aside"):
+        assert any(line.startswith("WARNING: re") for line in lines), lines[:30]
+    got = losses("\n".join(lines))
+    assert sorted(got) == [5, 6] and all(got[i] == ref[i] for i in (5, 6)), (got, ref)
+    assert _dot_entries(ck) == [] and read_tracker(ck) == 6
+    assert all(is_complete(ck / f"iter_{i:07d}")[0] for i in (2, 4, 6))
+
+
+def _model():
+    cfg, _ = parse_megatron_args(TINY + ["--train-iters", "1"], world_size=1)
+    return cfg, GPT(cfg.model)
+
+
+@pytest.mark.parametrize("damage", ["missing", "truncated"])
+def test_tracker_on_a_missing_or_truncated_folder_falls_back_loudly(damage, straight, tmp_path):
+    _, saved = straight
+    ck = tmp_path / "ck"
+    shutil.copytree(saved, ck)
+    if damage == "missing":
+        shutil.rmtree(ck / "iter_0000004")
+    else:
+        data = ck / "iter_0000004" / "__0_0.distcp"
+        with open(data, "r+b") as f:
+            f.truncate(data.stat().st_size // 2)
+    cfg, model = _model()
+    warned: list[str] = []
+    state = load_checkpoint(ck, dict(model.named_parameters()), None, cfg.model.vocab_size, log=warned.append)
+    assert state["iteration"] == 2
+    assert len(warned) == 1 and warned[0].startswith(f"WARNING: {ck / TRACKER} names iter_0000004, which is")
+    assert "loading the newest complete checkpoint, iter_0000002, instead" in warned[0]
+    shutil.rmtree(ck / "iter_0000002")
+    with pytest.raises(FileNotFoundError, match="holds no complete checkpoint"):
+        load_checkpoint(ck, dict(model.named_parameters()), None, cfg.model.vocab_size, log=warned.append)
+
+
+def _limit_file_size():
+    resource.setrlimit(resource.RLIMIT_FSIZE, (4 << 20, 4 << 20))  # each checkpoint's data file is ~20 MB
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG instead
+
+
+@pytest.mark.slow
+def test_a_failing_disk_is_one_line_and_leaves_nothing_half_written(straight, tmp_path):
+    _, saved = straight
+    ck = tmp_path / "ck"
+    shutil.copytree(saved, ck)
+    before = sorted(p.name for p in ck.iterdir())
+    done = _subprocess(RUN + ["--train-iters", "6", "--load", str(ck), "--save", str(ck)],
+                       preexec_fn=_limit_file_size)
+    assert done.returncode == 1, done.stderr[-3000:]
+    errors = [line for line in done.stderr.splitlines() if line.strip()]
+    assert errors == [f"gptrain: error: could not save the checkpoint of iteration 6 to {ck}: File too large; its partial files were removed and the newest "
+                      f"complete checkpoint is {ck}/iter_0000004"], done.stderr[-3000:]
+    assert sorted(p.name for p in ck.iterdir()) == before and read_tracker(ck) == 4
+    rc, lines = _train(RUN + ["--train-iters", "6", "--load", str(ck), "--save", str(ck)])  # room again
+    assert rc == 0 and read_tracker(ck) == 6 and not any(line.startswith("WARNING") for line in lines)
+
+
+def _start(argv: list[str], nproc: int = 0) -> subprocess.Popen:
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+                "-m", "gptrain", "train"] if nproc else [sys.executable, "-m", "gptrain", "train"]
+    return subprocess.Popen(launcher + argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=_env())
+
+
+def _wait_for_iteration(proc: subprocess.Popen, n: int) -> list[str]:
+    seen = []
+    for line in proc.stdout:
+        seen.append(line)
+        if line.startswith(f" iteration {n:8d}/"):
+            return seen
+    raise AssertionError("the run ended early:\n" + "".join(seen)[-3000:] + proc.stderr.read()[-3000:])
+
+
+LONG = TINY + ["--train-iters", "100000"]
+
+
+@pytest.mark.slow
+def test_exit_signal_handler_saves_at_the_end_of_the_iteration(tmp_path):
+    sig = signal.SIGTERM
+    proc = _start(LONG + ["--save", str(tmp_path / "ck"), "--exit-signal-handler"])
+    _wait_for_iteration(proc, 3)
+    proc.send_signal(sig)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err[-3000:]
+    line = [x for x in out.splitlines() if x.startswith("exiting program after receiving")]
+    it = read_tracker(tmp_path / "ck")
+    assert line == [f"exiting program after receiving {sig.name} at iteration {it}; saved "
+                    f"{tmp_path / 'ck'}/iter_{it:07d}"]
+    assert is_complete(tmp_path / "ck" / f"iter_{it:07d}")[0] and "Traceback" not in err
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_without_the_handler_a_signal_is_one_line_naming_the_last_checkpoint(sig, tmp_path):
+    proc = _start(LONG + ["--save", str(tmp_path / "ck"), "--save-interval", "2"])
+    _wait_for_iteration(proc, 3)
+    proc.send_signal(sig)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + sig
+    newest = read_tracker(tmp_path / "ck")
+    lines = [x for x in err.splitlines() if x.strip()]
+    assert len(lines) == 1 and re.fullmatch(
+        rf"gptrain: stopped by {sig.name} at iteration \d+; the newest complete checkpoint is "
+        rf"{re.escape(str(tmp_path / 'ck'))}/iter_{newest:07d}", lines[0]), err[-3000:]
+    assert _dot_entries(tmp_path / "ck") == []
+
+
+def _children(pid: int) -> list[int]:
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        return [int(x) for x in f.read().split()]
+
+
+@pytest.mark.slow
+def test_exit_signal_on_one_rank_stops_every_rank_at_the_same_iteration(tmp_path):
+    proc = _start(LONG + ["--save", str(tmp_path / "ck"), "--exit-signal-handler"], nproc=2)
+    _wait_for_iteration(proc, 3)
+    workers = _children(proc.pid)
+    assert len(workers) == 2
+    os.kill(workers[1], signal.SIGTERM)  # one rank only: the other learns it through the all-reduce
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err[-3000:]
+    it = read_tracker(tmp_path / "ck")
+    assert f"exiting program after receiving SIGTERM at iteration {it}; saved" in out
+    cfg, model = _model()
+    state = load_checkpoint(tmp_path / "ck", dict(model.named_parameters()), None, cfg.model.vocab_size)
+    assert state["iteration"] == it and state["layout"]["dp"] == 2
+    assert torch.isfinite(model.get_parameter("layers.0.attn.qkv.weight")).all()

@@ -335,3 +335,16 @@ def test_lm_evaluation_harness_against_the_server(server, model, tmp_path, monke
         text = TOK.decode([t for t in ref.generated if t != TOK.eod]).split("\n")[0]
         assert sample_gen["resps"][0][0] == text
     assert "acc,none" in results["results"]["gptrain_ll"]
+
+
+def test_load_benchmark_small_scale(server):
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from serve_load import run_load
+
+    r = run_load(server, clients=6, seconds=3, tokens=8, check=6)
+    assert r["errors"] == [] and r["requests"] >= 6
+    assert r["checked"] >= 3 and r["mismatches"] == []
+    assert r["p99_s"] >= r["p50_s"] > 0

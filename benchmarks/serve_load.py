@@ -1,0 +1,138 @@
+"""Load test of a gptrain text generation server: N concurrent clients send seeded ``PUT /api``
+requests for T seconds; prints requests/s, tokens/s, p50/p99 latency and errors, then checks that
+each seed gives the same text under load as alone. Exits non-zero on any error or difference.
+
+    python3 benchmarks/serve_load.py --url http://127.0.0.1:5000 --clients 32 --seconds 60
+    python3 benchmarks/serve_load.py --tiny --clients 8 --seconds 10     # starts a tiny CPU model itself
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+
+def put(url: str, body: dict, timeout: float = 300) -> dict:
+    req = urllib.request.Request(url + "/api", data=json.dumps(body).encode(), method="PUT",
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return json.loads(r.read())
+
+
+def body_for(seed: int, tokens: int) -> dict:
+    return {"prompts": [f"Request {seed % 97} of the load test:"], "tokens_to_generate": tokens,
+            "random_seed": seed, "top_p": 0.9, "temperature": 0.8}
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    values = sorted(values)
+    return values[min(len(values) - 1, int(round(q / 100 * (len(values) - 1))))]
+
+
+def run_load(url: str, clients: int, seconds: float, tokens: int, check: int = 8) -> dict:
+    latencies, errors, texts = [], [], {}
+    lock = threading.Lock()
+    stop = time.monotonic() + seconds
+    generated = [0]
+    from gptrain.tokenizer import GPT2Tokenizer
+
+    tok = GPT2Tokenizer()
+
+    def prompt_length(seed: int) -> int:
+        return len(tok.encode(body_for(seed, tokens)["prompts"][0]))
+
+    def client(c: int) -> None:
+        i = 0
+        while time.monotonic() < stop:
+            seed = c * 100000 + i
+            i += 1
+            start = time.perf_counter()
+            try:
+                answer = put(url, body_for(seed, tokens))
+            except (OSError, ValueError) as err:
+                with lock:
+                    errors.append(f"{type(err).__name__}: {getattr(err, 'reason', err)}")
+                continue
+            with lock:
+                latencies.append(time.perf_counter() - start)
+                texts[seed] = answer["text"][0]
+                generated[0] += len(answer["tokens"][0]) - prompt_length(seed)
+
+    threads = [threading.Thread(target=client, args=(c,)) for c in range(clients)]
+    begin = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    elapsed = time.perf_counter() - begin
+    # the same seeds again, one at a time: the text must not depend on what ran beside it
+    seeds = sorted(texts)[:: max(1, len(texts) // check)][:check]
+    mismatches = [s for s in seeds if put(url, body_for(s, tokens))["text"][0] != texts[s]]
+    return {"requests": len(latencies), "seconds": elapsed, "requests_per_s": len(latencies) / elapsed,
+            "tokens_per_s": generated[0] / elapsed, "p50_s": percentile(latencies, 50),
+            "p99_s": percentile(latencies, 99), "errors": errors, "checked": len(seeds), "mismatches": mismatches}
+
+
+def tiny_server(folder: Path, port: int):
+    """A tiny random GPT-2 (no download) served on the CPU."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from serve_util import save_hf_folder, tiny_gpt
+
+    save_hf_folder(tiny_gpt(), folder)
+    proc = subprocess.Popen([sys.executable, "-m", "gptrain", "serve", "--load", str(folder), "--port", str(port),
+                             "--device", "cpu"])
+    url = f"http://127.0.0.1:{port}"
+    for _ in range(600):
+        try:
+            urllib.request.urlopen(url + "/health", timeout=2)
+            return proc, url
+        except OSError:
+            if proc.poll() is not None:
+                raise RuntimeError("the server exited") from None
+            time.sleep(0.2)
+    proc.kill()
+    raise TimeoutError("the server did not start")
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--url", default=None, help="a running server (else --tiny starts one)")
+    p.add_argument("--tiny", action="store_true", help="serve a tiny random model on the CPU for the run")
+    p.add_argument("--port", type=int, default=5077)
+    p.add_argument("--clients", type=int, default=8)
+    p.add_argument("--seconds", type=float, default=10)
+    p.add_argument("--tokens", type=int, default=32, help="tokens_to_generate per request")
+    args = p.parse_args()
+    if not args.url and not args.tiny:
+        p.error("give --url or --tiny")
+    proc = None
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            url = args.url.rstrip("/") if args.url else None
+            if url is None:
+                proc, url = tiny_server(Path(tmp) / "tiny-gpt2", args.port)
+            r = run_load(url, args.clients, args.seconds, args.tokens)
+        finally:
+            if proc is not None:
+                proc.terminate()
+                proc.wait(timeout=30)
+    print(f"{args.clients} clients, {r['seconds']:.1f} s: {r['requests']} requests, {r['requests_per_s']:.2f} requests/s, "
+          f"{r['tokens_per_s']:.1f} generated tokens/s, latency p50 {r['p50_s'] * 1000:.0f} ms, "
+          f"p99 {r['p99_s'] * 1000:.0f} ms, errors {len(r['errors'])}, "
+          f"same text alone as under load: {r['checked'] - len(r['mismatches'])}/{r['checked']}")
+    for e in sorted(set(r["errors"]))[:5]:
+        print(f"  error: {e}")
+    return 1 if r["errors"] or r["mismatches"] or not r["requests"] else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

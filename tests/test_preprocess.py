@@ -99,9 +99,11 @@ def test_bad_lines_skipped_counted_and_located(tmp_path, tokenizer):
     report = run([src], tmp_path / "b")
     assert report.documents == 2
     assert report.bad_counts == {"blank": 2, "malformed_json": 1, "missing_key": 1, "non_string": 1,
-                                 "invalid_utf8": 2, "not_an_object": 1}
+                                 "invalid_utf8": 1, "lone_surrogate": 1, "not_an_object": 1}
     assert report.bad_examples["blank"] == [f"{src}:2", f"{src}:10"]
-    assert report.bad_examples["invalid_utf8"] == [f"{src}:6", f"{src}:8"]
+    # the bytes of line 8 are valid UTF-8: its JSON escape is a lone surrogate
+    assert report.bad_examples["invalid_utf8"] == [f"{src}:6"]
+    assert report.bad_examples["lone_surrogate"] == [f"{src}:8"]
     assert "skipped 8 lines" in report.summary() and f"{src}:3" in report.summary()
     ds = IndexedDataset(tmp_path / "b_text_document")
     assert [tokenizer.decode(ds[i][:-1].tolist()) for i in range(2)] == ["good one", "good two"]

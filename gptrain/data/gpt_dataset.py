@@ -20,7 +20,7 @@ from typing import Callable
 
 import numpy as np
 
-from gptrain.data.indexed import IndexedDataset
+from gptrain.data.indexed import IndexedDataset, index_sha256
 
 SPLIT_NAMES = ("train", "valid", "test")
 
@@ -109,12 +109,19 @@ def _atomic_save(path: Path, array: np.ndarray) -> None:
 
 def build_index_maps(name: str, data_prefix: str, documents: np.ndarray, sizes: np.ndarray, split: str,
                      num_samples: int, seq_length: int, seed: int, cache_dir: str | os.PathLike | None,
-                     log: Callable[[str], None] = print) -> IndexMaps:
-    """Load the split's maps from the cache, or build and cache them (Megatron's _build_index_mappings)."""
+                     log: Callable[[str], None] = print, data_identity: str | None = None) -> IndexMaps:
+    """Load the split's maps from the cache, or build and cache them (Megatron's _build_index_mappings).
+
+    The cache is keyed on ``data_identity`` too (the ``.idx``'s sha256: the maps depend only on the
+    document lengths it holds), so data rewritten at the same prefix never reuses stale maps."""
     tokens_per_epoch = int(sizes[documents].sum(dtype=np.int64))
     num_epochs = num_epochs_needed(tokens_per_epoch, seq_length, num_samples)
-    desc = (f"GPT Dataset\n\nData prefix {data_prefix}\nDataset name {name}\nNumber of samples {num_samples}\n"
-            f"Sequence length {seq_length}\nRandom seed {seed}\nSplit {split}\n")
+    if data_identity is None:
+        data_identity = hashlib.sha256(np.ascontiguousarray(sizes, dtype=np.int64).tobytes()).hexdigest()
+    desc = (f"GPT Dataset\n\nData prefix {data_prefix}\nData identity {data_identity}\nDataset name {name}\n"
+            f"Number of samples {num_samples}\nSequence length {seq_length}\nRandom seed {seed}\nSplit {split}\n"
+            f"Documents [{int(documents[0]) if len(documents) else 0}, "
+            f"{int(documents[-1]) + 1 if len(documents) else 0})\n")
     desc_hash = hashlib.md5(desc.encode("utf-8")).hexdigest()
     cache = Path(cache_dir) if cache_dir is not None else Path(data_prefix).parent / "index-cache"
     paths = {kind: cache / f"{desc_hash}_{kind}.npy" for kind in ("doc_idx", "sample_idx", "shuffle_idx")}
@@ -158,7 +165,7 @@ class GPTDataset:
             raise ValueError(f"the {name} split of {indexed.prefix} has no documents: adjust --split")
         self.name, self.indexed, self.seq_length = name, indexed, seq_length
         self.maps = build_index_maps(name, indexed.prefix, documents, indexed.document_lengths(), split,
-                                     num_samples, seq_length, seed, cache_dir, log)
+                                     num_samples, seq_length, seed, cache_dir, log, index_sha256(indexed.prefix))
 
     def __len__(self) -> int:
         return self.maps.shuffle_idx.shape[0]

@@ -12,11 +12,15 @@
     D x int64 document indices: document i is sequences [doc[i], doc[i+1])
 
 Without sentence splitting, as in GPT pretraining, every document is one sequence (an empty
-document has none). The writer streams tokens to a temporary ``.bin`` and renames both files into
-place only in ``finalize``, so an interrupted run never leaves a pair that looks complete.
+document has none). The writer streams tokens to a temporary ``.bin`` and renames the files into
+place only in ``finalize``, so an interrupted run never leaves a pair that looks complete; a
+killed writer's temporary files are removed by the next writer of the prefix.
 """
 from __future__ import annotations
 
+import glob
+import hashlib
+import json
 import os
 import struct
 from pathlib import Path
@@ -33,7 +37,8 @@ HEADER_SIZE = len(MAGIC) + 8 + 1 + 8 + 8
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
-    """Megatron's choice: uint16 when every id fits with margin, else int32."""
+    """Megatron's choice: uint16 when every id fits with margin, else int32. Pass the largest id + 1
+    where it exceeds the vocabulary's length (an out-of-range eod id)."""
     return np.dtype(np.uint16) if vocab_size < 65500 else np.dtype(np.int32)
 
 
@@ -45,44 +50,99 @@ def index_file(prefix: str | os.PathLike) -> Path:
     return Path(f"{prefix}.idx")
 
 
+def sidecar_file(prefix: str | os.PathLike) -> Path:
+    return Path(f"{prefix}.json")
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_stale_temp_files(prefix: str | os.PathLike) -> list[Path]:
+    """Delete ``{prefix}.*.tmp-PID`` files left by killed writers (their PID no longer runs)."""
+    removed = []
+    for path in glob.glob(glob.escape(str(prefix)) + ".*.tmp-*"):
+        pid = path.rsplit(".tmp-", 1)[1].split(".", 1)[0]
+        if pid.isdigit() and int(pid) != os.getpid() and not _pid_alive(int(pid)):
+            Path(path).unlink(missing_ok=True)
+            removed.append(Path(path))
+    return removed
+
+
+def file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+_INDEX_HASHES: dict[tuple, str] = {}
+
+
+def index_sha256(prefix: str | os.PathLike) -> str:
+    """sha256 of ``{prefix}.idx`` (memoised per file version): the data's identity. The index maps
+    depend only on the document lengths, which the ``.idx`` holds, and ``.bin``'s size is checked
+    against it on open."""
+    path = index_file(prefix)
+    st = path.stat()
+    key = (str(path.resolve()), st.st_size, st.st_mtime_ns, st.st_ino)
+    if key not in _INDEX_HASHES:
+        _INDEX_HASHES[key] = file_sha256(path)
+    return _INDEX_HASHES[key]
+
+
+INT32_MAX = int(np.iinfo(np.int32).max)
+
+
 class IndexedDatasetWriter:
-    """Streams documents into ``{prefix}.bin/.idx``: ``add_document`` repeatedly, then ``finalize``."""
+    """Streams documents into ``{prefix}.bin/.idx``: ``add_documents`` repeatedly, then ``finalize``.
+
+    Sequence lengths and document ends stream to temporary files too, so memory does not grow
+    with the number of documents; ``finalize`` assembles the ``.idx`` from them."""
 
     def __init__(self, prefix: str | os.PathLike, dtype: np.dtype):
         self.prefix = str(prefix)
         self.dtype = np.dtype(dtype)
         if self.dtype not in CODE_OF_DTYPE:
             raise ValueError(f"token dtype {self.dtype} has no MMIDIDX code")
-        self._tmp_bin = Path(f"{self.prefix}.bin.tmp-{os.getpid()}")
-        self._tmp_idx = Path(f"{self.prefix}.idx.tmp-{os.getpid()}")
-        self._bin = open(self._tmp_bin, "wb")
-        self._lengths: list[np.ndarray] = []
-        self._doc_ends: list[int] = [0]
+        remove_stale_temp_files(self.prefix)
+        pid = os.getpid()
+        self._tmp = {kind: Path(f"{self.prefix}.{kind}.tmp-{pid}") for kind in ("bin", "idx", "json", "sizes", "docs")}
+        self._bin = open(self._tmp["bin"], "wb")
+        self._sizes = open(self._tmp["sizes"], "wb")
+        self._docs = open(self._tmp["docs"], "wb")
+        self._documents = 0
         self._sequences = 0
         self.tokens = 0
 
     def add_document(self, tokens: np.ndarray) -> None:
         """Append one document (one sequence; an empty array adds an empty document)."""
         tokens = np.asarray(tokens)
-        if tokens.size:
-            self._bin.write(tokens.astype(self.dtype, copy=False).tobytes(order="C"))
-            self._lengths.append(np.array([tokens.size], dtype=np.int32))
-            self._sequences += 1
-            self.tokens += int(tokens.size)
-        self._doc_ends.append(self._sequences)
+        self.add_documents(tokens.reshape(-1), np.array([tokens.size], dtype=np.int64))
 
     def add_documents(self, tokens: np.ndarray, lengths: np.ndarray) -> None:
         """Append many documents at once: ``tokens`` concatenated, ``lengths`` one per document."""
         lengths = np.asarray(lengths, dtype=np.int64)
+        if len(lengths) and int(lengths.max()) > INT32_MAX:
+            raise ValueError(f"{self.prefix}: a document of {int(lengths.max())} tokens does not fit the index's "
+                             f"int32 sequence length (at most {INT32_MAX}): split it")
         if int(lengths.sum()) != len(tokens):
             raise ValueError(f"lengths sum to {int(lengths.sum())} but {len(tokens)} tokens were given")
         self._bin.write(np.asarray(tokens).astype(self.dtype, copy=False).tobytes(order="C"))
         nonempty = lengths > 0
-        self._lengths.append(lengths[nonempty].astype(np.int32))
+        self._sizes.write(lengths[nonempty].astype(np.int32).tobytes())
         # documents with no tokens add no sequence, only a document-index entry (as Megatron does)
-        ends = self._sequences + np.cumsum(nonempty)
-        self._doc_ends.extend(ends.tolist())
+        ends = self._sequences + np.cumsum(nonempty, dtype=np.int64)
+        self._docs.write(ends.tobytes())
         self._sequences = int(ends[-1]) if len(ends) else self._sequences
+        self._documents += len(lengths)
         self.tokens += len(tokens)
 
     def add_index(self, other: "IndexedDataset") -> None:
@@ -92,41 +152,91 @@ class IndexedDatasetWriter:
         with open(data_file(other.prefix), "rb") as src:
             while chunk := src.read(1 << 24):
                 self._bin.write(chunk)
-        self._lengths.append(other.sizes.astype(np.int32))
-        self._doc_ends.extend((other.doc_idx[1:] + self._sequences).tolist())
+        for lo in range(0, len(other.sizes), 1 << 22):
+            self._sizes.write(np.asarray(other.sizes[lo: lo + (1 << 22)], dtype=np.int32).tobytes())
+        for lo in range(1, len(other.doc_idx), 1 << 22):
+            self._docs.write((np.asarray(other.doc_idx[lo: lo + (1 << 22)]) + self._sequences).astype(np.int64).tobytes())
         self._sequences += len(other.sizes)
-        self.tokens += int(other.sizes.sum())
+        self._documents += len(other.doc_idx) - 1
+        self.tokens += int(other.sizes.sum(dtype=np.int64))
 
-    def finalize(self) -> None:
-        self._bin.flush()
-        os.fsync(self._bin.fileno())
-        self._bin.close()
-        lengths = np.concatenate(self._lengths) if self._lengths else np.zeros(0, np.int32)
-        pointers = np.zeros(len(lengths), dtype=np.int64)
-        if len(lengths):
-            np.cumsum(lengths[:-1].astype(np.int64) * self.dtype.itemsize, out=pointers[1:])
-        doc_idx = np.asarray(self._doc_ends, dtype=np.int64)
-        with open(self._tmp_idx, "wb") as f:
-            f.write(MAGIC)
-            f.write(struct.pack("<Q", VERSION))
-            f.write(struct.pack("<B", CODE_OF_DTYPE[self.dtype]))
-            f.write(struct.pack("<Q", len(lengths)))
-            f.write(struct.pack("<Q", len(doc_idx)))
-            f.write(lengths.astype(np.int32).tobytes(order="C"))
-            f.write(pointers.tobytes(order="C"))
-            f.write(doc_idx.tobytes(order="C"))
+    def _write_index(self) -> str:
+        """The ``.idx`` from the streamed lengths and document ends; returns its sha256."""
+        h = hashlib.sha256()
+        chunk = 1 << 22
+        with open(self._tmp["idx"], "wb") as f:
+            def put(data: bytes) -> None:
+                f.write(data)
+                h.update(data)
+
+            put(MAGIC + struct.pack("<Q", VERSION) + struct.pack("<B", CODE_OF_DTYPE[self.dtype])
+                + struct.pack("<Q", self._sequences) + struct.pack("<Q", self._documents + 1))
+            sizes = np.memmap(self._tmp["sizes"], dtype=np.int32, mode="r") if self._sequences else np.zeros(0, np.int32)
+            for lo in range(0, len(sizes), chunk):
+                put(np.asarray(sizes[lo: lo + chunk]).tobytes())
+            offset = 0  # byte offset of each sequence in .bin, computed chunk by chunk
+            for lo in range(0, len(sizes), chunk):
+                part = np.asarray(sizes[lo: lo + chunk]).astype(np.int64) * self.dtype.itemsize
+                pointers = np.empty(len(part), dtype=np.int64)
+                pointers[0] = offset
+                np.cumsum(part[:-1], out=pointers[1:])
+                pointers[1:] += offset
+                offset += int(part.sum())
+                put(pointers.tobytes())
+            del sizes
+            put(np.zeros(1, np.int64).tobytes())
+            with open(self._tmp["docs"], "rb") as docs:
+                while data := docs.read(chunk * 8):
+                    put(data)
             f.flush()
             os.fsync(f.fileno())
-        # .bin first: a reader looks for the .idx, which appears last and only when both are whole
-        os.replace(self._tmp_bin, data_file(self.prefix))
-        os.replace(self._tmp_idx, index_file(self.prefix))
+        return h.hexdigest()
+
+    def finalize(self, sidecar: dict | None = None) -> None:
+        """Publish ``.bin``, ``.idx`` and the ``.json`` sidecar as one unit: everything is written and
+        synced under temporary names first; the sidecar records the ``.idx``'s size and sha256, so a
+        crash between the renames leaves a sidecar that reads as stale, never one that is trusted."""
+        for f in (self._bin, self._sizes, self._docs):
+            f.flush()
+        os.fsync(self._bin.fileno())
+        for f in (self._bin, self._sizes, self._docs):
+            f.close()
+        idx_sha256 = self._write_index()
+        if sidecar is not None:
+            record = {**sidecar, "index": {"idx_bytes": self._tmp["idx"].stat().st_size, "idx_sha256": idx_sha256,
+                                           "bin_bytes": self._tmp["bin"].stat().st_size}}
+            with open(self._tmp["json"], "w") as f:
+                f.write(json.dumps(record, indent=2) + "\n")
+                f.flush()
+                os.fsync(f.fileno())
+        else:
+            sidecar_file(self.prefix).unlink(missing_ok=True)  # it would describe other data
+        # .bin first: a reader looks for the .idx, which appears only when both are whole
+        os.replace(self._tmp["bin"], data_file(self.prefix))
+        os.replace(self._tmp["idx"], index_file(self.prefix))
+        if sidecar is not None:
+            os.replace(self._tmp["json"], sidecar_file(self.prefix))
+        for kind in ("sizes", "docs"):
+            self._tmp[kind].unlink(missing_ok=True)
 
     def abort(self) -> None:
         """Drop the temporary files (after an error or an interrupt)."""
-        if not self._bin.closed:
-            self._bin.close()
-        for path in (self._tmp_bin, self._tmp_idx):
+        for f in (self._bin, self._sizes, self._docs):
+            if not f.closed:
+                f.close()
+        for path in self._tmp.values():
             path.unlink(missing_ok=True)
+
+
+def missing_dataset_message(prefix: str, path: Path) -> str:
+    """'does not exist', pointing at ``{prefix}_{key}_document`` beside it where one is there
+    (preprocess appends that suffix; --data-path needs it)."""
+    message = f"indexed dataset {prefix}: {path} does not exist"
+    found = sorted(glob.glob(glob.escape(prefix) + "_*_document.idx"))
+    if found:
+        names = " or ".join(p[: -len(".idx")] for p in found[:3])
+        message += f"; did you mean {names}? (preprocess names its output PREFIX_KEY_document)"
+    return message
 
 
 class IndexedDataset:
@@ -137,7 +247,7 @@ class IndexedDataset:
         idx_path, bin_path = index_file(prefix), data_file(prefix)
         for path in (idx_path, bin_path):
             if not path.is_file():
-                raise FileNotFoundError(f"indexed dataset {self.prefix}: {path} does not exist")
+                raise FileNotFoundError(missing_dataset_message(self.prefix, path))
         with open(idx_path, "rb") as f:
             header = f.read(HEADER_SIZE)
         if header[: len(MAGIC)] != MAGIC:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 
 from gptrain.data.indexed import IndexedDataset
-from gptrain.data.provenance import read_provenance
+from gptrain.data.provenance import StaleProvenance, read_provenance
 
 
 def describe(prefix: str, document: int | None = None, tokenizer=None, max_chars: int = 2000) -> str:
@@ -27,7 +27,11 @@ def describe(prefix: str, document: int | None = None, tokenizer=None, max_chars
             bar = "#" * int(round(40 * n / max(1, hist.max())))
             label = f"[{int(lo)}, {'inf' if hi == np.inf else int(hi)})"
             lines.append(f"  {label:>14} {n:>9} {bar}")
-    record = read_provenance(prefix)
+    try:
+        record = read_provenance(prefix)
+    except StaleProvenance as err:
+        record = None
+        lines.append(f"tokenizer:  unknown ({err})")
     if record:
         tok = record.get("tokenizer", {})
         lines.append(f"tokenizer:  {tok.get('type')} vocab {tok.get('vocab_size')} eod {tok.get('eod')} "

@@ -1,11 +1,10 @@
 """``gptrain merge-datasets``: concatenate indexed datasets (Megatron's tools/merge_datasets.py)."""
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 from gptrain.data.indexed import IndexedDataset, IndexedDatasetWriter, data_file, index_file
-from gptrain.data.provenance import provenance_file, read_provenance, write_provenance
+from gptrain.data.provenance import provenance_record, read_provenance
 
 
 def find_prefixes(inputs: list[str]) -> list[str]:
@@ -35,19 +34,18 @@ def merge_datasets(inputs: list[str], output_prefix: str, overwrite: bool = Fals
     tokenizers = {str((read_provenance(p) or {}).get("tokenizer", {}).get("sha256")) for p in prefixes}
     if len(tokenizers) > 1:
         raise ValueError(f"the inputs were made with {len(tokenizers)} different tokenizers; merge only like data")
+    first = read_provenance(prefixes[0])
+    sidecar = None
+    if first is not None:
+        sidecar = provenance_record(first["tokenizer"], inputs=[data_file(p) for p in prefixes], counts={
+            "documents": sum(d.num_documents for d in datasets), "tokens": sum(d.num_tokens for d in datasets),
+        }, extra={"merged_from": prefixes})
     writer = IndexedDatasetWriter(output_prefix, datasets[0].dtype)
     try:
         for ds in datasets:
             writer.add_index(ds)
-        writer.finalize()
+        writer.finalize(sidecar)  # without a sidecar, an old one at the output prefix is removed
     except BaseException:
         writer.abort()
         raise
-    first = read_provenance(prefixes[0])
-    if first is not None:
-        write_provenance(output_prefix, first["tokenizer"], inputs=[data_file(p) for p in prefixes], counts={
-            "documents": sum(d.num_documents for d in datasets), "tokens": sum(d.num_tokens for d in datasets),
-        }, extra={"merged_from": prefixes})
-    elif provenance_file(output_prefix).exists():
-        os.remove(provenance_file(output_prefix))
     return IndexedDataset(output_prefix)

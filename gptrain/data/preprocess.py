@@ -12,9 +12,12 @@ from __future__ import annotations
 import errno
 import json
 import os
+import signal
 import sys
+import threading
 import time
 from collections import deque
+from contextlib import contextmanager
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,19 +25,24 @@ from pathlib import Path
 import numpy as np
 
 from gptrain.data.indexed import IndexedDatasetWriter, data_file, index_file, token_dtype
-from gptrain.data.jsonl import expand_inputs, iter_lines
-from gptrain.data.provenance import provenance_file, write_provenance
+from gptrain.data.jsonl import InputError, expand_inputs, iter_lines
+from gptrain.data.provenance import provenance_file, provenance_record
 from gptrain.tokenizer import GPT2Tokenizer
 
 # the kinds of bad line, in the order the summary lists them
-BAD_KINDS = ("blank", "invalid_utf8", "malformed_json", "not_an_object", "missing_key", "non_string")
+BAD_KINDS = ("blank", "invalid_utf8", "lone_surrogate", "malformed_json", "not_an_object", "missing_key", "non_string",
+             "too_long")
 EXAMPLES_PER_KIND = 5
 TASK_MIN_BYTES = 256 << 10
 TASK_MAX_BYTES = 16 << 20
+# a longer line is skipped as too_long: parsing and tokenizing one line takes several times its size
+MAX_LINE_BYTES = 256 << 20
 
 
 class PreprocessError(RuntimeError):
     """A failure the user must fix; the message names the file, line or path at fault."""
+
+    exit_code = 2
 
 
 @dataclass
@@ -51,6 +59,7 @@ class PreprocessConfig:
     strict: bool = False
     overwrite: bool = False
     progress: bool | None = None  # None: a bar only when stderr is a terminal
+    max_line_bytes: int = MAX_LINE_BYTES
 
     def __post_init__(self):
         if not self.inputs:
@@ -70,7 +79,7 @@ class PreprocessConfig:
 class Task:
     file_index: int
     first_line: int  # 1-based line number of lines[0]
-    lines: list[bytes]
+    lines: list[bytes | None]  # None: a line over max_line_bytes, skipped unread
 
 
 @dataclass
@@ -119,6 +128,12 @@ class Report:
         return line
 
 
+def _parse_int(digits: str):
+    # Python refuses int() of more than 4300 digits; such a value is never a document's text,
+    # so a float (inf for huge ones) keeps the line parseable
+    return int(digits) if len(digits) < 4000 else float(digits)
+
+
 def _classify_and_encode(task: Task, keys: list[str], tokenizer: GPT2Tokenizer, append_eod: bool) -> TaskResult:
     """Parse and tokenize one task's lines (runs in a worker thread)."""
     tokens: dict[str, list[np.ndarray]] = {k: [] for k in keys}
@@ -128,8 +143,11 @@ def _classify_and_encode(task: Task, keys: list[str], tokenizer: GPT2Tokenizer, 
     documents = 0
     nbytes = 0
     for offset, raw in enumerate(task.lines):
-        nbytes += len(raw)
         line_no = task.first_line + offset
+        if raw is None:
+            bad.append(("too_long", line_no))
+            continue
+        nbytes += len(raw)
         if not raw.strip():
             bad.append(("blank", line_no))
             continue
@@ -139,8 +157,8 @@ def _classify_and_encode(task: Task, keys: list[str], tokenizer: GPT2Tokenizer, 
             bad.append(("invalid_utf8", line_no))
             continue
         try:
-            record = json.loads(text_line)
-        except (json.JSONDecodeError, RecursionError):
+            record = json.loads(text_line, parse_int=_parse_int)
+        except (ValueError, RecursionError):  # JSONDecodeError is a ValueError
             bad.append(("malformed_json", line_no))
             continue
         if not isinstance(record, dict):
@@ -155,8 +173,8 @@ def _classify_and_encode(task: Task, keys: list[str], tokenizer: GPT2Tokenizer, 
             continue
         try:
             encoded = [tokenizer.encode_array(record[k]) for k in keys]
-        except UnicodeEncodeError:  # a JSON escape such as "\ud800" decodes to a lone surrogate
-            bad.append(("invalid_utf8", line_no))
+        except UnicodeEncodeError:  # valid bytes, but a JSON escape such as "\ud800" is a lone surrogate
+            bad.append(("lone_surrogate", line_no))
             continue
         for key, ids in zip(keys, encoded):
             # Megatron appends the end-of-document token only to non-empty documents
@@ -174,15 +192,15 @@ def _classify_and_encode(task: Task, keys: list[str], tokenizer: GPT2Tokenizer, 
     )
 
 
-def _iter_tasks(files: list[Path], chunk_size: int, counters: list):
+def _iter_tasks(files: list[Path], chunk_size: int, counters: list, max_line_bytes: int):
     for file_index, path in enumerate(files):
-        lines: list[bytes] = []
+        lines: list[bytes | None] = []
         size = 0
         first = 1
         line_no = 0
-        for line_no, raw in enumerate(iter_lines(path, counters), start=1):
+        for line_no, raw in enumerate(iter_lines(path, counters, max_line_bytes), start=1):
             lines.append(raw)
-            size += len(raw)
+            size += len(raw) if raw is not None else 0
             if (len(lines) >= chunk_size and size >= TASK_MIN_BYTES) or size >= TASK_MAX_BYTES:
                 yield Task(file_index, first, lines)
                 lines, size, first = [], 0, line_no + 1
@@ -236,6 +254,33 @@ class _Progress:
             self.bar.close()
 
 
+class Interrupted(PreprocessError):
+    """SIGINT or SIGTERM arrived: temporary files were removed, nothing was published."""
+
+    def __init__(self, signum: int):
+        self.exit_code = 128 + signum
+        super().__init__(f"interrupted by {signal.Signals(signum).name}: no output was written "
+                         "(temporary files removed)")
+
+
+@contextmanager
+def _signals_raise():
+    """SIGINT/SIGTERM raise ``Interrupted`` in the main thread, so the cleanup below runs."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum, frame):
+        raise Interrupted(signum)
+
+    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+
 def preprocess(config: PreprocessConfig, tokenizer: GPT2Tokenizer | None = None) -> Report:
     """Run the whole conversion; raise ``PreprocessError`` (nothing left behind) on fatal problems."""
     try:
@@ -244,34 +289,76 @@ def preprocess(config: PreprocessConfig, tokenizer: GPT2Tokenizer | None = None)
         raise PreprocessError(str(err)) from None
     _check_outputs(config)
     tokenizer = tokenizer or GPT2Tokenizer(config.vocab_file, config.merge_file)
-    dtype = token_dtype(tokenizer.vocab_size)
+    # from the largest id, not the vocabulary's length: an eod id past it must still fit
+    dtype = token_dtype(max(tokenizer.vocab_size, tokenizer.max_id + 1))
     prefixes = config.output_prefixes()
-    writers = {key: IndexedDatasetWriter(prefix, dtype) for key, prefix in prefixes.items()}
     report = Report()
     counters: list = []
     total_bytes = sum(p.stat().st_size for p in files)
-    progress = _Progress(total_bytes, config.progress, config.log_interval)
-    start = time.perf_counter()
-    try:
-        with ThreadPoolExecutor(max_workers=config.workers, thread_name_prefix="tokenize") as pool:
-            pending: deque = deque()
-            tasks = _iter_tasks(files, config.chunk_size, counters)
+    with _signals_raise():
+        writers: dict[str, IndexedDatasetWriter] = {}
+        progress = None
+        try:
+            for key, prefix in prefixes.items():
+                writers[key] = IndexedDatasetWriter(prefix, dtype)
+            progress = _Progress(total_bytes, config.progress, config.log_interval)
+            start = time.perf_counter()
+            _convert(config, files, tokenizer, writers, report, counters, progress)
+            report.seconds = time.perf_counter() - start
+            if report.documents == 0:
+                kinds = ", ".join(f"{k}: {n}" for k, n in report.bad_counts.items()) or "the input is empty"
+                raise PreprocessError(f"no documents in {', '.join(map(str, files))} ({report.skipped} lines "
+                                      f"skipped; {kinds}): nothing written")
+            for key, prefix in prefixes.items():
+                writers[key].finalize(provenance_record(tokenizer.describe(), inputs=files, counts={
+                    "documents": report.documents,
+                    "tokens": int(writers[key].tokens),
+                    "skipped_lines": dict(report.bad_counts),
+                }, extra={"json_key": key, "append_eod": config.append_eod}))
+        except OSError as err:
+            for writer in writers.values():
+                writer.abort()
+            if err.errno == errno.ENOSPC:
+                raise PreprocessError(f"no space left on device writing {config.output_prefix}*: free space and run "
+                                      "again (no output was left behind)") from None
+            raise PreprocessError(f"{err.filename or config.output_prefix}: {err.strerror or err}") from None
+        except InputError as err:
+            for writer in writers.values():
+                writer.abort()
+            raise PreprocessError(f"{err} (nothing written)") from None
+        except BaseException:
+            for writer in writers.values():
+                writer.abort()
+            raise
+        finally:
+            if progress is not None:
+                progress.close()
+    return report
 
-            def drain_one():
-                task, future = pending.popleft()
-                result = future.result()
-                for kind, line_no in result.bad:
-                    where = f"{files[task.file_index]}:{line_no}"
-                    if config.strict:
-                        raise PreprocessError(f"{where}: {kind.replace('_', ' ')} (--strict stops at the first bad line)")
-                    report.add_bad(kind, where)
-                for key, writer in writers.items():
-                    writer.add_documents(result.tokens[key], result.lengths[key])
-                report.documents += result.documents
-                report.tokens += int(result.tokens[config.json_keys[0]].size)
-                report.bytes += result.bytes
-                progress.update(sum(c.bytes_read for c in counters), report)
 
+def _convert(config: PreprocessConfig, files: list[Path], tokenizer, writers: dict, report: Report, counters: list,
+             progress: _Progress) -> None:
+    """Tokenize in the pool, write in input order."""
+    with ThreadPoolExecutor(max_workers=config.workers, thread_name_prefix="tokenize") as pool:
+        pending: deque = deque()
+        tasks = _iter_tasks(files, config.chunk_size, counters, config.max_line_bytes)
+
+        def drain_one():
+            task, future = pending.popleft()
+            result = future.result()
+            for kind, line_no in result.bad:
+                where = f"{files[task.file_index]}:{line_no}"
+                if config.strict:
+                    raise PreprocessError(f"{where}: {kind.replace('_', ' ')} (--strict stops at the first bad line)")
+                report.add_bad(kind, where)
+            for key, writer in writers.items():
+                writer.add_documents(result.tokens[key], result.lengths[key])
+            report.documents += result.documents
+            report.tokens += int(result.tokens[config.json_keys[0]].size)
+            report.bytes += result.bytes
+            progress.update(sum(c.bytes_read for c in counters), report)
+
+        try:
             for task in tasks:
                 pending.append((task, pool.submit(_classify_and_encode, task, config.json_keys, tokenizer,
                                                   config.append_eod)))
@@ -280,26 +367,7 @@ def preprocess(config: PreprocessConfig, tokenizer: GPT2Tokenizer | None = None)
                     drain_one()
             while pending:
                 drain_one()
-        for writer in writers.values():
-            writer.finalize()
-    except OSError as err:
-        for writer in writers.values():
-            writer.abort()
-        if err.errno == errno.ENOSPC:
-            raise PreprocessError(f"no space left on device writing {config.output_prefix}*: free space and run "
-                                  "again (no output was left behind)") from None
-        raise PreprocessError(f"{err.filename or config.output_prefix}: {err.strerror or err}") from None
-    except BaseException:
-        for writer in writers.values():
-            writer.abort()
-        raise
-    finally:
-        progress.close()
-    report.seconds = time.perf_counter() - start
-    for key, prefix in prefixes.items():
-        write_provenance(prefix, tokenizer.describe(), inputs=files, counts={
-            "documents": report.documents,
-            "tokens": int(writers[key].tokens),
-            "skipped_lines": dict(report.bad_counts),
-        }, extra={"json_key": key, "append_eod": config.append_eod})
-    return report
+        except BaseException:
+            for _, future in pending:  # do not wait for queued work on the way out
+                future.cancel()
+            raise

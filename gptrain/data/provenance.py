@@ -1,6 +1,8 @@
 """Provenance sidecar ``{prefix}.json`` beside each ``.bin/.idx`` pair (the index has no room for it):
-which tokenizer made the tokens, from which inputs, with what counts. Training refuses data whose
-sidecar names another tokenizer."""
+which tokenizer made the tokens, from which inputs, with what counts, and which ``.idx`` it describes
+(size and sha256). The three files are one unit: a sidecar whose ``.idx`` record does not match the
+``.idx`` beside it is stale and never trusted. Training refuses data whose sidecar names another
+tokenizer."""
 from __future__ import annotations
 
 import datetime as _dt
@@ -9,16 +11,22 @@ import os
 from pathlib import Path
 
 from gptrain import __version__
+from gptrain.data.indexed import index_file, index_sha256, sidecar_file
 
-FORMAT = "gptrain-provenance/1"
+FORMAT = "gptrain-provenance/2"
+
+
+class StaleProvenance(ValueError):
+    """The sidecar describes other data than the ``.bin/.idx`` beside it."""
 
 
 def provenance_file(prefix: str | os.PathLike) -> Path:
-    return Path(f"{prefix}.json")
+    return sidecar_file(prefix)
 
 
-def write_provenance(prefix: str, tokenizer_info: dict, inputs: list[Path], counts: dict, extra: dict | None = None) -> None:
-    record = {
+def provenance_record(tokenizer_info: dict, inputs: list[Path], counts: dict, extra: dict | None = None) -> dict:
+    """The sidecar's content; ``IndexedDatasetWriter.finalize`` adds the ``index`` entry and publishes it."""
+    return {
         "format": FORMAT,
         "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "gptrain_version": __version__,
@@ -27,21 +35,50 @@ def write_provenance(prefix: str, tokenizer_info: dict, inputs: list[Path], coun
         "counts": counts,
         **(extra or {}),
     }
+
+
+def _check_describes(prefix, record: dict) -> None:
     path = provenance_file(prefix)
-    tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(record, indent=2) + "\n")
-    os.replace(tmp, path)
+    idx = index_file(prefix)
+    if not idx.is_file():
+        return
+    index = record.get("index")
+    if isinstance(index, dict):  # format 2: the .idx's size and hash
+        if idx.stat().st_size != index.get("idx_bytes") or index_sha256(prefix) != index.get("idx_sha256"):
+            raise StaleProvenance(f"{path} is stale: it describes another {idx.name} than the one beside it "
+                                  f"(an interrupted or partial write?); preprocess {prefix} again, or delete {path}")
+        return
+    # format 1 recorded only counts: check those
+    from gptrain.data.indexed import IndexedDataset
+
+    counts = record.get("counts", {})
+    ds = IndexedDataset(prefix)
+    if (counts.get("documents"), counts.get("tokens")) != (ds.num_documents, ds.num_tokens):
+        raise StaleProvenance(f"{path} is stale: it counts {counts.get('documents')} documents / {counts.get('tokens')} "
+                              f"tokens, {idx.name} holds {ds.num_documents} / {ds.num_tokens}; preprocess {prefix} "
+                              f"again, or delete {path}")
 
 
-def read_provenance(prefix: str | os.PathLike) -> dict | None:
+def read_provenance(prefix: str | os.PathLike, verify: bool = True) -> dict | None:
+    """The sidecar, or None; raises ``StaleProvenance`` if it does not describe the ``.idx`` beside it."""
     path = provenance_file(prefix)
     if not path.is_file():
         return None
-    return json.loads(path.read_text())
+    try:
+        record = json.loads(path.read_text())
+    except (ValueError, UnicodeDecodeError):
+        raise StaleProvenance(f"{path} is not a readable provenance sidecar (truncated?); preprocess {prefix} "
+                              f"again, or delete {path}") from None
+    if not isinstance(record, dict):
+        raise StaleProvenance(f"{path} is not a provenance sidecar")
+    if verify:
+        _check_describes(prefix, record)
+    return record
 
 
 def check_tokenizer(prefix: str | os.PathLike, tokenizer) -> str | None:
-    """Raise if ``prefix`` was made with another tokenizer; return a warning if that is unknown."""
+    """Raise if ``prefix`` was made with another tokenizer (or its sidecar is stale); return a warning
+    if that is unknown."""
     record = read_provenance(prefix)
     if record is None:
         return f"{prefix}: no provenance sidecar (made by another tool?); its tokenizer cannot be checked"

@@ -348,3 +348,50 @@ def test_load_benchmark_small_scale(server):
     assert r["errors"] == [] and r["requests"] >= 6
     assert r["checked"] >= 3 and r["mismatches"] == []
     assert r["p99_s"] >= r["p50_s"] > 0
+
+
+def test_playground_in_headless_chromium(server, tmp_path):
+    """Debian's chromium through Selenium on loopback: type a prompt, press Generate, see the
+    completion stream in with its token count."""
+    import shutil
+
+    webdriver = pytest.importorskip("selenium.webdriver")
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    browser = shutil.which("chromium") or shutil.which("chromium-browser")
+    driver_path = shutil.which("chromedriver")
+    if not browser or not driver_path:
+        pytest.skip("Debian's chromium and chromium-driver are not installed (the README's test command installs them)")
+    options = webdriver.ChromeOptions()
+    options.binary_location = browser
+    for flag in ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                 "--disable-dev-shm-usage", f"--user-data-dir={tmp_path / 'profile'}"):
+        options.add_argument(flag)
+    driver = webdriver.Chrome(service=webdriver.ChromeService(executable_path=driver_path), options=options)
+    try:
+        driver.set_page_load_timeout(60)
+        driver.get(server + "/")
+        assert "gptrain playground" in driver.title
+        box = driver.find_element(By.ID, "prompt")
+        box.clear()
+        box.send_keys("Once upon a time")
+        for field, value in (("max_tokens", "24"), ("temperature", "0"), ("seed", "3")):
+            el = driver.find_element(By.ID, field)
+            el.clear()
+            el.send_keys(value)
+        driver.find_element(By.ID, "generate").click()
+        wait = WebDriverWait(driver, 60, poll_frequency=0.1)
+        wait.until(lambda d: d.find_element(By.CSS_SELECTOR, "#output .completion").text != "")
+        wait.until(lambda d: d.find_element(By.ID, "generate").is_enabled())
+        shown = driver.execute_script("return document.querySelector('#output .completion').textContent")
+        count = int(driver.find_element(By.ID, "count").text)
+        rate = float(driver.find_element(By.ID, "rate").text)
+        assert driver.find_element(By.ID, "error").text == ""
+    finally:
+        driver.quit()
+    expected = call("POST", server + "/v1/completions", {"prompt": "Once upon a time", "max_tokens": 24,
+                                                         "temperature": 0, "top_p": 0.95, "seed": 3})[1]
+    assert shown == expected["choices"][0]["text"]
+    assert count == expected["usage"]["completion_tokens"] and rate > 0

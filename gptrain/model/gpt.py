@@ -173,6 +173,24 @@ class GPT(nn.Module):
         self.final_layernorm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon)
         self.output_layer = OutputLayer(cfg.vocab_size, self.word_embeddings.weight)
         self.recompute_blocks = False  # full recompute (parallel/parallelize.py sets it)
+        # pipeline stages (Megatron's names): the first embeds, the last ends with the final LayerNorm
+        self.pre_process = self.post_process = True
+
+    def keep_stage(self, layer_ids: list[int], pre_process: bool, post_process: bool) -> None:
+        """Drop what a pipeline rank does not hold (on the meta model): the other layers; the
+        position embeddings unless first; the final LayerNorm unless last. The last rank keeps its
+        own word embeddings as the tied output layer's weight (Megatron's embedding group keeps
+        the two copies equal)."""
+        for name in [n for n in self.layers if int(n) not in layer_ids]:
+            del self.layers[name]
+        self.pre_process, self.post_process = pre_process, post_process
+        if not pre_process:
+            self.position_embeddings = None
+            if not post_process:
+                self.word_embeddings = None
+        if not post_process:
+            self.final_layernorm = None
+            self.output_layer = None
 
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:
@@ -185,8 +203,11 @@ class GPT(nn.Module):
         """
         gen = torch.Generator(device="cpu").manual_seed(seed)
         scaled_std = self.cfg.init_method_std / math.sqrt(2.0 * self.cfg.num_layers)
-        for name, param in self.named_parameters():
-            shape = param.shape  # a DTensor's shape is the global one
+        held = dict(self.named_parameters())
+        # the whole model's parameters in their order, so a pipeline stage draws the same values
+        # as one process (the generator runs through the parameters other stages hold)
+        for name, shape in full_parameter_shapes(self.cfg):
+            param = held.get(name)
             if name.endswith("bias"):
                 value = torch.zeros(shape)
             elif "layernorm" in name or ".ln" in name:
@@ -197,23 +218,41 @@ class GPT(nn.Module):
             else:
                 std = scaled_std if name.endswith(("attn.proj.weight", "mlp.fc2.weight")) else self.cfg.init_method_std
                 value = torch.empty(shape).normal_(0.0, std, generator=gen)
-            copy_full_into(param, value)
+            if param is not None:
+                copy_full_into(param, value)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Hidden states after the final LayerNorm, (batch, seq, hidden)."""
+        """Hidden states after the final LayerNorm, (batch, seq, hidden). A pipeline stage takes
+        the previous stage's hidden states instead of tokens unless it is the first, and returns
+        them before the final LayerNorm unless it is the last."""
+        return self.run_layers(tokens, list(self.layers.values()), self.pre_process, self.post_process)
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         positions = torch.arange(tokens.shape[1], device=tokens.device)
         x = self.word_embeddings(tokens) + self.position_embeddings(positions)
-        x = F.dropout(x, self.cfg.hidden_dropout, self.training)
-        for block in self.layers.values():
+        return F.dropout(x, self.cfg.hidden_dropout, self.training)
+
+    def run_layers(self, x: torch.Tensor, blocks: list[nn.Module], embed: bool, final: bool) -> torch.Tensor:
+        """Embeddings (if ``embed``), ``blocks`` in order, the final LayerNorm (if ``final``): the
+        whole model, or one pipeline chunk of it."""
+        if embed:
+            x = self.embed(x)
+        for block in blocks:
             if self.recompute_blocks and self.training:
                 x = checkpoint(block, x, use_reentrant=False)
             else:
                 x = block(x)
-        return self.final_layernorm(x)
+        return self.final_layernorm(x) if final else x
 
     def logits(self, tokens: torch.Tensor) -> torch.Tensor:
         """Logits over the real vocabulary (inference and tests)."""
         return self.output_layer(self(tokens))
+
+
+def full_parameter_shapes(cfg: GPTConfig) -> list[tuple[str, torch.Size]]:
+    """(name, shape) of every parameter of the whole model, in registration order."""
+    with torch.device("meta"):
+        return [(n, p.shape) for n, p in GPT(cfg).named_parameters()]
 
 
 @torch.no_grad()

@@ -17,27 +17,26 @@ def local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def _replicas(t: torch.Tensor) -> int:
-    """How many processes hold the same values as this one's: every data-parallel rank for a plain
-    tensor, the sizes of the mesh dimensions a DTensor is replicated over."""
+def _replicas(t: torch.Tensor, pp: int) -> int:
+    """How many processes hold the same values as this one's. A pipeline stage's parameters live on
+    world / pp ranks (its data- and tensor-parallel ranks): a plain tensor is the same on all of
+    them; a DTensor on its own mesh's Replicate dimensions and on the stage's ranks outside that
+    mesh (a tensor-parallel DTensor under plain data parallelism)."""
+    stage_ranks = (dist.get_world_size() if distributed() else 1) // pp
     if isinstance(t, DTensor):
-        # replicated over its own mesh's Replicate dimensions, and over every rank outside that mesh
-        # (a tensor-parallel DTensor under plain data parallelism)
-        outside = (dist.get_world_size() if distributed() else 1) // t.device_mesh.size()
+        outside = stage_ranks // t.device_mesh.size()
         return outside * math.prod(t.device_mesh.size(i) for i, p in enumerate(t.placements) if p.is_replicate())
-    return dist.get_world_size() if distributed() else 1
+    return stage_ranks
 
 
-def global_norm_and_sum(grads: list[torch.Tensor], value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def global_norm_and_sum(grads: list[torch.Tensor], value: torch.Tensor, pp: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """The L2 norm of all gradients over every process, and ``value`` summed over every process,
-    in one all-reduce. Shards count once; replicated copies are divided by their number.
-
-    Written for data-parallel layouts (tensor and pipeline parallel size 1, which ParallelDims
-    enforces today): the all-reduce spans the world and plain tensors count as replicated on every
-    rank. Tensor/pipeline parallelism must reduce over the right groups instead."""
+    in one all-reduce over the world. Shards count once; replicated copies are divided by their
+    number; each pipeline stage contributes its own parameters (a tied copy must be left out of
+    ``grads`` by the caller on all but one stage)."""
     by_replicas: dict[int, list[torch.Tensor]] = {}
     for g in grads:
-        by_replicas.setdefault(_replicas(g), []).append(local(g))
+        by_replicas.setdefault(_replicas(g, pp), []).append(local(g))
     squares = torch.zeros((), device=value.device, dtype=torch.float32)
     for replicas, tensors in by_replicas.items():
         norms = torch._foreach_norm(tensors)

@@ -66,9 +66,12 @@ class ParallelDims:
             if self.zero_stage == 3:
                 raise ValueError("--cpu-offload needs ZeRO-3 over more than one data-parallel rank")
             raise ValueError(f"--cpu-offload needs --zero-stage 3 (got {self.zero_stage})")
-        if self.pp > 1 and not planning:
-            raise ValueError(f"--pipeline-model-parallel-size {self.pp}: pipeline parallelism is not built yet "
-                             "(only size 1 runs)")
+        if self.pp > 1 and self.zero_stage > 1:
+            # as in DeepSpeed: gradients and parameters sharded over data-parallel ranks would be
+            # reduced or gathered once per micro-batch inside the pipeline schedule
+            raise ValueError(f"--zero-stage {self.zero_stage} with pipeline parallelism: use ZeRO-1 "
+                             "(--use-distributed-optimizer) or no ZeRO with --pipeline-model-parallel-size "
+                             f"{self.pp}")
 
     def describe(self) -> str:
         return (f"using world size: {self.world_size}, data-parallel-size: {self.dp}, "

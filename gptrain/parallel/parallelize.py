@@ -45,7 +45,7 @@ def describe_sharding(dims: ParallelDims) -> str:
             f"{keep}, gradients reduce-scattered in fp32 during the backward{offload}")
 
 
-def apply_fsdp(train_module: nn.Module, model: GPT, mesh: DeviceMesh, dims: ParallelDims,
+def apply_fsdp(roots: list[nn.Module], model: GPT, mesh: DeviceMesh, dims: ParallelDims,
                param_dtype: torch.dtype | None) -> None:
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
@@ -59,26 +59,31 @@ def apply_fsdp(train_module: nn.Module, model: GPT, mesh: DeviceMesh, dims: Para
         fully_shard(block, mesh=dp_mesh, mp_policy=policy, offload_policy=offload, reshard_after_forward=reshard)
     # the root holds the embeddings, the tied output layer and the final LayerNorm; the backward
     # starts with them, so they are never freed after the forward
-    fully_shard(train_module, mesh=dp_mesh, mp_policy=policy, offload_policy=offload, reshard_after_forward=False)
+    # (with pipeline parallelism each stage is a root)
+    for root in roots:
+        fully_shard(root, mesh=dp_mesh, mp_policy=policy, offload_policy=offload, reshard_after_forward=False)
 
 
 def parallelize(train_module: nn.Module, model: GPT, dims: ParallelDims, mesh: DeviceMesh | None,
                 recompute: str | None, param_dtype: torch.dtype | None, compile_model: bool,
-                compile_mode: str | None, sequence_parallel: bool = False):
+                compile_mode: str | None, sequence_parallel: bool = False,
+                pipeline_chunks: list[nn.Module] | None = None):
     """Transform in place; returns the callable the trainer runs forward through:
-    ``(tokens, labels, loss_mask) -> loss``."""
+    ``(tokens, labels, loss_mask) -> loss`` (None with pipeline parallelism: the schedule runs the
+    ``pipeline_chunks``)."""
     apply_recompute(model, recompute)
     if dims.tp > 1:
         from gptrain.parallel.tensor_parallel import apply_tensor_parallel
         apply_tensor_parallel(model, mesh["tp"], sequence_parallel)
-    if not dims.sharded:
+    if not dims.sharded and not pipeline_chunks:
         # one device or whole replicas: the whole step's forward compiles as one graph
         return torch.compile(train_module, mode=compile_mode) if compile_model else train_module
     if compile_model:
         # per block, so FSDP2's hooks sit between compiled regions and each block's gradient
-        # reduction starts as soon as its backward ends
+        # reduction starts as soon as its backward ends (and a pipeline stage is a run of blocks)
         for block in model.layers.values():
             block.compile(mode=compile_mode)
         train_module.loss.compile(mode=compile_mode)
-    apply_fsdp(train_module, model, mesh, dims, param_dtype)
-    return train_module
+    if dims.sharded:
+        apply_fsdp(pipeline_chunks or [train_module], model, mesh, dims, param_dtype)
+    return None if pipeline_chunks else train_module

@@ -33,19 +33,23 @@ def apply_tensor_parallel(model: GPT, tp_mesh: DeviceMesh, sequence_parallel: bo
                 "mlp.fc1": ColwiseParallel(), "mlp.fc2": RowwiseParallel()}
     for block in model.layers.values():
         parallelize_module(block, tp_mesh, plan)
-    if sequence_parallel:
-        first = next(iter(model.layers.values()))
-        # the embeddings' sum (whole on every rank) enters the first block as this rank's sequence share;
+    if sequence_parallel and model.pre_process:
+        # the embeddings' sum (whole on every rank) enters the first block as this rank's sequence share
+        # (pipeline stages after the first receive the shares as they are)
+        parallelize_module(model.layers["0"], tp_mesh, PrepareModuleInput(input_layouts=(Replicate(),),
+                                                                         desired_input_layouts=(Shard(1),),
+                                                                         use_local_output=True))
+    if sequence_parallel and model.post_process:
         # the final LayerNorm runs on the shares and the loss gets the whole sequence back
-        parallelize_module(first, tp_mesh, PrepareModuleInput(input_layouts=(Replicate(),),
-                                                              desired_input_layouts=(Shard(1),),
-                                                              use_local_output=True))
         parallelize_module(model.final_layernorm, tp_mesh, SequenceParallel())
         parallelize_module(model.final_layernorm, tp_mesh, PrepareModuleOutput(
             output_layouts=(Shard(1),), desired_output_layouts=(Replicate(),), use_local_output=True))
-    # vocabulary-parallel embedding: each rank looks up its rows, the partial sums are all-reduced
-    parallelize_module(model.word_embeddings, tp_mesh, RowwiseParallel(input_layouts=Replicate()))
-    model.output_layer.weight = model.word_embeddings.weight  # the tie survives the swap to a DTensor
+    if model.word_embeddings is not None:
+        # vocabulary-parallel embedding: each rank looks up its rows, the partial sums are all-reduced
+        # (on the last pipeline rank it is the output layer's copy, split the same way)
+        parallelize_module(model.word_embeddings, tp_mesh, RowwiseParallel(input_layouts=Replicate()))
+    if model.output_layer is not None:
+        model.output_layer.weight = model.word_embeddings.weight  # the tie survives the swap to a DTensor
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):

@@ -23,6 +23,7 @@ from gptrain.model.gpt import GPT
 from gptrain.model.loss import LMLoss
 from gptrain.parallel.dims import ParallelDims
 from gptrain.parallel.parallelize import describe_sharding, parallelize
+from gptrain.parallel.pipeline import Pipeline, pipeline_chunks, prune_for_stage, virtual_stages
 from gptrain.train.checkpoint import init_optimizer_state
 from gptrain.train.main_params import MainParams
 
@@ -51,6 +52,7 @@ class TrainingParts:
     mesh: DeviceMesh | None
     impls: dict[str, str]  # what runs, by part, for the log
     fp8_layers: int
+    pipeline: Pipeline | None = None  # pipeline parallelism: the schedule runs forward and backward
 
 
 def parallel_dims(cfg: RunConfig, world_size: int, planning: bool = False) -> ParallelDims:
@@ -64,9 +66,10 @@ def parallel_dims(cfg: RunConfig, world_size: int, planning: bool = False) -> Pa
     if cfg.parallel.sequence_parallel and cfg.model.seq_length % dims.tp:
         raise ValueError(f"--sequence-parallel: --seq-length {cfg.model.seq_length} is not divisible by "
                          f"tensor-model-parallel size {dims.tp}")
-    if (dims.sharded or dims.tp > 1) and cfg.precision.fp8:
-        raise ValueError("--fp8 with ZeRO or tensor parallelism is not built yet (fp8 runs on one device or "
-                         "with plain data parallelism)")
+    if (dims.sharded or dims.tp > 1 or dims.pp > 1) and cfg.precision.fp8:
+        raise ValueError("--fp8 with ZeRO, tensor or pipeline parallelism is not built yet (fp8 runs on one "
+                         "device or with plain data parallelism)")
+    virtual_stages(cfg.model.num_layers, dims.pp, cfg.parallel.layers_per_virtual_stage)
     return dims
 
 
@@ -97,6 +100,11 @@ def build_training(cfg: RunConfig, device: torch.device, dims: ParallelDims, mes
         model = GPT(cfg.model)
         loss_vocab = cfg.model.padded_vocab_size if cfg.kernels.softmax_over_padded_vocab else cfg.model.vocab_size
         loss = LMLoss(loss_vocab, fused=cfg.kernels.fused_cross_entropy)
+        plan, chunks = None, None
+        if dims.pp > 1:  # this rank's layers only, and the stages it runs over them
+            plan = prune_for_stage(model, dims, mesh["pp"].get_local_rank(),
+                                   virtual_stages(cfg.model.num_layers, dims.pp, cfg.parallel.layers_per_virtual_stage))
+            chunks = pipeline_chunks(model, plan)
     train_module = TrainModule(model, loss)
     # converters: module swaps on the meta model, told the device and dtype the parameters will have
     fp8_layers = convert_to_fp8(model, p.fp8, p.fp8_recipe, emulate=device.type != "cuda") if p.fp8 else 0
@@ -105,22 +113,32 @@ def build_training(cfg: RunConfig, device: torch.device, dims: ParallelDims, mes
                           compiled=cfg.train.compile, zero3=dims.sharded and dims.zero_stage == 3,
                           tensor_parallel=dims.tp > 1)
     forward = parallelize(train_module, model, dims, mesh, cfg.kernels.recompute, param_dtype,
-                          cfg.train.compile, cfg.train.compile_mode, cfg.parallel.sequence_parallel)
+                          cfg.train.compile, cfg.train.compile_mode, cfg.parallel.sequence_parallel, chunks)
     impls["parameters"] = describe_sharding(dims)
     init_device = torch.device("cpu") if dims.cpu_offload else device
     train_module.to_empty(device=init_device)
-    model.output_layer.weight = model.word_embeddings.weight  # to_empty makes new tensors: tie again
+    if model.output_layer is not None:
+        model.output_layer.weight = model.word_embeddings.weight  # to_empty makes new tensors: tie again
     model.init_weights(cfg.data.seed)
     main = None
     if p.half_params and not dims.sharded:
         # one device: bf16/fp16 model, fp32 main copies taken from the exact initialisation
         main = MainParams(model, compute_dtype)
+        if chunks:  # the schedule runs every micro-batch's backward: accumulate in fp32 as they come
+            main.accumulate_on_backward()
     opt_params = main.named() if main else dict(model.named_parameters())
     optimizer = build_optimizer(opt_params, cfg)
     # AdamW's state exists from the start (what fused AdamW would create at its first step), so a
     # checkpoint written before the first update (fp16's first steps are skipped) holds it all
     init_optimizer_state(opt_params, optimizer)
-    return TrainingParts(model, train_module, forward, main, opt_params, optimizer, dims, mesh, impls, fp8_layers)
+    pipeline = None
+    if chunks:
+        n_micro = cfg.train.global_batch_size // (cfg.train.micro_batch_size * dims.dp)
+        pipeline = Pipeline(model, loss, chunks, plan, dims, mesh, device, n_micro,
+                            None if p.half_params else compute_dtype if compute_dtype != torch.float32 else None)
+        impls["pipeline"] = pipeline.describe()
+    return TrainingParts(model, train_module, forward, main, opt_params, optimizer, dims, mesh, impls, fp8_layers,
+                         pipeline)
 
 
 def parameter_count(model: GPT) -> int:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from torch.distributed.tensor import DTensor
 
 from gptrain.config import RunConfig
 from gptrain.parallel.collectives import all_reduce_, global_norm_and_sum, world_size
@@ -85,6 +86,21 @@ class MicroBatchLoader:
         self._stop.set()
         self._thread.join(timeout=5)
 
+    def next_step(self, n_micro: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A step's micro-batches, concatenated (what a pipeline schedule splits again)."""
+        pairs = [self.next() for _ in range(n_micro)]
+        return torch.cat([t for t, _ in pairs]), torch.cat([lb for _, lb in pairs])
+
+
+class NoData:
+    """The loader of a middle pipeline stage, which reads no data (activations come from the previous stage)."""
+
+    def next_step(self, n_micro: int):
+        return None, None
+
+    def close(self) -> None:
+        pass
+
 
 @dataclass
 class IntervalStats:
@@ -101,6 +117,7 @@ class Trainer:
         self.cfg, self.parts, self.device = cfg, parts, device
         self.log = log if is_logging_rank() else (lambda s: None)
         self.model, self.main, self.forward = parts.model, parts.main, parts.forward
+        self.pipeline = parts.pipeline
         self.train_ds, self.valid_ds, self.test_ds = train_ds, valid_ds, test_ds
         self.dp_rank = parts.mesh["dp"].get_local_rank() if parts.mesh is not None else 0
         self.dp_size = parts.dims.dp
@@ -131,7 +148,9 @@ class Trainer:
         self.last_train_loss: float | None = None
         self.first_train_loss: float | None = None
 
-    def loader(self, dataset, start: int) -> MicroBatchLoader:
+    def loader(self, dataset, start: int) -> MicroBatchLoader | NoData:
+        if self.pipeline is not None and not self.pipeline.needs_data:
+            return NoData()
         return MicroBatchLoader(dataset, start, self.cfg.train.micro_batch_size, self.device,
                                 dp_rank=self.dp_rank, dp_size=self.dp_size)
 
@@ -208,9 +227,12 @@ class Trainer:
         self.loaded_iteration = self.iteration
         self.consumed_train = int(state["consumed_train_samples"])
         self.consumed_valid = int(state["consumed_valid_samples"])
-        self.schedule.load_state_dict(state["schedule"])
-        if self.scaler and state.get("scaler"):
-            self.scaler.load_state_dict(state["scaler"])
+        if t.no_load_optim:  # Megatron's meaning: the scheduler and loss scaler go with the optimizer
+            self.log(" > --no-load-optim: optimizer state, learning-rate schedule and loss scale start fresh")
+        else:
+            self.schedule.load_state_dict(state["schedule"])
+            if self.scaler and state.get("scaler"):
+                self.scaler.load_state_dict(state["scaler"])
         self.log(f"  successfully loaded checkpoint from {t.load} at iteration {self.iteration}")
 
     def _load_megatron(self) -> None:
@@ -228,11 +250,14 @@ class Trainer:
         self.schedule.num_steps = self.consumed_train  # Megatron's schedule counts samples, as gptrain's does
 
     # ---- one optimisation step
-    def train_step(self, loader: MicroBatchLoader) -> bool | None:
-        """Forward/backward over this rank's share of the global batch and one update. Returns, for
-        fp16 only, whether the step was skipped (bf16/fp32 decide on the device and return None)."""
+    def _forward_backward(self, loader: MicroBatchLoader, scale: float) -> torch.Tensor:
+        """This rank's share of the global batch, forward and backward; returns the mean of the
+        micro-batches' losses (zero on pipeline stages other than the last)."""
         n_micro = self.num_micro_batches
-        scale = self.loss_scale
+        if self.pipeline is not None:
+            tokens, labels = loader.next_step(n_micro)
+            mask = self._loss_mask(tokens) if self.pipeline.last else None
+            return self.pipeline.train_step(tokens, labels, mask, scale, self.device)
         loss_acc = torch.zeros((), device=self.device)
         for i in range(n_micro):
             self._before_micro_batch(last=i == n_micro - 1)
@@ -243,9 +268,24 @@ class Trainer:
             if self.main is not None:
                 self.main.accumulate_grads()
             loss_acc += loss.detach().float()
+        return loss_acc
+
+    def _tied_gradient(self) -> torch.Tensor | None:
+        p = self.opt_params.get("word_embeddings.weight")
+        return None if p is None else p.grad
+
+    def train_step(self, loader: MicroBatchLoader) -> bool | None:
+        """Forward/backward over this rank's share of the global batch and one update. Returns, for
+        fp16 only, whether the step was skipped (bf16/fp32 decide on the device and return None)."""
+        scale = self.loss_scale
+        loss_acc = self._forward_backward(loader, scale if self.scaler else 1.0)
         lr = self.schedule.lr()
         for group in self.optimizer.param_groups:
             group["lr"] = lr
+        if self.main is None and self.parts.dims.tp > 1:
+            for p in self.params:  # gradients laid out as their parameters (main_params.local_grad)
+                if isinstance(p.grad, DTensor) and p.grad.placements != p.placements:
+                    p.grad = p.grad.redistribute(p.device_mesh, p.placements)
         grads = [p.grad for p in self.params if p.grad is not None]
         dims = self.parts.dims
         if dims.replicated:  # plain data parallelism: average the whole gradients over the replicas
@@ -254,11 +294,16 @@ class Trainer:
                 average_flat(self.main.grad_flat, group, dims.dp)
             else:
                 average_gradients(grads, group, dims.dp)
-        if self.main is not None and dims.tp == 1:  # the main gradients are whole (equal on every replica)
+        if self.pipeline is not None:
+            self.pipeline.sum_tied_gradients(self._tied_gradient())
+            if self.pipeline.last and not self.pipeline.first:  # the tied copy counts once, on the first stage
+                tied = self._tied_gradient()
+                grads = [g for g in grads if g is not tied]
+        if self.main is not None and dims.tp == 1 and dims.pp == 1:  # whole main gradients, equal on every replica
             grad_norm, loss_sum = self.main.grad_norm(), all_reduce_(loss_acc.clone())
         else:  # one all-reduce gives every rank the global gradient norm and the global batch's loss
-            grad_norm, loss_sum = global_norm_and_sum(grads, loss_acc)
-        loss_acc = loss_sum / world_size()
+            grad_norm, loss_sum = global_norm_and_sum(grads, loss_acc, dims.pp)
+        loss_acc = loss_sum / (world_size() // dims.pp)  # the loss is summed where the last stage holds it
         if self.scaler is not None:
             # the norm of the scaled gradients is non-finite exactly when one of them is, on any rank
             found_inf = (~torch.isfinite(grad_norm)).float()
@@ -319,14 +364,21 @@ class Trainer:
         total = torch.zeros((), device=self.device)
         n = iters * self.num_micro_batches
         try:
-            for _ in range(n):
-                tokens, labels = loader.next()
-                with self._autocast():
-                    total += module(tokens, labels, self._loss_mask(tokens)).float()
+            if self.pipeline is not None:
+                for _ in range(iters):
+                    tokens, labels = loader.next_step(self.num_micro_batches)
+                    mask = self._loss_mask(tokens) if self.pipeline.last else None
+                    total += self.pipeline.eval_step(tokens, labels, mask, self.device)
+            else:
+                for _ in range(n):
+                    tokens, labels = loader.next()
+                    with self._autocast():
+                        total += module(tokens, labels, self._loss_mask(tokens)).float()
         finally:
             loader.close()
             module.train()
-        return (all_reduce_(total) / (n * world_size())).item()
+        # every rank of the last stage holds the loss (summed here over data- and tensor-parallel ranks)
+        return (all_reduce_(total) / (n * (world_size() // self.parts.dims.pp))).item()
 
     def _validate(self, where: str) -> None:
         t = self.cfg.train

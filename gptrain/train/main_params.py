@@ -19,6 +19,16 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
+def local_grad(p: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``p.grad``, laid out as ``p``'s: DTensor's embedding backward gives the
+    vocabulary-parallel embedding a replicated gradient when nothing else (the tied output layer)
+    adds a sharded one, and each rank keeps its rows of it (no communication)."""
+    g = p.grad
+    if isinstance(g, DTensor) and g.placements != p.placements:
+        g = g.redistribute(p.device_mesh, p.placements)
+    return _local(g)
+
+
 @torch.no_grad()
 def _cast_parameters(model: torch.nn.Module, dtype: torch.dtype) -> None:
     """Cast every parameter to ``dtype``. Plain ones in place; a DTensor's dtype is fixed at
@@ -71,7 +81,7 @@ class MainParams:
         """Move the model's half-precision gradients into the fp32 main gradients (added to what is
         there). The main gradients are views of one flat buffer, allocated at the first micro-batch
         and released after the step: one conversion launch, and one kernel for the norm."""
-        grads = [None if p.grad is None else _local(p.grad) for p in self.model_params]
+        grads = [None if p.grad is None else local_grad(p) for p in self.model_params]
         if self.grad_flat is None:
             views = self._attach_flat_grads()
             pairs = [(v, g) for v, g in zip(views, grads) if g is not None]
@@ -86,6 +96,20 @@ class MainParams:
                 torch._foreach_add_([v for v, _ in pairs], [g for _, g in pairs])
         for p in self.model_params:
             p.grad = None
+
+    def accumulate_on_backward(self) -> None:
+        """For pipeline schedules, which run every micro-batch's backward inside one call: each
+        model gradient is added to its fp32 main gradient as soon as autograd has accumulated it."""
+        for i, p in enumerate(self.model_params):
+            p.register_post_accumulate_grad_hook(lambda p, i=i: self._take_grad(i, p))
+
+    @torch.no_grad()
+    def _take_grad(self, i: int, p: torch.Tensor) -> None:
+        if self.grad_flat is None:
+            self._attach_flat_grads()
+            self.grad_flat.zero_()
+        _local(self.main[i].grad).add_(local_grad(p))
+        p.grad = None
 
     def grad_norm(self) -> torch.Tensor:
         """This rank's gradient norm (the whole norm when no parameter is sharded)."""

@@ -140,8 +140,6 @@ def dry_run(cfg: RunConfig, world: int, log) -> None:
     for (t, p), n in sorted(parameter_counts(cfg.model, dims).items(), key=lambda kv: (kv[0][1], kv[0][0])):
         log(f" > number of parameters on (tensor, pipeline) model parallel rank ({t}, {p}): {n}")
     log(f" > parameters: {describe_sharding(dims)}")
-    if dims.pp > 1:
-        log(" > note: pipeline parallel training is not built yet; this layout can be planned, not run")
 
 
 def train_main(argv: list[str], log=None) -> int:
@@ -173,6 +171,8 @@ def train_main(argv: list[str], log=None) -> int:
         trainer = Trainer(cfg, parts, train_ds, valid_ds, test_ds, device, log)
         log(_precision_line(cfg, parts, device))
         log(f" > parameters: {parts.impls['parameters']}")
+        if parts.pipeline is not None:
+            log(f" > pipeline: {parts.impls['pipeline']}")
         log(f" > linear layers: {trainer.linear_impl}")
         log(f" > attention: {trainer.attention_impl}")
         trainer.load()

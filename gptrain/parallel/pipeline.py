@@ -1,0 +1,219 @@
+"""Pipeline parallelism on ``torch.distributed.pipelining``: Megatron's layer split, 1F1B and
+interleaved 1F1B, and the embedding group that keeps the tied output layer equal to the word
+embeddings.
+
+Each pipeline rank builds one ``GPT`` holding only its layers (``GPT.keep_stage``): the first rank
+the word and position embeddings, the last the final LayerNorm and its own copy of the word
+embeddings as the output layer's weight. With ``v`` virtual stages per rank (Megatron's
+``--num-layers-per-virtual-pipeline-stage``) there are ``pp x v`` stages of consecutive layers and
+rank r runs stages r, r + pp, r + 2 pp, ...: its GPT holds the layers of all of them and each stage
+is a ``PipelineChunk`` over that GPT. Parameter names stay those of the whole model, so checkpoints,
+the optimizer and the fp32 main copies see one model per rank, at any layout.
+
+The loss runs on the last stage as the schedule's ``loss_fn``; the first and last ranks feed the
+tokens and the labels (the middle ranks read no data). After the backward the two copies of the
+word embeddings have their gradients summed over the first and last rank (Megatron's embedding
+group), so the same update keeps them equal.
+"""
+from __future__ import annotations
+
+import inspect
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from gptrain.model.gpt import GPT
+from gptrain.parallel.dims import ParallelDims
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """The pipeline stages one rank runs: global stage indices, in order, and each one's layers."""
+    stages: tuple[int, ...]
+    layers: tuple[tuple[int, ...], ...]
+    num_stages: int
+
+    @property
+    def layer_ids(self) -> list[int]:
+        return [i for ids in self.layers for i in ids]
+
+
+def virtual_stages(num_layers: int, pp: int, layers_per_virtual_stage: int | None) -> int:
+    """Model chunks per pipeline rank (1 without interleaving), with Megatron's checks."""
+    if pp == 1 or not layers_per_virtual_stage:
+        if layers_per_virtual_stage and pp == 1:
+            raise ValueError("--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size above 1")
+        return 1
+    per_rank = num_layers // pp
+    if per_rank % layers_per_virtual_stage:
+        raise ValueError(f"--num-layers-per-virtual-pipeline-stage {layers_per_virtual_stage} does not divide the "
+                         f"{per_rank} layers of each pipeline stage (--num-layers {num_layers} / "
+                         f"--pipeline-model-parallel-size {pp})")
+    return per_rank // layers_per_virtual_stage
+
+
+def stage_plan(num_layers: int, pp: int, rank: int, virtual: int = 1) -> StagePlan:
+    total = pp * virtual
+    per_stage = num_layers // total
+    stages = tuple(rank + k * pp for k in range(virtual))
+    layers = tuple(tuple(range(s * per_stage, (s + 1) * per_stage)) for s in stages)
+    return StagePlan(stages, layers, total)
+
+
+class PipelineChunk(nn.Module):
+    """One pipeline stage over the rank's GPT: the embeddings if it is the first stage, its blocks,
+    the final LayerNorm if it is the last. Registers exactly the modules it runs (and, on the last
+    rank, the output layer's copy of the word embeddings), so FSDP2 can take it as a root."""
+
+    def __init__(self, model: GPT, layer_ids: tuple[int, ...], first: bool, last: bool):
+        super().__init__()
+        self.blocks = nn.ModuleList(model.layers[str(i)] for i in layer_ids)
+        self.first, self.last = first, last
+        if first:
+            self.position_embeddings = model.position_embeddings
+        if first or (last and model.word_embeddings is not None):
+            self.word_embeddings = model.word_embeddings
+        if last:
+            self.final_layernorm = model.final_layernorm
+        object.__setattr__(self, "_model", model)  # not a child: the chunk owns only what it runs
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._model.run_layers(x, list(self.blocks), self.first, self.last)
+
+
+def prune_for_stage(model: GPT, dims: ParallelDims, pp_rank: int, virtual: int) -> StagePlan:
+    plan = stage_plan(model.cfg.num_layers, dims.pp, pp_rank, virtual)
+    model.keep_stage(plan.layer_ids, pre_process=pp_rank == 0, post_process=pp_rank == dims.pp - 1)
+    return plan
+
+
+def pipeline_chunks(model: GPT, plan: StagePlan) -> list[PipelineChunk]:
+    return [PipelineChunk(model, ids, first=s == 0, last=s == plan.num_stages - 1)
+            for s, ids in zip(plan.stages, plan.layers)]
+
+
+def embedding_group(mesh: DeviceMesh, dims: ParallelDims):
+    """Megatron's embedding group of this rank: itself and the rank at the other end of the
+    pipeline with the same data- and tensor-parallel coordinates. Every rank creates every group
+    (new_group is collective); returns this rank's, or None on a middle stage."""
+    ranks = mesh.mesh  # (pp, dp, tp) global ranks
+    mine = None
+    me = dist.get_rank()
+    for d in range(dims.dp):
+        for t in range(dims.tp):
+            pair = [int(ranks[0, d, t]), int(ranks[dims.pp - 1, d, t])]
+            group = dist.new_group(pair)
+            if me in pair:
+                mine = group
+    return mine
+
+
+class Pipeline:
+    """The schedule of this rank's stages and what the training loop asks of it: one step over a
+    global batch's micro-batches, an evaluation pass, the tied embedding gradients' sum."""
+
+    def __init__(self, model: GPT, loss: nn.Module, chunks: list[PipelineChunk], plan: StagePlan,
+                 dims: ParallelDims, mesh: DeviceMesh, device: torch.device, n_micro: int,
+                 autocast_dtype: torch.dtype | None):
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
+
+        self.model, self.loss, self.plan, self.dims = model, loss, plan, dims
+        self.pp_rank = mesh["pp"].get_local_rank()
+        self.first, self.last = self.pp_rank == 0, self.pp_rank == dims.pp - 1
+        self.n_micro = n_micro
+        self.compute_dtype = autocast_dtype
+        self.factor = 1.0
+        self.chunks = chunks
+        group = mesh["pp"].get_group()
+        stages = [PipelineStage(c, s, plan.num_stages, device, group=group) for c, s in zip(self.chunks, plan.stages)]
+        if len(stages) == 1:
+            if n_micro < dims.pp:
+                raise ValueError(f"pipeline parallelism over {dims.pp} stages needs at least {dims.pp} micro-batches "
+                                 f"per step (global batch / (micro-batch x data-parallel size) = {n_micro})")
+            self.schedule = Schedule1F1B(stages[0], n_micro, loss_fn=self._loss_fn, scale_grads=False)
+        else:
+            if n_micro % dims.pp:
+                raise ValueError(f"the interleaved schedule needs the number of micro-batches ({n_micro}) to be a "
+                                 f"multiple of --pipeline-model-parallel-size {dims.pp} (Megatron's rule)")
+            self.schedule = ScheduleInterleaved1F1B(stages, n_micro, loss_fn=self._loss_fn, scale_grads=False)
+        self.schedule_name = type(self.schedule).__name__
+        # torch >= 2.8 can skip merging the last stage's outputs, which training never reads
+        params = inspect.signature(self.schedule.step).parameters
+        self._no_outputs = {"return_outputs": False} if "return_outputs" in params else {}
+        self.embedding_group = embedding_group(mesh, dims)
+
+    def describe(self) -> str:
+        per_stage = len(self.plan.layers[0])
+        kind = "1F1B" if len(self.plan.stages) == 1 else f"interleaved 1F1B, {len(self.plan.stages)} virtual stages per rank"
+        bubble = (self.dims.pp - 1) / (self.n_micro * len(self.plan.stages) + self.dims.pp - 1)
+        return (f"{self.dims.pp} stages ({kind}) of {per_stage} layers, {self.n_micro} micro-batches per step, "
+                f"bubble (p - 1) / (v m + p - 1) = {bubble:.1%}; tied word embeddings summed over the first "
+                "and last stage")
+
+    @property
+    def needs_data(self) -> bool:
+        return self.first or self.last
+
+    def _loss_fn(self, hidden: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        # target: labels (b, s), or labels and the loss mask stacked (b, 2, s) for --eod-mask-loss
+        labels, mask = (target, None) if target.ndim == 2 else (target[:, 0], target[:, 1].float())
+        return self.loss(hidden, self.model.word_embeddings.weight, labels, mask) * self.factor
+
+    def _autocast(self, device: torch.device):
+        # --autocast (fp32 parameters): the stages' forward and the loss run under autocast
+        if self.compute_dtype is None:
+            return nullcontext()
+        return torch.autocast(device.type, dtype=self.compute_dtype)
+
+    @staticmethod
+    def target(labels: torch.Tensor, loss_mask: torch.Tensor | None) -> torch.Tensor:
+        return labels if loss_mask is None else torch.stack([labels, loss_mask.to(labels.dtype)], dim=1)
+
+    def _run(self, tokens, target, losses: list, train: bool, device: torch.device) -> None:
+        args = (tokens,) if self.first else ()
+        kwargs = {"target": target, "losses": losses} if self.last else {}
+        with self._autocast(device):
+            if train:
+                self.schedule.step(*args, **kwargs, **self._no_outputs)
+            elif hasattr(self.schedule, "eval"):
+                self.schedule.eval(*args, **kwargs)
+            else:  # torch without schedule.eval: the same forward-only mode it sets
+                has_backward = self.schedule._has_backward
+                self.schedule._has_backward = False
+                try:
+                    self.schedule.step(*args, **kwargs)
+                finally:
+                    self.schedule._has_backward = has_backward
+
+    def train_step(self, tokens, labels, loss_mask, loss_scale: float, device: torch.device) -> torch.Tensor:
+        """Forward and backward over the step's micro-batches (concatenated on dim 0); returns the
+        mean loss of the micro-batches on the last rank, zero elsewhere. Gradients hold the sum of
+        the micro-batches' mean-loss gradients / n (x the fp16 loss scale)."""
+        losses: list[torch.Tensor] = []
+        self.factor = loss_scale / self.n_micro
+        self._run(tokens, self.target(labels, loss_mask) if self.last else None, losses, True, device)
+        if not self.last:
+            return torch.zeros((), device=device)
+        return torch.stack([l.detach().float() for l in losses]).sum() / loss_scale
+
+    @torch.no_grad()
+    def eval_step(self, tokens, labels, loss_mask, device: torch.device) -> torch.Tensor:
+        """The sum of the micro-batches' mean losses on the last rank, zero elsewhere."""
+        losses: list[torch.Tensor] = []
+        self.factor = 1.0
+        self._run(tokens, self.target(labels, loss_mask) if self.last else None, losses, False, device)
+        if not self.last:
+            return torch.zeros((), device=device)
+        return torch.stack([l.float() for l in losses]).sum()
+
+    def sum_tied_gradients(self, grad: torch.Tensor | None) -> None:
+        """Megatron's embedding group: the word embeddings' gradient on the first rank and the output
+        layer's copy on the last are summed, in place, so both copies take the same update."""
+        if self.embedding_group is None or grad is None:
+            return
+        from gptrain.parallel.collectives import local
+        dist.all_reduce(local(grad), group=self.embedding_group)

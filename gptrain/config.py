@@ -166,6 +166,7 @@ class ParallelConfig:
     tensor_parallel: int = 1
     pipeline_parallel: int = 1
     sequence_parallel: bool = False  # with TP: LayerNorms and dropout on sequence shards
+    layers_per_virtual_stage: int | None = None  # interleaved 1F1B (Megatron's virtual pipeline stages)
     zero_stage: int = 0  # 1: optimizer state sharded, 2: + gradients, 3: + parameters (FSDP2)
     cpu_offload: bool = False  # stage 3: parameters, gradients and optimizer state in host memory
     deepspeed_config: str | None = None  # the ds.json it came from, if any
@@ -205,7 +206,6 @@ ACCEPTED_NO_OP_WITH_VALUE = {
     "--num-workers": None, "--distributed-timeout-minutes": None,
 }
 NOT_IMPLEMENTED = {
-    "--num-layers-per-virtual-pipeline-stage": "interleaved pipelines are not built yet",
     "--rampup-batch-size": "batch-size ramp-up is not implemented",
     "--swiglu": "only the GPT-2 MLP is implemented", "--use-rotary-position-embeddings": "only learned positions",
     "--position-embedding-type": "only learned absolute positions", "--normalization": "only LayerNorm",
@@ -254,6 +254,8 @@ def _parser() -> argparse.ArgumentParser:
     # parallelism (the data-parallel size is what the world size leaves)
     a("--tensor-model-parallel-size", type=int, default=1)
     a("--pipeline-model-parallel-size", type=int, default=1)
+    a("--num-layers-per-virtual-pipeline-stage", type=int, default=None,
+      help="interleaved 1F1B: each pipeline rank runs several stages of this many layers")
     a("--sequence-parallel", action="store_true",
       help="with tensor parallelism: LayerNorms, dropout and the residual stream on sequence shards")
     a("--zero-stage", type=int, default=None, choices=[0, 1, 2, 3],
@@ -386,7 +388,9 @@ def parse_megatron_args(argv: list[str], world_size: int | None = None) -> tuple
         raise ValueError("--use-distributed-optimizer is ZeRO stage 1; it contradicts --zero-stage 0")
     parallel = ParallelConfig(tensor_parallel=args.tensor_model_parallel_size,
                               sequence_parallel=args.sequence_parallel,
-                              pipeline_parallel=args.pipeline_model_parallel_size, zero_stage=zero_stage,
+                              pipeline_parallel=args.pipeline_model_parallel_size,
+                              layers_per_virtual_stage=args.num_layers_per_virtual_pipeline_stage,
+                              zero_stage=zero_stage,
                               cpu_offload=args.cpu_offload, deepspeed_config=args.deepspeed_config)
     if args.deepspeed_config:
         notes += _apply_deepspeed_config(args, parallel, world_size)

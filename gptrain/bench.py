@@ -111,9 +111,11 @@ def bench_gptrain(argv: list[str], warmup: int, iters: int):
         timing = _measure(lambda: trainer.train_step(loader), warmup, iters, device)
     finally:
         loader.close()
-    tokens = cfg.train.global_batch_size * cfg.model.seq_length // trainer.dp_size  # per device
+    dims = trainer.parts.dims
+    tokens = cfg.train.global_batch_size * cfg.model.seq_length // dims.world_size  # per device
     impls = {"linear layers": trainer.linear_impl, "attention": trainer.attention_impl,
-             "layout": f"dp {trainer.dp_size}, " + trainer.parts.impls["parameters"]}
+             "layout": f"dp {dims.dp} tp {dims.tp} pp {dims.pp}, " + trainer.parts.impls["parameters"]
+             + (f"; pipeline: {trainer.parts.impls['pipeline']}" if dims.pp > 1 else "")}
     dp = trainer.dp_size
     del trainer
     return cfg, device, timing, tokens, impls, dp

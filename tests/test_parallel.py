@@ -167,7 +167,10 @@ def test_initial_weights_are_equal_at_every_layout(tmp_path):
     (4, ["--global-batch-size", "6"], "--global-batch-size 6 is not divisible by --micro-batch-size 2 x "
                                       "data-parallel size 4 = 8"),
     (2, ["--cpu-offload", "--zero-stage", "2"], "--cpu-offload needs --zero-stage 3 (got 2)"),
-    (2, ["--pipeline-model-parallel-size", "2"], "pipeline parallelism is not built yet"),
+    (4, ["--pipeline-model-parallel-size", "2", "--zero-stage", "3"], "--zero-stage 3 with pipeline parallelism: use "
+                                                                         "ZeRO-1"),
+    (2, ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "2"],
+     "--num-layers-per-virtual-pipeline-stage 2 does not divide the 1 layers of each pipeline stage"),
 ])
 def test_impossible_layouts_are_refused_with_their_numbers(world, flags, message):
     cfg, _ = parse_megatron_args(TINY + ["--train-iters", "1"] + flags, world_size=world)

@@ -401,7 +401,8 @@ class Trainer:
         skipped = stats.skipped + (nans if self.scaler is None else 0)
         avg_loss = loss_sum / advanced if advanced > 0 else None
         ms = 1000.0 * elapsed / stats.iterations
-        tokens_per_s = stats.iterations * t.global_batch_size * self.cfg.model.seq_length / elapsed
+        # per GPU: the global batch's tokens over every rank of the layout (Megatron's figure)
+        tokens_per_s = stats.iterations * t.global_batch_size * self.cfg.model.seq_length / elapsed / world_size()
         tflops = tokens_per_s * self.flops_per_token / 1e12
         eta = (t.train_iters - self.iteration) * ms / 1000.0
         line = metrics.iteration_line(self.iteration, t.train_iters, self.consumed_train, ms, self.schedule.lr(),

@@ -114,6 +114,7 @@ class TrainConfig:
     finetune: bool = False
     exit_signal_handler: bool = False  # SIGTERM/SIGINT: save at the end of the iteration and exit 0
     async_save: bool = False  # checkpoints written by a background thread (DCP's async_save)
+    verbose: bool = False  # start-up details: kernel choices with their reasons, index-cache files
 
     def __post_init__(self):
         if self.global_batch_size is None:
@@ -343,7 +344,10 @@ def _parser() -> argparse.ArgumentParser:
         a(flag, action="store_true", help=argparse.SUPPRESS)
     for flag in ACCEPTED_NO_OP_WITH_VALUE:
         a(flag, default=None, help=argparse.SUPPRESS)
-    return p
+    a("--verbose", action="store_true")
+    from gptrain.flag_help import apply as apply_flag_help  # groups and help lines (gptrain/flag_help.py)
+
+    return apply_flag_help(p)
 
 
 def _recompute_mode(args) -> str | None:
@@ -433,7 +437,7 @@ def parse_megatron_args(argv: list[str], world_size: int | None = None) -> tuple
         compile_mode=args.compile_mode, peak_tflops=args.peak_tflops,
         device=args.device, dry_run=args.dry_run, skip_train=args.skip_train, no_load_optim=args.no_load_optim,
         no_load_rng=args.no_load_rng, finetune=args.finetune, exit_signal_handler=args.exit_signal_handler,
-        async_save=args.async_save,
+        async_save=args.async_save, verbose=args.verbose,
     )
     return RunConfig(model, data, optim, precision, train, kernels, parallel), notes
 

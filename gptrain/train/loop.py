@@ -408,7 +408,7 @@ class Trainer:
         line = metrics.iteration_line(self.iteration, t.train_iters, self.consumed_train, ms, self.schedule.lr(),
                                       t.global_batch_size, avg_loss, self.loss_scale,
                                       grad_norm if advanced > 0 else None, skipped, nans)
-        self.log(line + metrics.throughput_suffix(tokens_per_s, tflops, self.peak, eta))
+        self.log(line + metrics.throughput_suffix(tokens_per_s, tflops, self.peak, eta, self.device.type))
         if not self.memory_reported:
             mem = metrics.memory_line(self.iteration, self.device)
             if mem:

@@ -41,10 +41,14 @@ def iteration_line(iteration: int, train_iters: int, consumed: int, ms_per_iter:
     return s
 
 
-def throughput_suffix(tokens_per_s: float, tflops: float, peak: float | None, eta_s: float | None) -> str:
-    s = f" tokens per GPU per second: {tokens_per_s:.0f} | TFLOP/s per GPU: {tflops:.1f} |"
-    if peak:
-        s += f" MFU: {100.0 * tflops / peak:.1f}% |"
+def throughput_suffix(tokens_per_s: float, tflops: float, peak: float | None, eta_s: float | None,
+                      device_type: str = "cuda") -> str:
+    """Tokens/s, and on a GPU TFLOP/s and MFU (on a CPU they would read 0.0 and mean nothing)."""
+    s = f" tokens per GPU per second: {tokens_per_s:.0f} |"
+    if device_type != "cpu":
+        s += f" TFLOP/s per GPU: {tflops:.1f} |"
+        if peak:
+            s += f" MFU: {100.0 * tflops / peak:.1f}% |"
     if eta_s is not None:
         h, rem = divmod(int(eta_s), 3600)
         s += f" ETA: {h}:{rem // 60:02d}:{rem % 60:02d} |"

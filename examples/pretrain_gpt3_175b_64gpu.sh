@@ -6,10 +6,9 @@
 # Seed:    seeds/002 -- train_gpt3_175b_distributed.sh for Megatron-DeepSpeed: wikipedia + openwebtext
 #          blended 0.35/0.65, a data cache path, global batch 1536, micro-batch 1, fp16, TP 8 x PP 8.
 # Machine: 8 nodes with 8 GPUs each (64 GPUs), with a fast interconnect between the nodes.
-# gptrain: PLANS this layout only: pipeline parallelism is not built yet. The dry run checks it and
-#          prints all 64 ranks' parameter counts (vocabulary padded to 51200 = multiple of 128 x 8); a
-#          real launch stops before building anything with "gptrain: error:
-#          --pipeline-model-parallel-size 8: pipeline parallelism is not built yet (only size 1 runs)".
+# gptrain: trains this layout (tensor parallel 8 with sequence parallelism, pipeline parallel 8 with
+#          1F1B). The dry run checks it and prints all 64 ranks' parameter counts (vocabulary padded
+#          to 51200 = multiple of 128 x 8). Not yet run on 64 GPUs (the layouts are checked on CPU).
 #
 # Seed flags gptrain refuses, left out (details in gpt3_175b_flags.sh):
 #   --rampup-batch-size 16 16 433870   "batch-size ramp-up is not implemented"

@@ -7,11 +7,9 @@
 #          Section "模型并行（4PP）"; Megatron printed 128137216 parameters on the first stage,
 #          75577344 on the two middle ones and 127090688 on the last.
 # Machine: one node with 4 GPUs.
-# gptrain: PLANS this layout only: pipeline parallelism is not built yet. The dry run checks it and
-#          prints each rank's parameters (with "note: ... this layout can be planned, not run");
-#          a real launch stops before building anything with
-#          "gptrain: error: --pipeline-model-parallel-size 4: pipeline parallelism is not built yet
-#          (only size 1 runs)".
+# gptrain: trains this layout: 4 pipeline stages of 6 layers, 1F1B (add
+#          --num-layers-per-virtual-pipeline-stage 3 for interleaved 1F1B). The dry run prints each
+#          rank's parameters.
 #
 # Every Megatron flag is kept as the seed's run had it; none was refused. What differs from the seed:
 #   - the launcher: `torchrun ... -m gptrain train` instead of `torchrun ... pretrain_gpt.py`;

@@ -8,11 +8,8 @@
 #          data-parallel-size 1, tensor 2, pipeline 2, and Megatron printed 102483968 parameters
 #          on the first pipeline stage and 101437440 on the last (ranks (t, 0) and (t, 1)).
 # Machine: one node with 4 GPUs.
-# gptrain: PLANS this layout only: pipeline parallelism is not built yet. The dry run checks it and
-#          prints each rank's parameters (with "note: ... this layout can be planned, not run");
-#          a real launch stops before building anything with
-#          "gptrain: error: --pipeline-model-parallel-size 2: pipeline parallelism is not built yet
-#          (only size 1 runs)".
+# gptrain: trains this layout: tensor parallel 2 with sequence parallelism inside each of 2 pipeline
+#          stages (1F1B). The dry run prints each rank's parameters.
 #
 # Every Megatron flag is kept as the seed's run had it; none was refused. What differs from the seed:
 #   - the launcher: `torchrun ... -m gptrain train` instead of `torchrun ... pretrain_gpt.py`;

@@ -1,6 +1,7 @@
 """``gptrain train``: build tokenizer, data, model and trainer from pretrain_gpt.py flags, and run."""
 from __future__ import annotations
 
+import os
 import random
 import sys
 
@@ -32,8 +33,31 @@ def target_samples(cfg: RunConfig) -> tuple[int, int, int]:
     return train, valid, test
 
 
+class IndexCacheLines:
+    """A log that collapses the index-cache file lines (three per split) into one summary line;
+    --verbose keeps each."""
+
+    def __init__(self, log, verbose: bool):
+        self.log, self.verbose, self.paths = log, verbose, []
+
+    def __call__(self, line: str) -> None:
+        if line.startswith(" > loading ") and "-idx mapping from " in line:
+            self.paths.append(line.split("-idx mapping from ", 1)[1])
+            if not self.verbose:
+                return
+        self.log(line)
+
+    def summary(self) -> str | None:
+        if not self.paths:
+            return None
+        folders = sorted({os.path.dirname(p) or "." for p in self.paths})
+        return (f" > index cache: {len(self.paths)} files in {', '.join(folders)}"
+                + ("" if self.verbose else " (--verbose lists them)"))
+
+
 def build_datasets(cfg: RunConfig, tokenizer: GPT2Tokenizer, log=print):
     targets = target_samples(cfg)
+    cache_log = IndexCacheLines(log, cfg.train.verbose)
     log("> building train, validation, and test datasets ...")
     log(" > datasets target sizes (minimum size):")
     log(f"    train:      {targets[0]}\n    validation: {targets[1]}\n    test:       {targets[2]}")
@@ -61,7 +85,7 @@ def build_datasets(cfg: RunConfig, tokenizer: GPT2Tokenizer, log=print):
                 continue
             per_split[i].append(GPTDataset(name, indexed, np.arange(lo, hi, dtype=np.int32), n,
                                            cfg.model.seq_length, cfg.data.seed, cfg.data.split,
-                                           cfg.data.data_cache_path, log))
+                                           cfg.data.data_cache_path, cache_log))
     out = []
     for i, parts in enumerate(per_split):
         if any(p is None for p in parts) or targets[i] == 0:
@@ -72,6 +96,8 @@ def build_datasets(cfg: RunConfig, tokenizer: GPT2Tokenizer, log=print):
             out.append(BlendedDataset(parts, weights, targets[i]))
     if out[0] is None:
         raise ValueError(f"--split {cfg.data.split} leaves no training documents")
+    if cache_log.summary():
+        log(cache_log.summary())
     log("> finished creating GPT datasets ...")
     return out
 
@@ -142,6 +168,19 @@ def dry_run(cfg: RunConfig, world: int, log) -> None:
     log(f" > parameters: {describe_sharding(dims)}")
 
 
+def _brief(impl: str, verbose: bool) -> str:
+    """A kernel choice ("choice (why)") without its reason, which --verbose keeps."""
+    choice, cut, _ = impl.partition(" (")
+    return impl if verbose or not cut else f"{choice} (--verbose: why)"
+
+
+def _cpu_precision_warning(cfg: RunConfig, device: torch.device) -> str | None:
+    if device.type == "cpu" and cfg.precision.fp16:
+        return ("WARNING: --fp16 on a CPU runs about 38x slower than fp32 (no fast fp16 matmuls there): "
+                "leave out --fp16 for fp32, or use --bf16")
+    return None
+
+
 def train_main(argv: list[str], log=None) -> int:
     log = log or (lambda s: print(s, flush=True))
     trainer = cfg = None
@@ -158,6 +197,8 @@ def train_main(argv: list[str], log=None) -> int:
         device = init_distributed(pick_device(cfg.train.device))
         mesh = dims.build_mesh(device.type)
         log(f"{dims.describe()} ; device {device.type}, precision {cfg.precision.name}")
+        if _cpu_precision_warning(cfg, device):
+            log(_cpu_precision_warning(cfg, device))
         log(f"setting number of micro-batches to constant "
             f"{cfg.train.global_batch_size // (cfg.train.micro_batch_size * dims.dp)}")
         log(f"> setting random seeds to {cfg.data.seed} ...")
@@ -173,8 +214,8 @@ def train_main(argv: list[str], log=None) -> int:
         log(f" > parameters: {parts.impls['parameters']}")
         if parts.pipeline is not None:
             log(f" > pipeline: {parts.impls['pipeline']}")
-        log(f" > linear layers: {trainer.linear_impl}")
-        log(f" > attention: {trainer.attention_impl}")
+        log(f" > linear layers: {_brief(trainer.linear_impl, cfg.train.verbose)}")
+        log(f" > attention: {_brief(trainer.attention_impl, cfg.train.verbose)}")
         trainer.load()
         log("training ...")
         trainer.train()

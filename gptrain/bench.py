@@ -71,23 +71,32 @@ def matmul_ceiling_tflops(device: torch.device) -> float | None:
     return 2 * n ** 3 * 10 / (time.perf_counter() - start) / 1e12
 
 
-def _measure(step, warmup: int, iters: int, device) -> tuple[float, float, float]:
+def _progress(message: str) -> None:
+    if is_logging_rank():
+        print(message, flush=True)
+
+
+def _measure(step, warmup: int, iters: int, device, label: str = "") -> tuple[float, float, float | None]:
     """Seconds per step, host seconds per step (until the last step returns, before the final
     synchronisation: far below the step time means the host runs ahead of the device; close to it
     means either a CPU-bound step or a full launch queue, which only a profile tells apart), and
-    peak memory in GiB."""
+    peak GPU memory in GiB (None off a GPU)."""
+    begin = time.perf_counter()
+    _progress(f"{label}: {warmup} warm-up iterations (compilation happens here) ...")
     for _ in range(warmup):
         step()
     _sync(device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
+    _progress(f"{label}: timing {iters} iterations (warm-up took {time.perf_counter() - begin:.1f} s) ...")
     start = time.perf_counter()
     for _ in range(iters):
         step()
     host = (time.perf_counter() - start) / iters
     _sync(device)
     seconds = (time.perf_counter() - start) / iters
-    peak = torch.cuda.max_memory_allocated(device) / 2 ** 30 if device.type == "cuda" else float("nan")
+    peak = torch.cuda.max_memory_allocated(device) / 2 ** 30 if device.type == "cuda" else None
+    _progress(f"{label}: {1000 * seconds:.1f} ms per iteration")
     return seconds, host, peak
 
 
@@ -108,7 +117,7 @@ def bench_gptrain(argv: list[str], warmup: int, iters: int):
     trainer, loader = synthetic_trainer(argv, warmup + iters)
     cfg, device = trainer.cfg, trainer.device
     try:
-        timing = _measure(lambda: trainer.train_step(loader), warmup, iters, device)
+        timing = _measure(lambda: trainer.train_step(loader), warmup, iters, device, "gptrain")
     finally:
         loader.close()
     dims = trainer.parts.dims
@@ -145,7 +154,7 @@ def bench_baseline(cfg, device, warmup: int, iters: int, compile_model: bool = T
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    timing = _measure(step, warmup, iters, device)
+    timing = _measure(step, warmup, iters, device, "baseline")
     del model, opt
     return timing
 
@@ -173,6 +182,7 @@ def bench_main(argv: list[str]) -> int:
     p.add_argument("--no-baseline", action="store_true", help="time gptrain only")
     p.add_argument("--baseline-no-compile", action="store_true", help="run the baseline eagerly")
     args, model_flags = p.parse_known_args(argv)
+    _progress("gptrain: building the model ...")
     cfg, device, timing, tokens, impls, dp = bench_gptrain(model_flags, args.warmup, args.iters)
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -200,8 +210,12 @@ def bench_main(argv: list[str]) -> int:
         tflops = tps * fpt / 1e12
         mfu = f"{100 * tflops / datasheet:.1f}%" if datasheet else "n/a"
         mfu_c = f"{100 * tflops / ceiling:.1f}%" if ceiling else "n/a"
+        memory = "n/a" if mem is None else f"{mem:.2f} ({mem * 2 ** 30 / 1e9:.2f})"
         print(f"| {label} | {1000 * sec:.1f} | {1000 * host:.1f} | {tps:,.0f} | {tflops:.1f} | {mfu} | {mfu_c} "
-              f"| {mem:.2f} ({mem * 2 ** 30 / 1e9:.2f}) |")
+              f"| {memory} |")
     if len(rows) == 2:
-        print(f"gptrain / baseline tokens/s: {rows[1][1] / rows[0][1]:.3f}x")
+        print(f"gptrain / baseline tokens/s: {rows[1][1] / rows[0][1]:.3f}x"
+              + ("" if device.type == "cuda" else
+                 f" (on {device.type}: both run without their GPU kernels, so this ratio means something "
+                 "only on a GPU)"))
     return 0

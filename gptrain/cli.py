@@ -147,6 +147,12 @@ def cmd_evaluate(argv: list[str]) -> int:
     return evaluate_main(argv)
 
 
+def cmd_convert(argv: list[str]) -> int:
+    from gptrain.interop.convert import convert_main
+
+    return convert_main(argv)
+
+
 def _fail(message: str) -> int:
     print(f"gptrain: error: {message}", file=sys.stderr)
     return 2
@@ -163,6 +169,7 @@ COMMANDS: dict[str, tuple[Callable[[list[str]], int], str]] = {
     "serve": (cmd_serve, "text generation server: Megatron's PUT /api, OpenAI /v1/completions, a web page"),
     "client": (cmd_client, "Megatron's text_generation_cli loop against a server (or one prompt)"),
     "evaluate": (cmd_evaluate, "perplexity / bits per byte and LAMBADA-style cloze accuracy of a checkpoint"),
+    "convert": (cmd_convert, "gptrain <-> Hugging Face GPT-2, Megatron-LM -> gptrain (each checked on logits)"),
 }
 
 

@@ -78,3 +78,64 @@ def from_hf_state_dict(hf_sd: dict[str, torch.Tensor], cfg: GPTConfig) -> GPT:
     ours["output_layer.weight"] = word  # the same parameter (tied)
     model.load_state_dict(ours, strict=True)
     return model
+
+
+HF_WEIGHTS = "model.safetensors"
+_SKIPPED = (".attn.bias", ".attn.masked_bias")  # causal-mask buffers some GPT-2 exports carry
+
+
+def hf_config_dict(cfg: GPTConfig, eod: int) -> dict:
+    """``config.json`` of transformers' GPT-2 for ``cfg`` (written without importing transformers)."""
+    return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", **hf_config_kwargs(cfg),
+            "bos_token_id": eod, "eos_token_id": eod, "torch_dtype": "float32"}
+
+
+def gpt_config_from_hf(hf: dict, where: str) -> GPTConfig:
+    """The GPTConfig of a transformers GPT-2 ``config.json`` (dict); anything gptrain cannot
+    represent is an error naming the key."""
+    if hf.get("model_type", "gpt2") != "gpt2":
+        raise ValueError(f"{where}: model_type {hf.get('model_type')!r}; only gpt2 is supported")
+    if hf.get("activation_function", "gelu_new") not in ("gelu_new", "gelu_pytorch_tanh"):
+        raise ValueError(f"{where}: activation_function {hf['activation_function']!r}; gptrain's MLP is the tanh "
+                         "GELU (gelu_new)")
+    for key in ("scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn", "add_cross_attention"):
+        if hf.get(key):
+            raise ValueError(f"{where}: {key} is set; gptrain's GPT-2 does not implement it")
+    if hf.get("tie_word_embeddings") is False:
+        raise ValueError(f"{where}: tie_word_embeddings is false; gptrain's output layer is the word embeddings")
+    n_embd = hf.get("n_embd", 768)
+    n_positions = hf.get("n_positions", 1024)
+    return GPTConfig(num_layers=hf.get("n_layer", 12), hidden_size=n_embd, num_attention_heads=hf.get("n_head", 12),
+                     ffn_hidden_size=hf.get("n_inner") or 4 * n_embd, seq_length=n_positions,
+                     max_position_embeddings=n_positions, vocab_size=hf.get("vocab_size", 50257),
+                     layernorm_epsilon=hf.get("layer_norm_epsilon", 1e-5),
+                     init_method_std=hf.get("initializer_range", 0.02),
+                     hidden_dropout=hf.get("resid_pdrop", 0.1), attention_dropout=hf.get("attn_pdrop", 0.1))
+
+
+def load_hf_folder(path) -> GPT:
+    """A gptrain GPT (fp32, on the CPU) from a Hugging Face GPT-2 folder: ``config.json`` and
+    ``model.safetensors`` (or its sharded index). Pickled weights (``pytorch_model.bin``) are refused."""
+    import json
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    folder = Path(path)
+    config = folder / "config.json"
+    if not config.is_file():
+        raise FileNotFoundError(f"{config}: missing (not a Hugging Face model folder)")
+    cfg = gpt_config_from_hf(json.loads(config.read_text()), str(config))
+    index = folder / f"{HF_WEIGHTS}.index.json"
+    if (folder / HF_WEIGHTS).is_file():
+        files = [folder / HF_WEIGHTS]
+    elif index.is_file():
+        files = [folder / name for name in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
+    else:
+        pickled = " (pytorch_model.bin is a pickle and is not read: save the model with safetensors)" \
+            if (folder / "pytorch_model.bin").exists() else ""
+        raise FileNotFoundError(f"{folder / HF_WEIGHTS}: missing{pickled}")
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        state.update({k: v.float() for k, v in load_file(f).items() if not k.endswith(_SKIPPED)})
+    return from_hf_state_dict(state, cfg)

@@ -374,10 +374,13 @@ def load_checkpoint(root: str | os.PathLike, params: dict[str, torch.Tensor],
     path = find_checkpoint(root, log)
     if path is None:
         return None
+    stored = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    if optimizer is not None and not any(k.startswith("optim/") for k in stored):
+        _warn(log, f" > {path} holds weights only (a converted checkpoint): the optimizer starts fresh")
+        optimizer = None
     if optimizer is not None:
         init_optimizer_state(params, optimizer)
     targets = _state_dict(params, optimizer, vocab_size)
-    stored = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
     missing = sorted(k for k in targets if k not in stored and (k.startswith("model/") or optimizer is not None))
     if missing:
         raise ValueError(f"{path}: checkpoint does not fit the model (missing {missing[:3]}): check the model flags "

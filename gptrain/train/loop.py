@@ -27,7 +27,7 @@ from gptrain.train import metrics
 from gptrain.train.build import TrainingParts
 from gptrain.train import signals
 from gptrain.train.checkpoint import iteration_dir, load_checkpoint, recover, save_checkpoint
-from gptrain.train.megatron_load import is_megatron_checkpoint, load_megatron
+from gptrain.train.megatron_load import is_hf_folder, is_megatron_checkpoint, load_hf, load_megatron
 from gptrain.train.precision import LossScaler
 from gptrain.train.schedule import LRSchedule
 
@@ -206,12 +206,19 @@ class Trainer:
 
     def load(self) -> None:
         t = self.cfg.train
-        for root in dict.fromkeys(r for r in (t.save, t.load) if r and not is_megatron_checkpoint(r)):
+        for root in dict.fromkeys(r for r in (t.save, t.load) if r and not is_megatron_checkpoint(r)
+                                  and not is_hf_folder(r)):
             recover(root, self.log)  # put back what a killed save moved aside, drop its temporary files
         if not t.load:
             return
         if is_megatron_checkpoint(t.load):
             self._load_megatron()
+            return
+        if is_hf_folder(t.load):  # a Hugging Face GPT-2 folder: weights only
+            load_hf(t.load, self.opt_params, self.cfg)
+            if self.main is not None:
+                self.main.copy_to_model()
+            self.log(f"  loaded Hugging Face GPT-2 weights from {t.load}; iteration 0, optimizer state starts fresh")
             return
         state = load_checkpoint(t.load, self.opt_params, None if (t.no_load_optim or t.finetune) else self.optimizer,
                                 self.cfg.model.vocab_size, load_rng=not (t.no_load_rng or t.finetune), log=self.log)

@@ -67,3 +67,30 @@ def load_megatron(root, params: dict[str, torch.Tensor], cfg: RunConfig) -> dict
     return {"iteration": ckpt.iteration, "consumed_train_samples": int(args.get("consumed_train_samples") or 0),
             "consumed_valid_samples": int(args.get("consumed_valid_samples") or 0),
             "layout": f"TP{ckpt.tp} x PP{ckpt.pp}, {ckpt.layout} layout"}
+
+
+def is_hf_folder(root) -> bool:
+    """A Hugging Face model folder (``config.json`` beside the weights) rather than a checkpoint."""
+    return (Path(root) / "config.json").is_file() and not (Path(root) / TRACKER).is_file()
+
+
+@torch.no_grad()
+def load_hf(root, params: dict[str, torch.Tensor], cfg: RunConfig) -> None:
+    """``--load`` of a Hugging Face GPT-2 folder: its weights into ``params`` (plain or sharded);
+    a flag contradicting its config.json is an error naming both values."""
+    from gptrain.interop.hf import load_hf_folder
+
+    model = load_hf_folder(root)
+    theirs = {key: getattr(model.cfg, attr) for key, (attr, _) in _ARCHITECTURE.items()}
+    check_architecture(theirs, cfg, str(Path(root) / "config.json"))
+    if model.cfg.vocab_size != cfg.model.vocab_size:
+        raise ValueError(f"{root}: a {model.cfg.vocab_size}-token vocabulary, the tokenizer has {cfg.model.vocab_size} "
+                         "(give the folder's vocab.json and merges.txt as --vocab-file and --merge-file)")
+    weights = dict(model.named_parameters())
+    for name, target in params.items():
+        full = weights[name].float()
+        if name == "word_embeddings.weight":  # the real vocabulary's rows; this layout's padding is zero
+            rows = min(full.shape[0], target.shape[0])
+            full, padded = torch.zeros(tuple(target.shape)), full
+            full[:rows] = padded[:rows]
+        copy_full_into(target, full)

@@ -1,0 +1,247 @@
+"""``gptrain convert``: gptrain checkpoint -> Hugging Face GPT-2 folder, HF folder -> gptrain
+checkpoint, Megatron-LM folder -> gptrain checkpoint.
+
+Each conversion writes into a temporary folder beside OUT, reads what it wrote back, compares the
+logits of a fixed prompt against the source (transformers' own GPT2LMHeadModel where HF is on one
+side and it is installed), prints the largest absolute difference, and renames the folder into
+place only if they agree. Nothing is written into the source folder.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from dataclasses import fields
+from pathlib import Path
+
+import torch
+
+from gptrain.interop.hf import HF_WEIGHTS, hf_config_dict, load_hf_folder, to_hf_state_dict
+from gptrain.model.gpt import GPT, GPTConfig
+from gptrain.tokenizer import GPT2Tokenizer
+
+PROMPT = "The quick brown fox jumps over the lazy dog. Megatron-LM checkpoints become Hugging Face models:"
+TOLERANCE = 1e-3  # fp32 on both sides: different attention kernels, nothing more
+
+
+class ConversionError(ValueError):
+    pass
+
+
+def _prompt_tokens(cfg: GPTConfig, tokenizer: GPT2Tokenizer | None) -> torch.Tensor:
+    ids = tokenizer.encode(PROMPT) if tokenizer is not None else [(i * 7919) % cfg.vocab_size for i in range(24)]
+    return torch.tensor([ids[: cfg.seq_length]], dtype=torch.long)
+
+
+@torch.no_grad()
+def _logits(model: GPT, tokens: torch.Tensor) -> torch.Tensor:
+    return model.eval().logits(tokens)[..., : model.cfg.vocab_size].float()
+
+
+def _compare(reference: torch.Tensor, got: torch.Tensor, what: str, log) -> float:
+    diff = (reference - got).abs().max().item()
+    log(f"check: logits of a {reference.shape[1]}-token prompt, {what}: max abs difference {diff:.3e}")
+    if not diff <= TOLERANCE:
+        raise ConversionError(f"the converted model's logits differ from the source's by {diff:.3e} "
+                              f"(more than {TOLERANCE:g}); nothing was written")
+    return diff
+
+
+def _staging(out: Path) -> Path:
+    if out.exists():
+        raise ConversionError(f"{out} exists: give a new folder")
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    return tmp
+
+
+def _publish(tmp: Path, out: Path) -> None:
+    from gptrain.train.durable import fsync_dir, fsync_tree
+
+    for d in [p for p in tmp.rglob("*") if p.is_dir()] + [tmp]:
+        fsync_tree(d)
+    os.replace(tmp, out)
+    fsync_dir(out.parent)
+
+
+# ---- gptrain checkpoints
+def read_gptrain(root) -> tuple[GPT, dict]:
+    """A plain fp32 GPT from a gptrain checkpoint folder (any layout it was saved at), and its state."""
+    from gptrain.train.checkpoint import find_checkpoint, load_checkpoint
+
+    root = Path(root)
+    path = find_checkpoint(root)
+    if path is None:
+        raise FileNotFoundError(f"{root}: no gptrain checkpoint (no latest_checkpointed_iteration.txt)")
+    state = json.loads((path / "state.json").read_text())
+    model_cfg = (state.get("config") or {}).get("model")
+    if not model_cfg:
+        raise ConversionError(f"{path}/state.json has no run config (written by an older gptrain)")
+    known = {f.name for f in fields(GPTConfig)}
+    cfg = GPTConfig(**{k: v for k, v in model_cfg.items() if k in known})
+    cfg.tensor_parallel_size = 1  # this process's padding; the checkpoint stores the real rows
+    model = GPT(cfg)
+    load_checkpoint(root, dict(model.named_parameters()), None, cfg.vocab_size, load_rng=False)
+    return model, state
+
+
+def write_gptrain(model: GPT, out: Path, iteration, extra_state: dict, data_config: dict | None = None) -> None:
+    """A weights-only gptrain checkpoint (no optimizer state: a run loading it starts the optimizer fresh)."""
+    from gptrain.config import DataConfig
+    from gptrain.train.checkpoint import save_checkpoint
+
+    config = {"model": {f.name: getattr(model.cfg, f.name) for f in fields(GPTConfig)},
+              "data": data_config or {f.name: getattr(DataConfig(), f.name) for f in fields(DataConfig)}}
+    state = {"consumed_train_samples": 0, "consumed_valid_samples": 0,
+             "schedule": {"num_steps": 0}, "scaler": None, "config": config,
+             "layout": {"dp": 1, "tp": 1, "pp": 1, "zero_stage": 0}, **extra_state}
+    save_checkpoint(out, iteration, dict(model.named_parameters()), None, state, model.cfg.vocab_size)
+
+
+def _tokenizer_of(state: dict) -> GPT2Tokenizer:
+    data = (state.get("config") or {}).get("data") or {}
+    return GPT2Tokenizer(data.get("vocab_file"), data.get("merge_file"))
+
+
+# ---- Hugging Face folders
+def _write_tokenizer(tokenizer: GPT2Tokenizer, out: Path, max_length: int) -> None:
+    """GPT-2's tokenizer files as transformers reads them: vocab.json and merges.txt (the same
+    bytes gptrain tokenizes with) and the special tokens."""
+    shutil.copyfile(tokenizer.files.vocab_file, out / "vocab.json")
+    shutil.copyfile(tokenizer.files.merge_file, out / "merges.txt")
+    eod = "<|endoftext|>"
+    (out / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "GPT2Tokenizer", "model_max_length": max_length, "bos_token": eod, "eos_token": eod,
+         "unk_token": eod, "add_prefix_space": False}, indent=1))
+    (out / "special_tokens_map.json").write_text(json.dumps(
+        {"bos_token": eod, "eos_token": eod, "unk_token": eod}, indent=1))
+
+
+def _transformers_logits(folder: Path, tokens: torch.Tensor, tokenizer: GPT2Tokenizer | None):
+    """Logits (and the prompt's tokens) from transformers' own GPT-2 reading ``folder``, or None
+    without transformers."""
+    try:
+        from transformers import AutoTokenizer, GPT2LMHeadModel
+    except ImportError:
+        return None
+    model = GPT2LMHeadModel.from_pretrained(folder, local_files_only=True, torch_dtype=torch.float32).eval()
+    if tokenizer is not None and (folder / "vocab.json").is_file():
+        hf_ids = AutoTokenizer.from_pretrained(folder, local_files_only=True)(PROMPT)["input_ids"]
+        if hf_ids[: tokens.shape[1]] != tokens[0].tolist():
+            raise ConversionError("transformers' tokenizer reading the written files encodes the prompt "
+                                  "differently from gptrain's tokenizer")
+    with torch.no_grad():
+        return model(tokens).logits.float()
+
+
+def to_hf(ckpt, out, log=print) -> float:
+    """``gptrain convert --to hf CKPT OUT``."""
+    from safetensors.torch import save_file
+
+    out = Path(out)
+    model, state = read_gptrain(ckpt)
+    tokenizer = _tokenizer_of(state)
+    if tokenizer.vocab_size != model.cfg.vocab_size:
+        raise ConversionError(f"{ckpt}: the model's vocabulary has {model.cfg.vocab_size} tokens, its tokenizer "
+                              f"{tokenizer.vocab_size}")
+    tokens = _prompt_tokens(model.cfg, tokenizer)
+    reference = _logits(model, tokens)
+    tmp = _staging(out)
+    try:
+        weights = to_hf_state_dict(model)
+        weights.pop("lm_head.weight")  # tied to transformer.wte.weight (tie_word_embeddings)
+        save_file(weights, tmp / HF_WEIGHTS, metadata={"format": "pt"})
+        (tmp / "config.json").write_text(json.dumps(hf_config_dict(model.cfg, tokenizer.eod), indent=1))
+        (tmp / "generation_config.json").write_text(json.dumps(
+            {"bos_token_id": tokenizer.eod, "eos_token_id": tokenizer.eod}, indent=1))
+        _write_tokenizer(tokenizer, tmp, model.cfg.max_position_embeddings)
+        got = _transformers_logits(tmp, tokens, tokenizer)
+        what = "transformers' GPT2LMHeadModel reading OUT vs the gptrain checkpoint"
+        if got is None:
+            got, what = _logits(load_hf_folder(tmp), tokens), "OUT read back (transformers is not installed)"
+        diff = _compare(reference, got, what, log)
+        _publish(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return diff
+
+
+def from_hf(folder, out, log=print) -> float:
+    """``gptrain convert --from hf DIR OUT``: a weights-only gptrain checkpoint (``release``)."""
+    folder, out = Path(folder), Path(out)
+    model = load_hf_folder(folder)
+    tokenizer = None
+    if (folder / "vocab.json").is_file() and (folder / "merges.txt").is_file():
+        tokenizer = GPT2Tokenizer(folder / "vocab.json", folder / "merges.txt")
+    tokens = _prompt_tokens(model.cfg, tokenizer)
+    reference = _transformers_logits(folder, tokens, tokenizer)
+    what = "the gptrain checkpoint vs transformers' GPT2LMHeadModel reading DIR"
+    if reference is None:
+        reference, what = _logits(model, tokens), "the gptrain checkpoint read back vs DIR (transformers is not installed)"
+    tmp = _staging(out)
+    try:
+        data = {"vocab_file": str(folder.resolve() / "vocab.json"), "merge_file": str(folder.resolve() / "merges.txt")} \
+            if tokenizer is not None else None
+        write_gptrain(model, tmp, "release", {"source": f"huggingface:{folder.resolve()}"}, data)
+        written, _ = read_gptrain(tmp)
+        diff = _compare(reference, _logits(written, tokens), what, log)
+        _publish(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return diff
+
+
+def from_megatron(folder, out, log=print) -> float:
+    """``gptrain convert --from megatron DIR OUT``: its weights, iteration and consumed samples."""
+    from gptrain.interop.megatron import read_megatron_checkpoint
+
+    folder, out = Path(folder), Path(out)
+    ckpt = read_megatron_checkpoint(folder)
+    cfg = ckpt.gpt_config()
+    model = GPT(cfg)
+    model.load_state_dict({k: v.float() for k, v in ckpt.model_state_dict().items()}, strict=True)
+    tokens = _prompt_tokens(cfg, GPT2Tokenizer() if cfg.vocab_size == 50257 else None)  # GPT-2's vocabulary
+    reference = _logits(model, tokens)
+    padding = ckpt.state["word_embeddings.weight"][cfg.vocab_size:]
+    if padding.abs().sum() > 0:
+        log(f"note: the {padding.shape[0]} padding rows of the word embeddings are dropped (gptrain stores the real "
+            "vocabulary): with --softmax-over-padded-vocab the converted checkpoint no longer evaluates exactly as "
+            "Megatron does (--load DIR keeps them)")
+    tmp = _staging(out)
+    try:
+        args = ckpt.args
+        extra = {"consumed_train_samples": int(args.get("consumed_train_samples") or 0),
+                 "consumed_valid_samples": int(args.get("consumed_valid_samples") or 0),
+                 "source": f"megatron:{folder.resolve()} (TP{ckpt.tp} x PP{ckpt.pp}, {ckpt.layout} layout)"}
+        write_gptrain(model, tmp, ckpt.iteration, extra)
+        written, _ = read_gptrain(tmp)
+        diff = _compare(reference, _logits(written, tokens), "the gptrain checkpoint read back vs the Megatron "
+                        "weights", log)
+        _publish(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return diff
+
+
+def convert_main(argv: list[str]) -> int:
+    import argparse
+    import sys
+
+    p = argparse.ArgumentParser(prog="gptrain convert", description="convert checkpoints; each conversion checks "
+                                "the logits of a fixed prompt against its source before it reports success")
+    way = p.add_mutually_exclusive_group(required=True)
+    way.add_argument("--to", choices=["hf"], help="a gptrain checkpoint -> a Hugging Face GPT-2 folder")
+    way.add_argument("--from", dest="source", choices=["hf", "megatron"],
+                     help="a Hugging Face GPT-2 folder or a Megatron-LM checkpoint -> a gptrain checkpoint")
+    p.add_argument("input")
+    p.add_argument("output")
+    args = p.parse_args(argv)
+    run = to_hf if args.to else from_hf if args.source == "hf" else from_megatron
+    try:
+        run(args.input, args.output, log=lambda s: print(s, flush=True))
+    except (ValueError, OSError) as err:
+        print(f"gptrain: error: {err}", file=sys.stderr)
+        return 2
+    print(f"wrote {args.output}")
+    return 0

@@ -62,7 +62,7 @@ def test_cublaslt_ops_match_fp32(dtype, m):
 
 def _mlp_grads(x, fc1, fc2, g, module_cls=None):
     """Output and gradients (x, fc1 w/b, fc2 w/b) of fc1 -> tanh GELU -> fc2."""
-    from gptrain.model.linear import FusedBiasGeluMLP, TunedLinear
+    from gptrain.model.linear import FusedBiasGeluMLP
 
     if module_cls is FusedBiasGeluMLP:
         module = FusedBiasGeluMLP()

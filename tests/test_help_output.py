@@ -41,7 +41,8 @@ def test_start_up_lines_are_summaries_and_fp16_on_cpu_warns(prefix):
     assert len(warnings) == 1 and "--bf16" in warnings[0]
     assert not any("-idx mapping from" in line for line in lines)
     cache = [line for line in lines if line.startswith(" > index cache:")]
-    assert len(cache) == 1 and re.match(r" > index cache: 9 files in \S+index-cache \(--verbose lists them\)$", cache[0])
+    assert len(cache) == 1
+    assert re.match(r" > index cache: 9 files in \S+index-cache \(--verbose lists them\)$", cache[0])
     assert " > linear layers: torch (--verbose: why)" in lines
     assert " > attention: SDPA, PyTorch's pick (--verbose: why)" in lines
     iteration = [line for line in lines if line.startswith(" iteration ")]

@@ -1,0 +1,97 @@
+"""`gptrain demo`: what it reads from the training log, its loss curve, and two short CPU runs (one
+bounded by iterations, one stopped by its time limit and evaluated from the checkpoint)."""
+from __future__ import annotations
+
+import re
+import struct
+
+import pytest
+
+from gptrain import demo
+from gptrain.train import metrics
+
+
+def _log(losses: dict[int, float], validation: dict[int, float], end_val: float, end_test: float) -> list[str]:
+    lines = []
+    for it, loss in losses.items():  # the trainer's own line formats
+        lines.append(metrics.iteration_line(it, 100, it * 4, 12.0, 1e-3, 4, loss, 1.0, 0.5, 0, 0)
+                     + metrics.throughput_suffix(1000.0, 0.0, None, 1.0, "cpu"))
+        if it in validation:
+            lines += metrics.validation_block(f"iteration {it}", validation[it]).splitlines()
+    lines += metrics.validation_block("the end of training for val data", end_val).splitlines()
+    lines += metrics.validation_block("the end of training for test data", end_test).splitlines()
+    return lines
+
+
+def test_losses_read_from_the_log_and_the_verdict():
+    lines = _log({5: 10.5, 10: 9.0, 15: 7.25}, {10: 9.5}, 7.5, 7.75)
+    assert demo.train_losses(lines) == [(5, 10.5), (10, 9.0), (15, 7.25)]
+    assert demo.validation_losses(lines, 15) == {"val": [(10, 9.5), (15, 7.5)], "test": [(15, 7.75)]}
+    assert demo.loss_fell(demo.train_losses(lines)) == (
+        True, "lm loss 10.500 -> 7.250 (fell by 3.250; the demo requires 2.0)")
+    assert demo.loss_fell([(5, 10.5), (10, 9.0)])[0] is False
+    assert demo.loss_fell([(5, 10.5)]) == (False, "only 1 logged interval(s): too few iterations to see the loss fall")
+
+
+def test_loss_curve_is_a_png_matplotlib_reads_back(tmp_path):
+    import matplotlib.image
+
+    path = tmp_path / "curve.png"
+    message = demo.plot_losses(path, [(5, 10.5), (10, 9.0), (15, 7.25)],
+                               {"val": [(10, 9.5), (15, 7.5)], "test": [(15, 7.75)]}, "title")
+    assert message == f"loss curve: {path}"
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR"
+    assert struct.unpack(">II", data[16:24]) == (800, 500)
+    image = matplotlib.image.imread(path)
+    assert image.shape[:2] == (500, 800) and image.std() > 0.05  # a drawing, not a blank canvas
+
+
+def _run_demo(tmp_path, capsys, *flags):
+    rc = demo.demo_main(["--out", str(tmp_path / "demo"), "--cpu", *flags])
+    return rc, capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_demo_on_cpu_trains_evaluates_samples_and_draws(tmp_path, capsys):
+    rc, out = _run_demo(tmp_path, capsys, "--train-iters", "20")
+    assert rc == 0, out[-3000:]
+    # validation and test splits of tens of documents (90,5,5 of the corpus)
+    split = re.search(r"validation:\n     document indices in \[\d+, \d+\) total of (\d+) documents\n    test:\n"
+                      r"     document indices in \[\d+, \d+\) total of (\d+) documents", out)
+    assert split and all(20 <= int(n) <= 200 for n in split.groups())
+    assert re.search(r"validation loss at the end of training for val data \| lm loss value: \S+ \| lm loss PPL:", out)
+    assert re.search(r"validation loss at the end of training for test data \| lm loss value: \S+ \| lm loss PPL:", out)
+    samples = re.findall(r"== sample \(temperature 0\.9, top-k 40\) for '([^']+)':\n(.*?)\n\n", out, re.S)
+    assert [p for p, _ in samples] == list(demo.PROMPTS)
+    for prompt, text in samples:
+        assert text.startswith(prompt) and len(re.findall(r"[A-Za-z]{2,}", text[len(prompt):])) >= 3, text
+    assert len({text[len(p):] for p, text in samples}) == 3  # one seed per prompt
+    assert re.search(r"== lm loss [\d.]+ -> [\d.]+ \(fell by [\d.]+; the demo requires 2\.0\)", out)
+    assert (tmp_path / "demo" / "loss_curve.png").read_bytes()[:4] == b"\x89PNG"
+    assert any(p.name.startswith("events.out.tfevents") for p in (tmp_path / "demo" / "tensorboard").iterdir())
+    assert f"tensorboard --logdir {tmp_path / 'demo' / 'tensorboard'}" in out
+    assert "TFLOP/s" not in out and "gptrain demo: OK" in out
+
+
+@pytest.mark.slow
+def test_demo_time_limit_still_evaluates_the_checkpoint(tmp_path, capsys):
+    rc, out = _run_demo(tmp_path, capsys, "--train-iters", "1000", "--minutes", "0.05")
+    assert "exiting program after 0.05 minutes" in out
+    assert re.search(r"== the 0\.05-minute limit stopped training at iteration \d+; evaluating the checkpoint", out)
+    assert re.search(r"validation loss at the end of training for val data \| lm loss value: \S+", out)
+    assert re.search(r"validation loss at the end of training for test data \| lm loss value: \S+", out)
+    # the verdict and the exit status agree, whatever this machine's speed allowed
+    assert (rc == 0) == ("gptrain demo: OK" in out) and (rc == 1) == ("gptrain demo: FAILED" in out)
+
+
+def test_whitespace_flattened_prose_joined_code_kept():
+    text = ("Title\n*****\n\nA paragraph of prose that was hard-wrapped at seventy\n"
+            "characters by the documentation build, as  pydoc writes it.\n\n"
+            "   Indented prose of the same kind, wrapped over two lines by\n"
+            "   the same tool, and indented by three spaces everywhere.\n\n"
+            "   >>> x = [1,  2]\n   >>> len(x)\n   2\n\n   for i in x:\n       print(i)")
+    assert demo.flatten_whitespace(text) == (
+        "Title\n*****\n\nA paragraph of prose that was hard-wrapped at seventy characters by the documentation "
+        "build, as pydoc writes it.\n\nIndented prose of the same kind, wrapped over two lines by the same tool, "
+        "and indented by three spaces everywhere.\n\n>>> x = [1, 2]\n>>> len(x)\n2\n\nfor i in x:\nprint(i)")

@@ -25,6 +25,7 @@ import os
 import random
 import shutil
 import sys
+import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -292,7 +293,8 @@ def save_checkpoint(root: str | os.PathLike, iteration: int, params: dict[str, t
                 warnings.filterwarnings("ignore", message=".*torch.distributed is disabled")
                 if async_save:
                     future = dcp.async_save(_state_dict(params, optimizer, vocab_size), checkpoint_id=tmp,
-                                            async_stager=stager, process_group=process_group)
+                                            async_stager=stager, process_group=process_group,
+                                            no_dist=not distributed())
                 else:
                     dcp.save(_state_dict(params, optimizer, vocab_size), checkpoint_id=tmp)
             rng_tensors, rng_scalars = _rng_state()
@@ -407,3 +409,72 @@ def load_checkpoint(root: str | os.PathLike, params: dict[str, torch.Tensor],
     if load_rng and rng.is_file():
         _set_rng_state(load_file(rng), json.loads(rng.with_suffix(".json").read_text()))
     return state
+
+
+class Checkpointer:
+    """The trainer's saves, synchronous or (``--async-save``) through DCP's ``async_save``: the
+    tensors are staged in host memory (pinned on a GPU) while training waits, a background thread
+    writes them, and the checkpoint is published (manifest, fsync, rename, tracker) once every rank
+    has finished writing. One save at a time: the previous one finishes before the next starts and
+    before the run ends."""
+
+    def __init__(self, async_save: bool, log=print):
+        self.async_save, self.log = async_save, log
+        self.pending: PendingSave | None = None
+        self._started = 0.0
+        self._stager = None
+        self._group = None
+
+    def save(self, root, iteration: int, params: dict[str, torch.Tensor], optimizer, state: dict,
+             vocab_size: int) -> None:
+        self.finish()
+        start = time.perf_counter()
+        self.log(f"saving checkpoint at iteration {iteration:7d} to {root}" + (" (asynchronously)" if self.async_save else ""))
+        if not self.async_save:
+            save_checkpoint(root, iteration, params, optimizer, state, vocab_size)
+            self.log(f"  successfully saved checkpoint at iteration {iteration:7d} to {root} "
+                     f"({time.perf_counter() - start:.2f} s)")
+            return
+        if self._group is None and distributed():  # the writer thread's collectives stay off the training group
+            self._group = torch.distributed.new_group(backend="gloo")
+        if self._stager is None:
+            self._stager = _stager(any(p.is_cuda for p in params.values()))
+        self.pending = save_checkpoint(root, iteration, params, optimizer, state, vocab_size, async_save=True,
+                                       stager=self._stager, process_group=self._group)
+        self._started = start
+        self.log(f"  training blocked {time.perf_counter() - start:.2f} s; the checkpoint is written in the background")
+
+    def poll(self) -> None:
+        """Publish the pending save if every rank's writer is done (every rank calls this)."""
+        if self.pending is None:
+            return
+        upload = getattr(self.pending.future, "upload_completion", self.pending.future)
+        done = torch.tensor([1.0 if upload.done() else 0.0])
+        if distributed():
+            torch.distributed.all_reduce(done, op=torch.distributed.ReduceOp.MIN)
+        if done.item():
+            self.finish()
+
+    def finish(self) -> None:
+        if self.pending is None:
+            return
+        pending, self.pending = self.pending, None
+        finish_save(pending)
+        self.log(f"  successfully saved checkpoint at iteration {pending.iteration:7d} to {pending.root} "
+                 f"({time.perf_counter() - self._started:.2f} s, in the background)")
+
+    def close(self) -> None:
+        self.finish()
+        if self._stager is not None:
+            self._stager.close()
+            self._stager = None
+
+
+def _stager(cuda: bool):
+    """DCP's stager: pinned host buffers, reused from save to save, on a GPU; plain copies on a CPU."""
+    try:
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+    except ImportError:  # older torch: async_save's own default
+        return None
+    return DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=False,
+                                        use_non_blocking_copy=cuda))

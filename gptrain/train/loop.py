@@ -26,7 +26,7 @@ from gptrain.parallel.dims import is_logging_rank, world_from_env
 from gptrain.train import metrics
 from gptrain.train.build import TrainingParts
 from gptrain.train import signals
-from gptrain.train.checkpoint import iteration_dir, load_checkpoint, recover, save_checkpoint
+from gptrain.train.checkpoint import Checkpointer, iteration_dir, load_checkpoint, recover
 from gptrain.train.megatron_load import is_hf_folder, is_megatron_checkpoint, load_hf, load_megatron
 from gptrain.train.precision import LossScaler
 from gptrain.train.schedule import LRSchedule
@@ -147,6 +147,7 @@ class Trainer:
         self.memory_reported = False
         self.last_train_loss: float | None = None
         self.first_train_loss: float | None = None
+        self.checkpointer = Checkpointer(cfg.train.async_save, self.log)
 
     def loader(self, dataset, start: int) -> MicroBatchLoader | NoData:
         if self.pipeline is not None and not self.pipeline.needs_data:
@@ -197,12 +198,8 @@ class Trainer:
     def save(self) -> None:
         if not self.cfg.train.save:
             return
-        start = time.perf_counter()
-        self.log(f"saving checkpoint at iteration {self.iteration:7d} to {self.cfg.train.save}")
-        save_checkpoint(self.cfg.train.save, self.iteration, self.opt_params, self.optimizer, self.state(),
-                        self.cfg.model.vocab_size)
-        self.log(f"  successfully saved checkpoint at iteration {self.iteration:7d} to {self.cfg.train.save} "
-                 f"({time.perf_counter() - start:.2f} s)")
+        self.checkpointer.save(self.cfg.train.save, self.iteration, self.opt_params, self.optimizer, self.state(),
+                               self.cfg.model.vocab_size)
 
     def load(self) -> None:
         t = self.cfg.train
@@ -433,6 +430,7 @@ class Trainer:
             counter.zero_()
         if nan_run >= t.max_nan_iterations:
             self.save()
+            self.checkpointer.close()
             saved = f"the last good state is saved in {t.save}" if t.save else "no --save was given, nothing saved"
             raise TrainingStopped(f"{int(nan_run)} NaN/inf iterations in a row at iteration {self.iteration} "
                                   f"(--max-nan-iterations {t.max_nan_iterations}): stopping; {saved}. Lower --lr, "
@@ -461,6 +459,7 @@ class Trainer:
                 skipped = self.train_step(loader)
                 self.iteration += 1
                 self.consumed_train += t.global_batch_size
+                self.checkpointer.poll()  # --async-save: publish a save whose data every rank has written
                 stats.iterations += 1
                 if skipped:
                     stats.skipped += 1
@@ -489,6 +488,7 @@ class Trainer:
         if self.iteration and self.iteration != self.loaded_iteration \
                 and not (t.save_interval and self.iteration % t.save_interval == 0):
             self.save()
+        self.checkpointer.close()  # the last save is published before the run goes on or ends
         if exit_reason:
             self.log(exit_reason)
             return

@@ -1,0 +1,31 @@
+"""A checkpoint saved by one process resumes at another layout (tensor parallel 2, ZeRO-3 over two
+data-parallel ranks) with the next losses of the straight run (fp32, CPU, gloo). The reverse
+direction (TP2 -> one process) is in test_tensor_parallel.py."""
+from __future__ import annotations
+
+import pytest
+
+from distributed import TINY, losses, single, torchrun
+
+RUN = TINY + ["--lr-decay-iters", "6"]  # one schedule for the 4-iteration save and the 6-iteration runs
+
+
+@pytest.fixture(scope="module")
+def saved_by_one_process(tmp_path_factory):
+    root = tmp_path_factory.mktemp("reshard")
+    straight = losses(single(RUN + ["--train-iters", "6"]))
+    single(RUN + ["--train-iters", "4", "--save", str(root / "ck")])
+    return straight, root / "ck"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", [["--tensor-model-parallel-size", "2"], ["--zero-stage", "3"]],
+                         ids=["tp2", "zero3-dp2"])
+def test_one_process_checkpoint_resumes_at_another_layout(layout, saved_by_one_process):
+    straight, ck = saved_by_one_process
+    out = torchrun(2, RUN + layout + ["--train-iters", "6", "--load", str(ck)])
+    assert f"successfully loaded checkpoint from {ck} at iteration 4" in out
+    resumed = losses(out)
+    assert sorted(resumed) == [5, 6]
+    for it in (5, 6):
+        assert resumed[it] == pytest.approx(straight[it], rel=1e-4), (it, resumed, straight)

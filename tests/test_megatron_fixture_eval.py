@@ -1,0 +1,72 @@
+"""The real Megatron-LM checkpoints in ../shared/fixtures/megatron-ckpt evaluate, with --skip-train
+--softmax-over-padded-vocab, to the validation and test losses their own Megatron log printed
+(within 2e-5 relative), on the data their README describes: the built-in corpus (the shipped
+gptrain/data/builtin_corpus.jsonl.xz, 1139 documents), preprocessed with --append-eod."""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from gptrain.data.builtin import SHIPPED, write_builtin_corpus
+from gptrain.data.preprocess import PreprocessConfig, preprocess
+from gptrain.train.run import train_main
+
+FIXTURES = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "megatron-ckpt"
+pytestmark = pytest.mark.skipif(not (FIXTURES / "dev_tp1").is_dir() or not (FIXTURES / "dev_pp2").is_dir(),
+                                reason=f"Megatron checkpoint fixtures not found at {FIXTURES} (../shared)")
+FLAGS = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 64 --max-position-embeddings 64 "
+         "--micro-batch-size 4 --global-batch-size 8 --lr 1e-3 --min-lr 1e-4 --lr-decay-style cosine "
+         "--lr-warmup-iters 2 --weight-decay 0.01 --clip-grad 1.0 --split 900,80,20 --seed 1234 --eval-iters 4 "
+         "--eval-interval 1000 --train-iters 20 --attention-dropout 0 --hidden-dropout 0 --device cpu "
+         "--skip-train --softmax-over-padded-vocab").split()
+
+
+def megatron_losses(name: str) -> tuple[float, float]:
+    """(validation, test) from the Megatron run's own log."""
+    text = (FIXTURES / f"{name}.log").read_text()
+    found = {m.group(1): float(m.group(2)) for m in re.finditer(
+        r"validation loss at iteration 20 on (validation|test) set \| lm loss value: (\S+) \|", text)}
+    return found["validation"], found["test"]
+
+
+@pytest.fixture(scope="module")
+def builtin_prefix(tmp_path_factory):
+    assert SHIPPED.is_file(), f"{SHIPPED} is missing: the corpus the fixtures were evaluated on"
+    root = tmp_path_factory.mktemp("builtin")
+    docs, _ = write_builtin_corpus(root / "b.jsonl")
+    assert docs == 1139  # the README's data (its Megatron log: "total number of documents: 1139")
+    preprocess(PreprocessConfig(inputs=[str(root / "b.jsonl")], output_prefix=str(root / "builtin"),
+                                append_eod=True, progress=False))
+    return str(root / "builtin_text_document")
+
+
+def _gptrain_losses(lines: list[str]) -> tuple[float, float]:
+    values = [float(x.split("lm loss value: ")[1].split()[0]) for x in lines if "lm loss value" in x]
+    assert len(values) == 2, lines[-10:]
+    return values[0], values[1]
+
+
+@pytest.mark.parametrize("name", ["dev_tp1", "dev_pp2"])
+def test_fixture_evaluates_to_megatrons_losses_in_one_process(name, builtin_prefix, tmp_path):
+    lines: list[str] = []
+    rc = train_main(FLAGS + ["--data-path", builtin_prefix, "--data-cache-path", str(tmp_path),
+                             "--load", str(FIXTURES / name)], log=lines.append)
+    assert rc == 0, lines[-5:]
+    valid, test = _gptrain_losses(lines)
+    ref_valid, ref_test = megatron_losses(name)
+    assert valid == pytest.approx(ref_valid, rel=2e-5) and test == pytest.approx(ref_test, rel=2e-5), \
+        (valid, test, ref_valid, ref_test)
+
+
+@pytest.mark.slow
+def test_pp2_fixture_evaluates_to_megatrons_losses_at_pipeline_2(builtin_prefix, tmp_path):
+    from distributed import torchrun
+
+    out = torchrun(2, FLAGS + ["--pipeline-model-parallel-size", "2", "--data-path", builtin_prefix,
+                               "--data-cache-path", str(tmp_path), "--load", str(FIXTURES / "dev_pp2")])
+    valid, test = _gptrain_losses(out.splitlines())
+    ref_valid, ref_test = megatron_losses("dev_pp2")
+    assert valid == pytest.approx(ref_valid, rel=2e-5) and test == pytest.approx(ref_test, rel=2e-5), \
+        (valid, test, ref_valid, ref_test)

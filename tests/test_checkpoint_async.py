@@ -52,3 +52,20 @@ def test_async_checkpoints_equal_sync_ones(tmp_path):
     assert sorted(x) == sorted(y) and all(torch.equal(x[k], y[k]) for k in x)
     drop = ("files", "config")
     assert {k: v for k, v in sx.items() if k not in drop} == {k: v for k, v in sy.items() if k not in drop}
+
+
+@pytest.mark.slow
+def test_async_save_under_zero3_on_two_ranks(tmp_path):
+    """Two ranks write their shards in the background (their own gloo group) and agree on when the
+    checkpoint is published; it holds the same weights as the one-process synchronous run."""
+    from distributed import single, torchrun
+
+    single(RUN + ["--train-iters", "4", "--save", str(tmp_path / "one")])
+    out = torchrun(2, RUN + ["--train-iters", "4", "--zero-stage", "3", "--async-save", "--save", str(tmp_path / "two")])
+    assert out.count("  successfully saved checkpoint at iteration") == 2 and read_tracker(tmp_path / "two") == 4
+    assert is_complete(tmp_path / "two" / "iter_0000002")[0] and is_complete(tmp_path / "two" / "iter_0000004")[0]
+    x, _ = _everything(tmp_path / "one")
+    y, state = _everything(tmp_path / "two")
+    assert state["layout"]["dp"] == 2 and state["layout"]["zero_stage"] == 3
+    for k in x:
+        torch.testing.assert_close(y[k], x[k], rtol=1e-4, atol=1e-6, msg=k)

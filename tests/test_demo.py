@@ -28,9 +28,16 @@ def test_losses_read_from_the_log_and_the_verdict():
     assert demo.train_losses(lines) == [(5, 10.5), (10, 9.0), (15, 7.25)]
     assert demo.validation_losses(lines, 15) == {"val": [(10, 9.5), (15, 7.5)], "test": [(15, 7.75)]}
     assert demo.loss_fell(demo.train_losses(lines)) == (
-        True, "lm loss 10.500 -> 7.250 (fell by 3.250; the demo requires 2.0)")
+        True, "lm loss 10.500 (first training interval) -> 7.250 (last training interval): fell by 3.250; "
+              "the demo requires 2.0")
     assert demo.loss_fell([(5, 10.5), (10, 9.0)])[0] is False
     assert demo.loss_fell([(5, 10.5)]) == (False, "only 1 logged interval(s): too few iterations to see the loss fall")
+    # the final validation loss, when there is one, is the measure: held out, and less noisy
+    assert demo.loss_fell([(5, 10.5), (10, 9.0)], 8.25) == (
+        True, "lm loss 10.500 (first training interval) -> 8.250 (final validation): fell by 2.250; "
+              "the demo requires 2.0")
+    assert demo.loss_fell([(5, 10.5), (10, 7.0)], 9.0)[0] is False
+    assert demo.loss_fell([], 5.0)[0] is False
 
 
 def test_loss_curve_is_a_png_matplotlib_reads_back(tmp_path):
@@ -54,7 +61,7 @@ def _run_demo(tmp_path, capsys, *flags):
 
 @pytest.mark.slow
 def test_demo_on_cpu_trains_evaluates_samples_and_draws(tmp_path, capsys):
-    rc, out = _run_demo(tmp_path, capsys, "--train-iters", "20")
+    rc, out = _run_demo(tmp_path, capsys, "--train-iters", "16")
     assert rc == 0, out[-3000:]
     # validation and test splits of tens of documents (90,5,5 of the corpus)
     split = re.search(r"validation:\n     document indices in \[\d+, \d+\) total of (\d+) documents\n    test:\n"
@@ -62,12 +69,14 @@ def test_demo_on_cpu_trains_evaluates_samples_and_draws(tmp_path, capsys):
     assert split and all(20 <= int(n) <= 200 for n in split.groups())
     assert re.search(r"validation loss at the end of training for val data \| lm loss value: \S+ \| lm loss PPL:", out)
     assert re.search(r"validation loss at the end of training for test data \| lm loss value: \S+ \| lm loss PPL:", out)
-    samples = re.findall(r"== sample \(temperature 0\.9, top-k 40\) for '([^']+)':\n(.*?)\n\n", out, re.S)
+    samples = re.findall(r"== sample \(temperature 0\.9, top-k 40\) for '([^']+)':\n(.*?)\n(?=== )", out, re.S)
     assert [p for p, _ in samples] == list(demo.PROMPTS)
-    for prompt, text in samples:
-        assert text.startswith(prompt) and len(re.findall(r"[A-Za-z]{2,}", text[len(prompt):])) >= 3, text
+    assert all(text.startswith(prompt) for prompt, text in samples)
+    # sampled text, not blank lines (16 CPU iterations make a near-unigram model: words in any order)
+    assert len(re.findall(r"[A-Za-z]{2,}", "".join(text[len(p):] for p, text in samples))) >= 5, samples
     assert len({text[len(p):] for p, text in samples}) == 3  # one seed per prompt
-    assert re.search(r"== lm loss [\d.]+ -> [\d.]+ \(fell by [\d.]+; the demo requires 2\.0\)", out)
+    assert re.search(r"== lm loss [\d.]+ \(first training interval\) -> [\d.]+ \(final validation\): fell by "
+                     r"[\d.]+; the demo requires 2\.0", out)
     assert (tmp_path / "demo" / "loss_curve.png").read_bytes()[:4] == b"\x89PNG"
     assert any(p.name.startswith("events.out.tfevents") for p in (tmp_path / "demo" / "tensorboard").iterdir())
     assert f"tensorboard --logdir {tmp_path / 'demo' / 'tensorboard'}" in out
@@ -95,3 +104,10 @@ def test_whitespace_flattened_prose_joined_code_kept():
         "Title\n*****\n\nA paragraph of prose that was hard-wrapped at seventy characters by the documentation "
         "build, as pydoc writes it.\n\nIndented prose of the same kind, wrapped over two lines by the same tool, "
         "and indented by three spaces everywhere.\n\n>>> x = [1, 2]\n>>> len(x)\n2\n\nfor i in x:\nprint(i)")
+
+
+def test_demo_refuses_to_replace_a_folder_that_is_not_a_demo(tmp_path, capsys):
+    (tmp_path / "precious.txt").write_text("keep me")
+    assert demo.demo_main(["--out", str(tmp_path), "--cpu"]) == 2
+    assert "holds files that are not a previous demo's" in capsys.readouterr().err
+    assert (tmp_path / "precious.txt").read_text() == "keep me"

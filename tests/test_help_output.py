@@ -65,3 +65,22 @@ def test_throughput_suffix_by_device():
     gpu = metrics.throughput_suffix(100000.0, 123.4, 989.0, 61.0, "cuda")
     assert gpu == " tokens per GPU per second: 100000 | TFLOP/s per GPU: 123.4 | MFU: 12.5% | ETA: 0:01:01 |"
     assert metrics.throughput_suffix(1000.0, 0.01, None, None, "cpu") == " tokens per GPU per second: 1000 |"
+
+
+@pytest.mark.slow
+def test_torchrun_error_after_the_process_group_is_one_line_from_rank_0(tmp_path):
+    """An error found once every rank has joined the process group (a missing dataset): one line,
+    from rank 0 only, and a non-zero exit (test_parallel.py covers errors found before it)."""
+    import subprocess
+    import sys
+
+    from tests.distributed import TINY as PARALLEL_TINY, _env
+
+    flags = [f for f in PARALLEL_TINY if f != "--mock-data"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "gptrain",
+           "train", *flags, "--train-iters", "1", "--data-path", str(tmp_path / "missing")]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=_env())
+    assert done.returncode != 0
+    assert "using world size: 2" in done.stdout  # the group existed when the error was found
+    errors = [line for line in (done.stdout + done.stderr).splitlines() if "gptrain: error:" in line]
+    assert len(errors) == 1 and errors[0].startswith("gptrain: error: ") and "missing" in errors[0], errors

@@ -26,21 +26,28 @@ SPLIT_NAMES = ("train", "valid", "test")
 
 
 def parse_split(split: str, num_documents: int) -> list[tuple[int, int]]:
-    """Megatron's ``get_train_valid_test_split_``: document ranges for train/valid/test."""
+    """megatron-core's split (``parse_and_normalize_split``, ``convert_split_vector_to_split_matrix``,
+    the builder's rounding): document ranges for train/valid/test; an empty split is (lo, lo)."""
+    import re
+
+    numbers = re.findall(r"[.0-9]+", split)
     try:
-        weights = [float(s) for s in split.replace("/", ",").split(",") if s.strip()]
+        weights = [float(s) for s in numbers]
     except ValueError:
-        raise ValueError(f"--split {split!r}: expected numbers such as 949,50,1") from None
-    if not weights or any(w < 0 for w in weights) or sum(weights) <= 0:
-        raise ValueError(f"--split {split!r}: weights must be non-negative with a positive sum")
+        weights = []
+    if not weights or len(weights) > 3 or sum(weights) <= 0 or re.sub(r"[.0-9,/ ]", "", split):
+        raise ValueError(f"--split {split!r}: expected up to three non-negative numbers such as 949,50,1")
     weights = (weights + [0.0] * 3)[:3]
-    total = sum(weights)
-    bounds = [0]
-    for w in weights:
-        bounds.append(bounds[-1] + int(round(w / total * float(num_documents))))
-    diff = bounds[-1] - num_documents
-    bounds = [bounds[0]] + [b - diff for b in bounds[1:]]
-    return [(bounds[i], bounds[i + 1]) for i in range(3)]
+    w = np.array(weights, dtype=np.float64)
+    weights = (w / np.sum(w)).tolist()
+    bounds = [0.0]
+    for x in weights:
+        bounds.append(bounds[-1] + x)
+    ranges = []
+    for lo, hi in zip(bounds[:-1], bounds[1:]):
+        begin = int(round(lo * float(num_documents)))
+        ranges.append((begin, int(round(hi * float(num_documents)))) if hi > lo else (begin, begin))
+    return ranges
 
 
 def num_epochs_needed(tokens_per_epoch: int, seq_length: int, num_samples: int) -> int:
@@ -157,14 +164,17 @@ def build_index_maps(name: str, data_prefix: str, documents: np.ndarray, sizes: 
 
 
 class GPTDataset:
-    """Samples of ``seq_length + 1`` token ids (int64) from one split of one indexed dataset."""
+    """Samples of ``seq_length + 1`` token ids (int64) from one split of one indexed dataset.
+
+    ``documents`` are sequence indices, as in megatron-core (which splits a GPT dataset by
+    sequence): without sentence splitting a sequence is a non-empty document."""
 
     def __init__(self, name: str, indexed: IndexedDataset, documents: np.ndarray, num_samples: int,
                  seq_length: int, seed: int, split: str, cache_dir=None, log=print):
         if len(documents) == 0:
             raise ValueError(f"the {name} split of {indexed.prefix} has no documents: adjust --split")
         self.name, self.indexed, self.seq_length = name, indexed, seq_length
-        self.maps = build_index_maps(name, indexed.prefix, documents, indexed.document_lengths(), split,
+        self.maps = build_index_maps(name, indexed.prefix, documents, indexed.sizes, split,
                                      num_samples, seq_length, seed, cache_dir, log, index_sha256(indexed.prefix))
 
     def __len__(self) -> int:
@@ -174,12 +184,13 @@ class GPTDataset:
         i = int(self.maps.shuffle_idx[idx])
         (doc_f, off_f), (doc_l, off_l) = self.maps.sample_idx[i], self.maps.sample_idx[i + 1]
         doc_idx = self.maps.doc_idx
+        get = self.indexed.get_sequence
         if doc_f == doc_l:
-            sample = self.indexed.get(int(doc_idx[doc_f]), int(off_f), int(off_l - off_f + 1))
+            sample = get(int(doc_idx[doc_f]), int(off_f), int(off_l - off_f + 1))
         else:
-            parts = [self.indexed.get(int(doc_idx[doc_f]), int(off_f))]
-            parts += [self.indexed.get(int(doc_idx[d])) for d in range(doc_f + 1, doc_l)]
-            parts.append(self.indexed.get(int(doc_idx[doc_l]), 0, int(off_l + 1)))
+            parts = [get(int(doc_idx[doc_f]), int(off_f))]
+            parts += [get(int(doc_idx[d])) for d in range(doc_f + 1, doc_l)]
+            parts.append(get(int(doc_idx[doc_l]), 0, int(off_l + 1)))
             sample = np.concatenate(parts)
         return sample.astype(np.int64)
 

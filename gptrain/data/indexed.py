@@ -284,6 +284,21 @@ class IndexedDataset:
     def num_tokens(self) -> int:
         return int(self.sizes.sum(dtype=np.int64))
 
+    @property
+    def num_sequences(self) -> int:
+        """Non-empty documents (without sentence splitting): what Megatron's GPT datasets split and index."""
+        return len(self.sizes)
+
+    def get_sequence(self, seq: int, offset: int = 0, length: int | None = None) -> np.ndarray:
+        """Tokens ``[offset, offset + length)`` of sequence ``seq`` (megatron-core's ``IndexedDataset.get``)."""
+        total = int(self.sizes[seq])
+        if length is None:
+            length = total - offset
+        if offset < 0 or length < 0 or offset + length > total:
+            raise IndexError(f"slice [{offset}, {offset + length}) outside sequence {seq} of {total} tokens")
+        start = int(self.pointers[seq]) // self.dtype.itemsize + offset
+        return self._bin[start: start + length]
+
     def document_lengths(self) -> np.ndarray:
         """Tokens per document (the sum of its sequences' lengths), int64."""
         if self._one_sequence_per_document:

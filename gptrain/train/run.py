@@ -73,8 +73,9 @@ def build_datasets(cfg: RunConfig, tokenizer: GPT2Tokenizer, log=print):
             log(f"WARNING: {warning}")
         if tokenizer.vocab_size > np.iinfo(indexed.dtype).max + 1:
             raise ValueError(f"{prefix}: token dtype {indexed.dtype} cannot hold a {tokenizer.vocab_size} vocabulary")
-        log(f"    number of documents: {indexed.num_documents}")
-        ranges = parse_split(cfg.data.split, indexed.num_documents)
+        # Megatron splits and counts a GPT dataset by sequence (a non-empty document here)
+        log(f"    number of documents: {indexed.num_sequences}")
+        ranges = parse_split(cfg.data.split, indexed.num_sequences)
         log(" > dataset split:")
         for name, (lo, hi) in zip(("train", "validation", "test"), ranges):
             log(f"    {name}:\n     document indices in [{lo}, {hi}) total of {hi - lo} documents")

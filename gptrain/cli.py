@@ -45,7 +45,10 @@ def cmd_preprocess(argv: list[str]) -> int:
             progress=False if args.no_progress else None,
         )
         report = preprocess(config)
-    except (PreprocessError, ValueError, FileNotFoundError) as err:
+    except PreprocessError as err:
+        _fail(str(err))
+        return err.exit_code  # 128 + the signal for SIGINT/SIGTERM
+    except (ValueError, FileNotFoundError) as err:
         return _fail(str(err))
     print(report.summary())
     for key, prefix in config.output_prefixes().items():
@@ -81,6 +84,11 @@ def cmd_data(argv: list[str]) -> int:
     i.add_argument("--merge-file", default=None)
     c = sub.add_parser("build-cache", help="build the dataset index maps of a training config ahead of a run",
                        add_help=False)
+    sub.add_parser("samples", help="the token ids training reads at positions of a split (.npy)", add_help=False)
+    if argv[:1] == ["samples"]:  # its own parser: the training flags pass through untouched
+        from gptrain.data.samples import samples_main
+
+        return samples_main(argv[1:])
     args, rest = p.parse_known_args(argv)
     try:
         if args.action == "builtin":
@@ -162,7 +170,7 @@ COMMANDS: dict[str, tuple[Callable[[list[str]], int], str]] = {
     "demo": (cmd_demo, "the main job on built-in data: prepare, train a small GPT, evaluate, sample"),
     "preprocess": (cmd_preprocess, "JSONL -> Megatron .bin/.idx (tools/preprocess_data.py flags)"),
     "merge-datasets": (cmd_merge_datasets, "concatenate indexed datasets"),
-    "data": (cmd_data, "builtin corpus | inspect a dataset | build-cache"),
+    "data": (cmd_data, "builtin corpus | inspect a dataset | build-cache | samples"),
     "train": (cmd_train, "pretrain a GPT (pretrain_gpt.py flags)"),
     "bench": (cmd_bench, "training throughput against a plain PyTorch baseline"),
     "generate": (cmd_generate, "stream a completion from a gptrain, Megatron or HF GPT-2 checkpoint"),

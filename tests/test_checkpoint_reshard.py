@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from distributed import TINY, losses, single, torchrun
+from distributed import TINY, losses, torchrun
+from gptrain.train.run import train_main
 
 RUN = TINY + ["--lr-decay-iters", "6"]  # one schedule for the 4-iteration save and the 6-iteration runs
 
@@ -13,8 +14,10 @@ RUN = TINY + ["--lr-decay-iters", "6"]  # one schedule for the 4-iteration save 
 @pytest.fixture(scope="module")
 def saved_by_one_process(tmp_path_factory):
     root = tmp_path_factory.mktemp("reshard")
-    straight = losses(single(RUN + ["--train-iters", "6"]))
-    single(RUN + ["--train-iters", "4", "--save", str(root / "ck")])
+    lines: list[str] = []
+    assert train_main(RUN + ["--train-iters", "6"], log=lines.append) == 0
+    assert train_main(RUN + ["--train-iters", "4", "--save", str(root / "ck")], log=lambda s: None) == 0
+    straight = losses("\n".join(lines))
     return straight, root / "ck"
 
 

@@ -141,21 +141,6 @@ LONG = TINY + ["--train-iters", "100000"]
 
 
 @pytest.mark.slow
-def test_exit_signal_handler_saves_at_the_end_of_the_iteration(tmp_path):
-    sig = signal.SIGTERM
-    proc = _start(LONG + ["--save", str(tmp_path / "ck"), "--exit-signal-handler"])
-    _wait_for_iteration(proc, 3)
-    proc.send_signal(sig)
-    out, err = proc.communicate(timeout=120)
-    assert proc.returncode == 0, err[-3000:]
-    line = [x for x in out.splitlines() if x.startswith("exiting program after receiving")]
-    it = read_tracker(tmp_path / "ck")
-    assert line == [f"exiting program after receiving {sig.name} at iteration {it}; saved "
-                    f"{tmp_path / 'ck'}/iter_{it:07d}"]
-    assert is_complete(tmp_path / "ck" / f"iter_{it:07d}")[0] and "Traceback" not in err
-
-
-@pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_without_the_handler_a_signal_is_one_line_naming_the_last_checkpoint(sig, tmp_path):
     proc = _start(LONG + ["--save", str(tmp_path / "ck"), "--save-interval", "2"])

@@ -45,6 +45,9 @@ from gptrain.train.signals import deferred_signals
 TRACKER = "latest_checkpointed_iteration.txt"
 FORMAT = "gptrain-checkpoint/2"
 UNPADDED = "word_embeddings.weight"  # stored without the vocabulary padding
+# one process without a process group is a normal run here; --async-save's writer thread would
+# print DCP's warning about it outside any local warnings filter
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 
 
 def iteration_dir(root: str | os.PathLike, iteration: int | str) -> Path:

@@ -63,6 +63,7 @@ def test_to_hf_loads_offline_in_transformers_with_equal_logits(trained, hf_folde
     assert "exists: give a new folder" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_from_hf_round_trip_and_training_from_it(trained, hf_folder, capsys):
     out = trained / "from_hf"
     assert main(["convert", "--from", "hf", str(hf_folder), str(out)]) == 0

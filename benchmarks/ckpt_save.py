@@ -54,6 +54,9 @@ def main() -> None:
             total = time.perf_counter() - start
             print(f"{mode:5} save {i}: training blocked {blocked:6.2f} s, published after {total:6.2f} s "
                   f"({size / total / 1e9:.2f} GB/s)")
+            for older in root.glob("iter_*"):  # keep one checkpoint on the disk (4 GB each)
+                if older.name != f"iter_{(i if mode == 'sync' else 100 + i):07d}":
+                    shutil.rmtree(older)
         saver.close()
     for i in range(1, args.repeats + 1):
         sync()

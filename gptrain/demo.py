@@ -145,6 +145,17 @@ def sample_texts(checkpoints: Path, device: torch.device, new_tokens: int, seed:
     return [(p, tok.decode([t for t in g.generated if t != tok.eod])) for p, g in zip(PROMPTS, gens)]
 
 
+def busy_cpu_threads() -> str | None:
+    """On a CPU whose cores are already busy (1-minute load average at least the core count), train
+    on one thread: PyTorch's threads then wait on each other for their share of the cores (measured
+    3x slower per step than one thread at a load of 7 on 2 cores). Returns what was done."""
+    cores, load = os.cpu_count() or 1, os.getloadavg()[0]
+    if load < cores or torch.get_num_threads() == 1:
+        return None
+    torch.set_num_threads(1)
+    return f"busy CPU (load average {load:.1f} on {cores} cores): one thread"
+
+
 def _minutes(seconds: float) -> str:
     return f"{int(seconds) // 60}m{int(seconds) % 60:02d}s"
 
@@ -161,6 +172,14 @@ def demo_main(argv: list[str]) -> int:
     p.add_argument("--cpu", action="store_true", help="run the CPU demo even where a GPU is present")
     p.add_argument("--seed", type=int, default=1234)
     args = p.parse_args(argv)
+    threads = torch.get_num_threads()
+    try:
+        return _demo(args)
+    finally:
+        torch.set_num_threads(threads)  # busy_cpu_threads may have changed it for this process
+
+
+def _demo(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     on_gpu = torch.cuda.is_available() and not args.cpu
     setting = GPU if on_gpu else CPU
@@ -178,6 +197,9 @@ def demo_main(argv: list[str]) -> int:
     report = preprocess(PreprocessConfig(inputs=[str(out / "builtin.jsonl")], output_prefix=str(out / "builtin"),
                                          append_eod=True, workers=2, progress=False))
     print(f"== preprocess: {report.summary()}")
+    threads = None if on_gpu else busy_cpu_threads()
+    if threads:
+        print(f"== {threads}")
     iters = args.train_iters or setting["train_iters"]
     minutes = setting["minutes"] if args.minutes is None else args.minutes
     data = f"--data-path {out / 'builtin_text_document'} --split {SPLIT} --seed {args.seed}".split()

@@ -111,3 +111,19 @@ def test_demo_refuses_to_replace_a_folder_that_is_not_a_demo(tmp_path, capsys):
     assert demo.demo_main(["--out", str(tmp_path), "--cpu"]) == 2
     assert "holds files that are not a previous demo's" in capsys.readouterr().err
     assert (tmp_path / "precious.txt").read_text() == "keep me"
+
+
+def test_busy_cpu_trains_on_one_thread(monkeypatch):
+    import torch
+
+    threads = torch.get_num_threads()
+    monkeypatch.setattr(demo.os, "cpu_count", lambda: 2)
+    try:
+        monkeypatch.setattr(demo.os, "getloadavg", lambda: (1.5, 1.0, 1.0))
+        assert demo.busy_cpu_threads() is None and torch.get_num_threads() == threads
+        monkeypatch.setattr(demo.os, "getloadavg", lambda: (7.25, 6.0, 5.0))
+        assert demo.busy_cpu_threads() == ("busy CPU (load average 7.2 on 2 cores): one thread"
+                                           if threads > 1 else None)
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(threads)

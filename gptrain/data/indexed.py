@@ -161,9 +161,10 @@ class IndexedDatasetWriter:
         self.tokens += int(other.sizes.sum(dtype=np.int64))
 
     def _write_index(self) -> str:
-        """The ``.idx`` from the streamed lengths and document ends; returns its sha256."""
+        """The ``.idx`` from the streamed lengths and document ends, a bounded chunk at a time; returns
+        its sha256."""
         h = hashlib.sha256()
-        chunk = 1 << 22
+        chunk = 1 << 18
         with open(self._tmp["idx"], "wb") as f:
             def put(data: bytes) -> None:
                 f.write(data)
@@ -171,19 +172,19 @@ class IndexedDatasetWriter:
 
             put(MAGIC + struct.pack("<Q", VERSION) + struct.pack("<B", CODE_OF_DTYPE[self.dtype])
                 + struct.pack("<Q", self._sequences) + struct.pack("<Q", self._documents + 1))
-            sizes = np.memmap(self._tmp["sizes"], dtype=np.int32, mode="r") if self._sequences else np.zeros(0, np.int32)
-            for lo in range(0, len(sizes), chunk):
-                put(np.asarray(sizes[lo: lo + chunk]).tobytes())
-            offset = 0  # byte offset of each sequence in .bin, computed chunk by chunk
-            for lo in range(0, len(sizes), chunk):
-                part = np.asarray(sizes[lo: lo + chunk]).astype(np.int64) * self.dtype.itemsize
-                pointers = np.empty(len(part), dtype=np.int64)
-                pointers[0] = offset
-                np.cumsum(part[:-1], out=pointers[1:])
-                pointers[1:] += offset
-                offset += int(part.sum())
-                put(pointers.tobytes())
-            del sizes
+            with open(self._tmp["sizes"], "rb") as sizes:
+                while data := sizes.read(chunk * 4):
+                    put(data)
+                sizes.seek(0)
+                offset = 0  # byte offset of each sequence in .bin, carried from chunk to chunk
+                while data := sizes.read(chunk * 4):
+                    part = np.frombuffer(data, dtype=np.int32).astype(np.int64) * self.dtype.itemsize
+                    pointers = np.empty(len(part), dtype=np.int64)
+                    pointers[0] = offset
+                    np.cumsum(part[:-1], out=pointers[1:])
+                    pointers[1:] += offset
+                    offset += int(part.sum())
+                    put(pointers.tobytes())
             put(np.zeros(1, np.int64).tobytes())
             with open(self._tmp["docs"], "rb") as docs:
                 while data := docs.read(chunk * 8):

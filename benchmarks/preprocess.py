@@ -5,7 +5,8 @@ lines differ), then times
   * raw tiktoken ``encode_ordinary_batch`` over the same texts with 1 and 2 threads (in memory),
   * ``gptrain preprocess`` as a subprocess with ``--workers`` 1 and 2 (reading, parsing, writing),
 and reports MB of text per second, tokens per second, the ratio, and the command's peak RSS for
-the full input and for a tenth of it (memory must stay flat as the input grows).
+the full input and for a tenth of it, and for ``--tiny-docs`` one-line documents and a tenth of them
+(memory must stay flat as the input grows, in bytes and in documents).
 Usage: python benchmarks/preprocess.py [--mb 100] [--record]
 """
 from __future__ import annotations
@@ -60,6 +61,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--mb", type=float, default=100.0)
     ap.add_argument("--record", action="store_true", help="append the table to benchmarks/RESULTS.md")
+    ap.add_argument("--tiny-docs", type=int, default=2_000_000, help="documents of the tiny-document memory check")
     args = ap.parse_args()
     tok = GPT2Tokenizer()
     with tempfile.TemporaryDirectory() as tmp:
@@ -87,6 +89,14 @@ def main() -> None:
                 best[key] = min(best.get(key, (float("inf"), None)), (seconds, rss))
         rows = [(name, n, seconds, tokens, rss) for (name, n), (seconds, rss) in sorted(best.items())]
         _, rss_tenth = time_command(tenth, tmp / "tenth_out", 2)
+        # memory flat in documents too: many tiny documents, and a tenth of them
+        tiny_rss = {}
+        for n in (args.tiny_docs // 10, args.tiny_docs):
+            path = tmp / f"tiny{n}.jsonl"
+            with open(path, "w") as f:
+                f.writelines(f'{{"text": "doc {i % 97}"}}\n' for i in range(n))
+            tiny_rss[n] = time_command(path, tmp / f"tiny_out{n}", 2)
+            path.unlink()
     raw = {r[1]: text_mb / r[2] for r in rows if r[0].startswith("raw")}
     table = [
         f"corpus: {len(texts)} documents, {text_mb:.1f} MB of text ({jsonl_mb:.1f} MB JSONL); "
@@ -102,6 +112,8 @@ def main() -> None:
     table.append("")
     table.append(f"peak RSS of the command (2 workers): {rss_tenth / 1024:.0f} MB for a tenth of the input, "
                  f"{best[('gptrain preprocess (whole command)', 2)][1] / 1024:.0f} MB for all of it")
+    for n, (seconds, rss) in tiny_rss.items():
+        table.append(f"tiny documents: {n} documents in {seconds:.1f} s, peak RSS {rss / 1024:.0f} MB")
     text = "\n".join(table)
     print(text)
     if args.record:

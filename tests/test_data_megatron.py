@@ -42,7 +42,7 @@ class _Tokenizer:
 def megatron_datasets(data_path, split, seq_length, seed, targets):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        weights, prefixes = (None, data_path) if len(data_path) == 1 else (
+        weights, prefixes = (None, data_path) if len(data_path) % 2 else (
             [float(w) for w in data_path[0::2]], data_path[1::2])
         config = GPTDatasetConfig(random_seed=seed, sequence_length=seq_length, blend=(prefixes, weights),
                                   split=split, path_to_cache=None, tokenizer=_Tokenizer(),
@@ -121,6 +121,7 @@ BLENDS = [
     (["30", "A", "70", "B"], "90,8,2", 8, 7, 100, 16),
     (["0.2", "A", "0.3", "B", "0.5", "C"], "949,50,1", 32, 3, 50, 8),
     (["1", "A", "1", "B"], "80,20,0", 12, 11, 40, 4),
+    (["1.0", "A"], "90,8,2", 16, 2, 30, 8),  # one weighted prefix is a blend too, with the surplus
 ]
 
 

@@ -65,6 +65,7 @@ def build_datasets(cfg: RunConfig, tokenizer: GPT2Tokenizer, log=print):
         return [MockGPTDataset(name, max(n, 1), cfg.model.seq_length, tokenizer.vocab_size, cfg.data.seed)
                 if n else None for name, n in zip(("train", "valid", "test"), targets)]
     weights, prefixes = parse_data_path(cfg.data.data_path)
+    blended = len(cfg.data.data_path) > 1  # weights given (even for one prefix): megatron-core blends
     per_split: list[list] = [[], [], []]
     for weight, prefix in zip(weights, prefixes):
         indexed = IndexedDataset(prefix)
@@ -80,7 +81,7 @@ def build_datasets(cfg: RunConfig, tokenizer: GPT2Tokenizer, log=print):
         for name, (lo, hi) in zip(("train", "validation", "test"), ranges):
             log(f"    {name}:\n     document indices in [{lo}, {hi}) total of {hi - lo} documents")
         for i, (name, (lo, hi)) in enumerate(zip(("train", "valid", "test"), ranges)):
-            n = samples_per_dataset([weight], targets[i])[0] if len(prefixes) > 1 else targets[i]
+            n = samples_per_dataset([weight], targets[i])[0] if blended else targets[i]
             if n == 0 or hi == lo:
                 per_split[i].append(None)
                 continue
@@ -91,7 +92,7 @@ def build_datasets(cfg: RunConfig, tokenizer: GPT2Tokenizer, log=print):
     for i, parts in enumerate(per_split):
         if any(p is None for p in parts) or targets[i] == 0:
             out.append(None)
-        elif len(parts) == 1:
+        elif not blended:
             out.append(parts[0])
         else:
             out.append(BlendedDataset(parts, weights, targets[i]))

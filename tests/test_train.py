@@ -9,7 +9,6 @@ from gptrain.config import OptimConfig, TrainConfig, parse_megatron_args
 from gptrain.data.preprocess import PreprocessConfig, preprocess
 from gptrain.train.checkpoint import read_tracker
 from gptrain.train.precision import LossScaler
-from gptrain.train.build import parallel_dims
 from gptrain.train.run import train_main
 from gptrain.train.schedule import LRSchedule
 

@@ -34,7 +34,8 @@ def one_process(tmp_path_factory):
 @pytest.mark.parametrize("nproc, flags", [(2, []), (2, ["--sequence-parallel"]), (4, []), (4, ["--zero-stage", "3"])],
                          ids=["tp2", "tp2+sp", "tp2xdp2", "tp2xzero3"])
 def test_tensor_parallel_equals_one_process(nproc, flags, one_process, tmp_path):
-    out = torchrun(nproc, TINY + STEPS + ["--tensor-model-parallel-size", "2", "--save", str(tmp_path)] + flags)
+    out = torchrun(nproc, TINY + STEPS + ["--tensor-model-parallel-size", "2", "--save", str(tmp_path), "--verbose"]
+                   + flags)
     got = losses(out)
     for it, loss in one_process[0].items():
         assert got[it] == pytest.approx(loss, rel=1e-5), it

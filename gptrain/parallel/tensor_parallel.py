@@ -84,8 +84,9 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_losses):
         h, w_local, probs, index, local = ctx.saved_tensors
-        grad = probs
-        grad[torch.arange(grad.shape[0], device=grad.device)[local], index[local]] -= 1.0
+        # minus the one-hot of each label this rank holds, as a scatter: boolean indexing's data-dependent
+        # shape (nonzero) breaks the compiled graph and makes the host wait for the GPU
+        grad = probs.scatter_add_(1, index[:, None], -local.to(probs.dtype)[:, None])
         grad = (grad * grad_losses[:, None]).to(h.dtype)
         grad_h = grad @ w_local
         dist.all_reduce(grad_h, group=ctx.group)  # h feeds every rank's share of the vocabulary

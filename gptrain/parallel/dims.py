@@ -42,10 +42,8 @@ class ParallelDims:
         """Plain data parallelism: every rank holds the whole model and the gradients are all-reduced."""
         return self.dp > 1 and not self.sharded
 
-    def validate(self, num_layers: int, num_heads: int, micro_batch_size: int, global_batch_size: int,
-                 planning: bool = False) -> None:
-        """Every impossible layout is refused here, with its numbers, before anything is built.
-        ``planning`` (the dry run) also accepts layouts whose training is not built yet."""
+    def validate(self, num_layers: int, num_heads: int, micro_batch_size: int, global_batch_size: int) -> None:
+        """Every impossible layout is refused here, with its numbers, before anything is built."""
         for name, value in (("--tensor-model-parallel-size", self.tp), ("--pipeline-model-parallel-size", self.pp)):
             if value < 1:
                 raise ValueError(f"{name} {value} must be at least 1")

@@ -55,12 +55,12 @@ class TrainingParts:
     pipeline: Pipeline | None = None  # pipeline parallelism: the schedule runs forward and backward
 
 
-def parallel_dims(cfg: RunConfig, world_size: int, planning: bool = False) -> ParallelDims:
+def parallel_dims(cfg: RunConfig, world_size: int) -> ParallelDims:
     p = cfg.parallel
     dims = ParallelDims(world_size=world_size, tp=p.tensor_parallel, pp=p.pipeline_parallel,
                         zero_stage=p.zero_stage, cpu_offload=p.cpu_offload)
     dims.validate(cfg.model.num_layers, cfg.model.num_attention_heads, cfg.train.micro_batch_size,
-                  cfg.train.global_batch_size, planning=planning)
+                  cfg.train.global_batch_size)
     if cfg.parallel.sequence_parallel and dims.tp == 1:
         raise ValueError("--sequence-parallel needs --tensor-model-parallel-size above 1")
     if cfg.parallel.sequence_parallel and cfg.model.seq_length % dims.tp:

@@ -158,7 +158,7 @@ def _report_parameters(parts, log) -> None:
 
 def dry_run(cfg: RunConfig, world: int, log) -> None:
     """``--dry-run``: the layout and what each rank would hold, from the meta-device model."""
-    dims = parallel_dims(cfg, world, planning=True)
+    dims = parallel_dims(cfg, world)
     log("dry run: flags and layout checked; nothing is built or trained")
     log(dims.describe())
     log(f"setting number of micro-batches to constant "

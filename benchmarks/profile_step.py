@@ -1,9 +1,14 @@
 """Where one training step's device time goes: torch.profiler over a few real ``Trainer.train_step``
-calls after warm-up, kernels grouped into matmul / attention / loss / optimizer / other.
+calls after warm-up, kernels grouped into matmul / attention / communication / loss / optimizer /
+other; and whether the host keeps up: wall time per step against device time, host syncs, eager
+DTensor dispatches and compiled-region calls per step. Under torchrun rank 0 prints.
 
     python benchmarks/profile_step.py --micro-batch-size 16 --bf16 --compile [model flags]
+    torchrun --nproc-per-node 2 benchmarks/profile_step.py ... --tensor-model-parallel-size 2
 """
+import os
 import sys
+import time
 from collections import defaultdict
 
 import torch
@@ -17,6 +22,8 @@ M345 = ("--num-layers 24 --hidden-size 1024 --num-attention-heads 16 --seq-lengt
 
 def category(name: str) -> str:
     n = name.lower()
+    if "nccl" in n or "allreduce" in n or "allgather" in n or "reducescatter" in n:
+        return "communication (NCCL)"
     if any(k in n for k in ("gemm", "cutlass", "sm90_xmma", "nvjet", "matmul", "_mm_", "cublas")):
         return "matmul"
     if any(k in n for k in ("flash", "fmha", "cudnn", "attention", "sdpa")):
@@ -40,11 +47,25 @@ def main(argv):
     for _ in range(6):
         trainer.train_step(loader)
     sync()
-    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+    start = time.perf_counter()
+    for _ in range(steps):
+        trainer.train_step(loader)
+    sync()
+    wall = (time.perf_counter() - start) / steps
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
         for _ in range(steps):
             trainer.train_step(loader)
         sync()
     loader.close()
+    if int(os.environ.get("RANK", "0")) != 0:
+        return
+    host = {e.key: e.count for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CPU}
+    print(f"wall time per step (unprofiled): {wall * 1000:.1f} ms")
+    for key in ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaMemcpyAsync", "aten::item",
+                "aten::nonzero", "PythonSubclass", "CompiledFunction", "CompiledFunctionBackward",
+                "Torch-Compiled Region", "cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx"):
+        matches = sum(n for k, n in host.items() if k.startswith(key))
+        print(f"host per step: {key}: {matches / steps:.1f}")
     kind = torch.autograd.DeviceType.CUDA if cuda else torch.autograd.DeviceType.CPU
     events = [e for e in prof.key_averages() if e.device_type == kind]
     if not cuda:  # on the CPU the "kernels" are operators; only a smoke check of the script

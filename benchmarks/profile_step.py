@@ -39,6 +39,35 @@ def category(name: str) -> str:
     return "other"
 
 
+def _union(intervals: list[tuple[int, int]]) -> int:
+    total, end = 0, None
+    for a, b in sorted(intervals):
+        if end is None or a > end:
+            total += b - a
+            end = b
+        elif b > end:
+            total += b - end
+            end = b
+    return total
+
+
+def timeline(prof, steps: int) -> None:
+    """GPU time split into compute busy, communication alone (nothing else running) and idle (waiting
+    for the host) over the profiled steps: says whether a step is compute-, comm- or host-bound."""
+    kernels = [(e.start_ns(), e.start_ns() + e.duration_ns(), e.name())
+               for e in prof.profiler.kineto_results.events() if e.device_type() == torch.autograd.DeviceType.CUDA]
+    if not kernels:
+        return
+    comm = [(a, b) for a, b, n in kernels if category(n).startswith("communication")]
+    compute = [(a, b) for a, b, n in kernels if not category(n).startswith("communication")]
+    span = max(b for _, b, _ in kernels) - min(a for a, _, _ in kernels)
+    busy_all, busy_compute = _union([(a, b) for a, b, _ in kernels]), _union(compute)
+    ms = lambda ns: ns / steps / 1e6  # noqa: E731
+    print(f"GPU timeline per step: span {ms(span):.1f} ms, compute kernels busy {ms(busy_compute):.1f} ms, "
+          f"communication alone {ms(busy_all - busy_compute):.1f} ms, idle {ms(span - busy_all):.1f} ms "
+          f"({len(comm) / steps:.0f} communication kernels per step, {ms(_union(comm)):.1f} ms in them)")
+
+
 def main(argv):
     steps = 3
     trainer, loader = synthetic_trainer(M345 + argv, 100)
@@ -66,6 +95,8 @@ def main(argv):
                 "Torch-Compiled Region", "cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx"):
         matches = sum(n for k, n in host.items() if k.startswith(key))
         print(f"host per step: {key}: {matches / steps:.1f}")
+    if cuda:
+        timeline(prof, steps)
     kind = torch.autograd.DeviceType.CUDA if cuda else torch.autograd.DeviceType.CPU
     events = [e for e in prof.key_averages() if e.device_type == kind]
     if not cuda:  # on the CPU the "kernels" are operators; only a smoke check of the script

@@ -168,6 +168,8 @@ class ParallelConfig:
     pipeline_parallel: int = 1
     sequence_parallel: bool = False  # with TP: LayerNorms and dropout on sequence shards
     layers_per_virtual_stage: int | None = None  # interleaved 1F1B (Megatron's virtual pipeline stages)
+    first_stage_layers: int | None = None  # uneven split: the first / last pipeline stage's layers
+    last_stage_layers: int | None = None
     zero_stage: int = 0  # 1: optimizer state sharded, 2: + gradients, 3: + parameters (FSDP2)
     cpu_offload: bool = False  # stage 3: parameters, gradients and optimizer state in host memory
     deepspeed_config: str | None = None  # the ds.json it came from, if any
@@ -257,6 +259,10 @@ def _parser() -> argparse.ArgumentParser:
     a("--pipeline-model-parallel-size", type=int, default=1)
     a("--num-layers-per-virtual-pipeline-stage", type=int, default=None,
       help="interleaved 1F1B: each pipeline rank runs several stages of this many layers")
+    a("--decoder-first-pipeline-num-layers", type=int, default=None,
+      help="layers on the first pipeline stage (the rest split evenly over the others)")
+    a("--decoder-last-pipeline-num-layers", type=int, default=None,
+      help="layers on the last pipeline stage, which also runs the output layer and loss: fewer balances the pipeline")
     a("--sequence-parallel", action="store_true",
       help="with tensor parallelism: LayerNorms, dropout and the residual stream on sequence shards")
     a("--zero-stage", type=int, default=None, choices=[0, 1, 2, 3],
@@ -394,6 +400,8 @@ def parse_megatron_args(argv: list[str], world_size: int | None = None) -> tuple
                               sequence_parallel=args.sequence_parallel,
                               pipeline_parallel=args.pipeline_model_parallel_size,
                               layers_per_virtual_stage=args.num_layers_per_virtual_pipeline_stage,
+                              first_stage_layers=args.decoder_first_pipeline_num_layers,
+                              last_stage_layers=args.decoder_last_pipeline_num_layers,
                               zero_stage=zero_stage,
                               cpu_offload=args.cpu_offload, deepspeed_config=args.deepspeed_config)
     if args.deepspeed_config:

@@ -82,6 +82,8 @@ FLAGS: dict[str, tuple[str, str | None]] = {
     "--tensor-model-parallel-size": ("distributed", "split each layer over this many GPUs (DTensor)"),
     "--pipeline-model-parallel-size": ("distributed", "split the layers into this many stages"),
     "--num-layers-per-virtual-pipeline-stage": ("distributed", None),
+    "--decoder-first-pipeline-num-layers": ("distributed", None),
+    "--decoder-last-pipeline-num-layers": ("distributed", None),
     "--sequence-parallel": ("distributed", None),
     "--zero-stage": ("distributed", None),
     "--use-distributed-optimizer": ("distributed", None),

@@ -30,7 +30,8 @@ def one_process():
      "interleaved 1F1B, 2 virtual stages per rank"),
     (4, 2, ["--pipeline-model-parallel-size", "2", "--tensor-model-parallel-size", "2"], "1F1B"),
     (4, 2, ["--pipeline-model-parallel-size", "2", "--use-distributed-optimizer"], "1F1B"),
-], ids=["pp2", "pp2-interleaved", "tp2xpp2", "pp2xzero1"])
+    (2, 4, ["--pipeline-model-parallel-size", "2", "--decoder-last-pipeline-num-layers", "1"], "1F1B"),
+], ids=["pp2", "pp2-interleaved", "tp2xpp2", "pp2xzero1", "pp2-uneven-3+1"])
 def test_pipeline_equals_one_process(nproc, layers, flags, schedule, one_process):
     out = torchrun(nproc, _layers(layers) + STEPS + flags)
     got, ref = losses(out), one_process[layers]
@@ -39,6 +40,41 @@ def test_pipeline_equals_one_process(nproc, layers, flags, schedule, one_process
         assert got[it] == pytest.approx(loss, rel=1e-5), it
     assert f"pipeline-model-parallel size: 2" in out
     assert f" > pipeline: 2 stages ({schedule})" in out
+
+
+def test_uneven_stage_split_follows_megatron_flags():
+    from gptrain.config import parse_megatron_args
+    from gptrain.model.gpt import GPT
+    from gptrain.parallel.dims import ParallelDims
+    from gptrain.parallel.layout import parameter_counts
+    from gptrain.parallel.pipeline import stage_layer_counts, stage_plan
+
+    assert stage_layer_counts(24, 2) == [12, 12]
+    assert stage_layer_counts(24, 2, last=10) == [14, 10]
+    assert stage_layer_counts(24, 4, last=3) == [7, 7, 7, 3]
+    assert stage_layer_counts(24, 4, first=5, last=3) == [5, 8, 8, 3]
+    assert [stage_plan(24, 4, r, 1, None, 3).layers[0] for r in (0, 3)] == [tuple(range(7)), (21, 22, 23)]
+    for args, message in [((24, 4, None, 4), "leaves 20 layers, which do not split evenly over the other 3"),
+                          ((24, 2, 10, 10), "must equal --num-layers 24"), ((24, 2, None, 24), "between 1 and")]:
+        with pytest.raises(ValueError, match=message):
+            stage_layer_counts(*args)
+    # per-rank counts: the layers move, the embeddings stay with the first and last stage
+    cfg, _ = parse_megatron_args("--num-layers 24 --hidden-size 1024 --num-attention-heads 16 --seq-length 1024 "
+                                 "--max-position-embeddings 1024 --mock-data --train-iters 1".split(), world_size=1)
+    with torch.device("meta"):
+        total = sum(p.numel() for p in GPT(cfg.model).parameters())
+    layer = 12 * 1024 ** 2 + 13 * 1024
+    even = parameter_counts(cfg.model, ParallelDims(world_size=4, tp=1, pp=4))
+    uneven = parameter_counts(cfg.model, ParallelDims(world_size=4, tp=1, pp=4), None, 3)
+    assert even[(0, 0)] == 128137216 and even[(0, 3)] == 127090688  # seeds/004's PP4 figures
+    assert uneven[(0, 0)] == even[(0, 0)] + layer and uneven[(0, 3)] == even[(0, 3)] - 3 * layer
+    assert sum(uneven.values()) == total + cfg.model.padded_vocab_size * 1024  # + the last stage's copy
+
+
+def test_uneven_split_refuses_interleaving():
+    with pytest.raises(AssertionError, match="with --num-layers-per-virtual-pipeline-stage is not built"):
+        torchrun(2, _layers(4) + STEPS + ["--pipeline-model-parallel-size", "2", "--decoder-last-pipeline-num-layers",
+                                          "1", "--num-layers-per-virtual-pipeline-stage", "1"], timeout=60)
 
 
 def _tied_copies(rank: int, out_path: str) -> None:

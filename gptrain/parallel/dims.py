@@ -42,7 +42,8 @@ class ParallelDims:
         """Plain data parallelism: every rank holds the whole model and the gradients are all-reduced."""
         return self.dp > 1 and not self.sharded
 
-    def validate(self, num_layers: int, num_heads: int, micro_batch_size: int, global_batch_size: int) -> None:
+    def validate(self, num_layers: int, num_heads: int, micro_batch_size: int, global_batch_size: int,
+                 uneven_stages: bool = False) -> None:
         """Every impossible layout is refused here, with its numbers, before anything is built."""
         for name, value in (("--tensor-model-parallel-size", self.tp), ("--pipeline-model-parallel-size", self.pp)):
             if value < 1:
@@ -53,7 +54,7 @@ class ParallelDims:
         if num_heads % self.tp:
             raise ValueError(f"--num-attention-heads {num_heads} is not divisible by tensor-model-parallel size "
                              f"{self.tp}")
-        if num_layers % self.pp:
+        if num_layers % self.pp and not uneven_stages:  # uneven: checked by pipeline.stage_layer_counts
             raise ValueError(f"--num-layers {num_layers} is not divisible by pipeline-model-parallel size {self.pp}")
         if global_batch_size % (micro_batch_size * self.dp):
             raise ValueError(f"--global-batch-size {global_batch_size} is not divisible by --micro-batch-size "

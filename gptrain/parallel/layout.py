@@ -13,6 +13,7 @@ import torch
 
 from gptrain.model.gpt import GPT, GPTConfig
 from gptrain.parallel.dims import ParallelDims
+from gptrain.parallel.pipeline import stage_layer_counts
 
 _COLUMN = ("attn.qkv.weight", "attn.qkv.bias", "mlp.fc1.weight", "mlp.fc1.bias")  # split by output rows
 _ROW = ("attn.proj.weight", "mlp.fc2.weight")  # split by input columns
@@ -24,19 +25,22 @@ def _tp_numel(name: str, numel: int, tp: int) -> int:
     return numel
 
 
-def stage_layers(num_layers: int, pp: int, stage: int) -> range:
-    per_stage = num_layers // pp
-    return range(stage * per_stage, (stage + 1) * per_stage)
+def stage_layers(num_layers: int, pp: int, stage: int, first: int | None = None, last: int | None = None) -> range:
+    counts = stage_layer_counts(num_layers, pp, first, last)
+    start = sum(counts[:stage])
+    return range(start, start + counts[stage])
 
 
-def parameter_counts(cfg: GPTConfig, dims: ParallelDims) -> dict[tuple[int, int], int]:
-    """{(tensor rank, pipeline rank): parameters held}; the data-parallel ranks hold the same."""
+def parameter_counts(cfg: GPTConfig, dims: ParallelDims, first: int | None = None,
+                     last: int | None = None) -> dict[tuple[int, int], int]:
+    """{(tensor rank, pipeline rank): parameters held}; the data-parallel ranks hold the same.
+    ``first`` / ``last``: the first / last stage's layers of an uneven split."""
     with torch.device("meta"):
         model = GPT(cfg)
     sizes = {name: p.numel() for name, p in model.named_parameters()}
     counts = {}
     for stage in range(dims.pp):
-        layers = {str(i) for i in stage_layers(cfg.num_layers, dims.pp, stage)}
+        layers = {str(i) for i in stage_layers(cfg.num_layers, dims.pp, stage, first, last)}
         total = 0
         for name, numel in sizes.items():
             if name.startswith("layers."):

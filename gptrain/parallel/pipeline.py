@@ -56,10 +56,41 @@ def virtual_stages(num_layers: int, pp: int, layers_per_virtual_stage: int | Non
     return per_rank // layers_per_virtual_stage
 
 
-def stage_plan(num_layers: int, pp: int, rank: int, virtual: int = 1) -> StagePlan:
+def stage_layer_counts(num_layers: int, pp: int, first: int | None = None, last: int | None = None) -> list[int]:
+    """Layers per pipeline stage: even, or with Megatron's ``--decoder-first-pipeline-num-layers`` /
+    ``--decoder-last-pipeline-num-layers`` set and the rest split evenly over the other stages (the
+    last stage also runs the output layer and the loss, so giving it fewer layers balances the
+    pipeline)."""
+    if first is None and last is None:
+        if num_layers % pp:
+            raise ValueError(f"--num-layers {num_layers} is not divisible by pipeline-model-parallel size {pp}")
+        return [num_layers // pp] * pp
+    if pp == 1:
+        raise ValueError("--decoder-first/last-pipeline-num-layers need --pipeline-model-parallel-size above 1")
+    for flag, n in (("first", first), ("last", last)):
+        if n is not None and not 1 <= n < num_layers:
+            raise ValueError(f"--decoder-{flag}-pipeline-num-layers {n} must be between 1 and --num-layers - 1")
+    fixed = [n for n in (first, last) if n is not None]
+    others, rest = pp - len(fixed), num_layers - sum(fixed)
+    if others == 0 and rest:
+        raise ValueError(f"--decoder-first-pipeline-num-layers {first} + --decoder-last-pipeline-num-layers {last} "
+                         f"must equal --num-layers {num_layers} with {pp} pipeline stages")
+    if others and (rest < others or rest % others):
+        raise ValueError(f"--num-layers {num_layers} minus the first/last stage's {sum(fixed)} leaves {rest} layers, "
+                         f"which do not split evenly over the other {others} pipeline stages")
+    counts = [rest // others] * others if others else []
+    return ([first] if first is not None else []) + counts + ([last] if last is not None else [])
+
+
+def stage_plan(num_layers: int, pp: int, rank: int, virtual: int = 1, first: int | None = None,
+               last: int | None = None) -> StagePlan:
     total = pp * virtual
-    per_stage = num_layers // total
     stages = tuple(rank + k * pp for k in range(virtual))
+    if virtual == 1:
+        counts = stage_layer_counts(num_layers, pp, first, last)
+        start = sum(counts[:rank])
+        return StagePlan(stages, (tuple(range(start, start + counts[rank])),), total)
+    per_stage = num_layers // total
     layers = tuple(tuple(range(s * per_stage, (s + 1) * per_stage)) for s in stages)
     return StagePlan(stages, layers, total)
 
@@ -85,8 +116,9 @@ class PipelineChunk(nn.Module):
         return self._model.run_layers(x, list(self.blocks), self.first, self.last)
 
 
-def prune_for_stage(model: GPT, dims: ParallelDims, pp_rank: int, virtual: int) -> StagePlan:
-    plan = stage_plan(model.cfg.num_layers, dims.pp, pp_rank, virtual)
+def prune_for_stage(model: GPT, dims: ParallelDims, pp_rank: int, virtual: int, first: int | None = None,
+                    last: int | None = None) -> StagePlan:
+    plan = stage_plan(model.cfg.num_layers, dims.pp, pp_rank, virtual, first, last)
     model.keep_stage(plan.layer_ids, pre_process=pp_rank == 0, post_process=pp_rank == dims.pp - 1)
     return plan
 

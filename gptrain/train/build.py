@@ -23,7 +23,7 @@ from gptrain.model.gpt import GPT
 from gptrain.model.loss import LMLoss
 from gptrain.parallel.dims import ParallelDims
 from gptrain.parallel.parallelize import describe_sharding, parallelize
-from gptrain.parallel.pipeline import Pipeline, pipeline_chunks, prune_for_stage, virtual_stages
+from gptrain.parallel.pipeline import Pipeline, pipeline_chunks, prune_for_stage, stage_layer_counts, virtual_stages
 from gptrain.train.checkpoint import init_optimizer_state
 from gptrain.train.main_params import MainParams
 
@@ -59,8 +59,15 @@ def parallel_dims(cfg: RunConfig, world_size: int) -> ParallelDims:
     p = cfg.parallel
     dims = ParallelDims(world_size=world_size, tp=p.tensor_parallel, pp=p.pipeline_parallel,
                         zero_stage=p.zero_stage, cpu_offload=p.cpu_offload)
+    par = cfg.parallel
+    uneven = par.first_stage_layers is not None or par.last_stage_layers is not None
     dims.validate(cfg.model.num_layers, cfg.model.num_attention_heads, cfg.train.micro_batch_size,
-                  cfg.train.global_batch_size)
+                  cfg.train.global_batch_size, uneven_stages=uneven)
+    if uneven:
+        if par.layers_per_virtual_stage:
+            raise ValueError("--decoder-first/last-pipeline-num-layers with --num-layers-per-virtual-pipeline-stage "
+                             "is not built: use one or the other")
+        stage_layer_counts(cfg.model.num_layers, dims.pp, par.first_stage_layers, par.last_stage_layers)
     if cfg.parallel.sequence_parallel and dims.tp == 1:
         raise ValueError("--sequence-parallel needs --tensor-model-parallel-size above 1")
     if cfg.parallel.sequence_parallel and cfg.model.seq_length % dims.tp:
@@ -103,7 +110,8 @@ def build_training(cfg: RunConfig, device: torch.device, dims: ParallelDims, mes
         plan, chunks = None, None
         if dims.pp > 1:  # this rank's layers only, and the stages it runs over them
             plan = prune_for_stage(model, dims, mesh["pp"].get_local_rank(),
-                                   virtual_stages(cfg.model.num_layers, dims.pp, cfg.parallel.layers_per_virtual_stage))
+                                   virtual_stages(cfg.model.num_layers, dims.pp, cfg.parallel.layers_per_virtual_stage),
+                                   cfg.parallel.first_stage_layers, cfg.parallel.last_stage_layers)
             chunks = pipeline_chunks(model, plan)
     train_module = TrainModule(model, loss)
     # converters: module swaps on the meta model, told the device and dtype the parameters will have

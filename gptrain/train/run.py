@@ -165,7 +165,8 @@ def dry_run(cfg: RunConfig, world: int, log) -> None:
         f"{cfg.train.global_batch_size // (cfg.train.micro_batch_size * dims.dp)}")
     log(f" > padded vocab (size: {cfg.model.vocab_size}) with "
         f"{cfg.model.padded_vocab_size - cfg.model.vocab_size} dummy tokens (new size: {cfg.model.padded_vocab_size})")
-    for (t, p), n in sorted(parameter_counts(cfg.model, dims).items(), key=lambda kv: (kv[0][1], kv[0][0])):
+    counts = parameter_counts(cfg.model, dims, cfg.parallel.first_stage_layers, cfg.parallel.last_stage_layers)
+    for (t, p), n in sorted(counts.items(), key=lambda kv: (kv[0][1], kv[0][0])):
         log(f" > number of parameters on (tensor, pipeline) model parallel rank ({t}, {p}): {n}")
     log(f" > parameters: {describe_sharding(dims)}")
 

@@ -6,6 +6,8 @@
 #      default 0,1)
 #   c2: 300-iteration loss curves on the built-in corpus: 1 GPU, TP2, PP2 (on GPUs $CGPUS, default 2,3)
 #   c4: the same for the 4-GPU layouts of seeds/004 (4DP, TP2xDP2, TP2xPP2, TP4, PP4, ZeRO-3 4DP)
+#   c4b: the 4-GPU layouts session 6 did not finish (TP2xPP2, TP4 at micro-batch 16, PP4, ZeRO-3 4DP)
+#   d: only prepare the built-in corpus (before parts run side by side)
 #   f: throughput of the 4-GPU layouts
 #   r: save at TP2 x PP2, resume at 4DP
 #   s: smoke: 3 iterations of every layout on synthetic data (no compile)
@@ -22,6 +24,7 @@ OPT="--lr 0.00015 --lr-decay-iters 320000 --lr-decay-style cosine --min-lr 1.0e-
      --lr-warmup-fraction .01 --clip-grad 1.0 --split 949,50,1 --log-interval 50 --eval-interval 300 --eval-iters 5"
 show() { grep -v -i "warn" | tee -a "$OUT/$1.txt" | grep -E "^device|^\| gptrain|^\| baseline|baseline tokens|levers|Error|error|Traceback" ; }
 curve() { grep -v -i "warn" | tee -a "$OUT/$1.txt" | grep -E "iteration +(50|150|300)/|validation loss|parameters on|pipeline:|rror|Traceback" ; }
+rcurve() { grep -v -i "warn" | tee -a "$OUT/r_resume.txt" | grep -E "iteration +(20|100|120|200)/|validation loss|loading|saving|rror|Traceback" ; }
 nvidia-smi -L | tee "$OUT/device.txt"; python3 -c "import torch; print('torch', torch.__version__)" | tee -a "$OUT/device.txt"
 builtin_data() {
   [ -f /tmp/data/builtin_text_document.idx ] && return
@@ -55,12 +58,16 @@ for part in ${1:-s}; do
          --micro-batch-size $mbs --global-batch-size $gbs $base $f 2>&1 | show t_throughput
      done
      unset CUDA_VISIBLE_DEVICES ;;
-  c2|c4) builtin_data
+  d) builtin_data ;;
+  c2|c4|c4b) builtin_data
      echo "== $part: 300 iterations on the built-in corpus, global batch 16, bf16 (dropout 0.1)" | tee "$OUT/${part}_curves.txt"
      C="$M345 --micro-batch-size 4 --global-batch-size 16 --train-iters 300 --bf16 --compile $OPT --data-path /tmp/data/builtin_text_document"
      if [ $part = c2 ]; then
        export CUDA_VISIBLE_DEVICES=${CGPUS:-2,3}
        layouts=("1:" "2:--tensor-model-parallel-size 2" "2:--pipeline-model-parallel-size 2")
+     elif [ $part = c4b ]; then
+       layouts=("4:--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2" "4:--tensor-model-parallel-size 4 --micro-batch-size 16"
+                "4:--pipeline-model-parallel-size 4 --micro-batch-size 2" "4:--zero-stage 3")
      else
        layouts=("4:" "4:--tensor-model-parallel-size 2" "4:--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 --sequence-parallel"
                 "4:--tensor-model-parallel-size 4" "4:--pipeline-model-parallel-size 4 --micro-batch-size 2" "4:--zero-stage 3")
@@ -68,7 +75,7 @@ for part in ${1:-s}; do
      for v in "${layouts[@]}"; do
        n=${v%%:*}; f=${v#*:}; echo "-- $n GPUs: $f" | tee -a "$OUT/c_curves.txt"
        name=c_$(echo "$n $f" | tr -c 'a-z0-9\n' '_')
-       timeout 150 python3 -m torch.distributed.run --standalone --nproc-per-node $n -m gptrain train $C $f 2>&1 | curve $name
+       timeout ${CT:-150} python3 -m torch.distributed.run --standalone --nproc-per-node $n -m gptrain train $C $f 2>&1 | curve $name
      done
      unset CUDA_VISIBLE_DEVICES ;;
   f) echo "== f: throughput of the 4-GPU layouts" | tee "$OUT/f_throughput4.txt"
@@ -82,8 +89,8 @@ for part in ${1:-s}; do
   r) builtin_data
      echo "== r: save at TP2 x PP2 (iteration 100), resume at 4DP to 200" | tee "$OUT/r_resume.txt"
      R="$M345 --micro-batch-size 4 --global-batch-size 16 --train-iters 200 --bf16 $OPT --log-interval 20 --data-path /tmp/data/builtin_text_document"
-     timeout 150 $RUN4 -m gptrain train $R --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 --exit-interval 100 --save /tmp/ckpt 2>&1 | curve r_resume
-     timeout 150 $RUN4 -m gptrain train $R --load /tmp/ckpt 2>&1 | curve r_resume
-     timeout 150 $RUN4 -m gptrain train $R --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 2>&1 | curve r_resume ;;
+     timeout ${CT:-150} $RUN4 -m gptrain train $R --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 --exit-interval 100 --save /tmp/ckpt 2>&1 | rcurve
+     timeout ${CT:-150} $RUN4 -m gptrain train $R --load /tmp/ckpt 2>&1 | rcurve
+     timeout ${CT:-150} $RUN4 -m gptrain train $R --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 2>&1 | rcurve ;;
   esac
 done

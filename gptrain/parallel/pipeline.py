@@ -36,6 +36,7 @@ class StagePlan:
     stages: tuple[int, ...]
     layers: tuple[tuple[int, ...], ...]
     num_stages: int
+    sizes: tuple[int, ...] = ()  # every stage's number of layers
 
     @property
     def layer_ids(self) -> list[int]:
@@ -89,10 +90,10 @@ def stage_plan(num_layers: int, pp: int, rank: int, virtual: int = 1, first: int
     if virtual == 1:
         counts = stage_layer_counts(num_layers, pp, first, last)
         start = sum(counts[:rank])
-        return StagePlan(stages, (tuple(range(start, start + counts[rank])),), total)
+        return StagePlan(stages, (tuple(range(start, start + counts[rank])),), total, tuple(counts))
     per_stage = num_layers // total
     layers = tuple(tuple(range(s * per_stage, (s + 1) * per_stage)) for s in stages)
-    return StagePlan(stages, layers, total)
+    return StagePlan(stages, layers, total, (per_stage,) * total)
 
 
 class PipelineChunk(nn.Module):
@@ -179,7 +180,8 @@ class Pipeline:
         self.embedding_group = embedding_group(mesh, dims)
 
     def describe(self) -> str:
-        per_stage = len(self.plan.layers[0])
+        sizes = sorted(set(self.plan.sizes))
+        per_stage = sizes[0] if len(sizes) == 1 else ", ".join(map(str, self.plan.sizes))
         kind = "1F1B" if len(self.plan.stages) == 1 else f"interleaved 1F1B, {len(self.plan.stages)} virtual stages per rank"
         bubble = (self.dims.pp - 1) / (self.n_micro * len(self.plan.stages) + self.dims.pp - 1)
         return (f"{self.dims.pp} stages ({kind}) of {per_stage} layers, {self.n_micro} micro-batches per step, "

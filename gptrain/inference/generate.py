@@ -66,25 +66,8 @@ def _stops(params: SamplingParams, token: int, previous: int, eol: EolIds) -> bo
     return False
 
 
-@torch.no_grad()
-def generate(model: GPT, prompts: list[list[int]], params: list[SamplingParams] | SamplingParams,
-             logprobs: bool = False, top_logprobs: int = 0, eol: EolIds | None = None,
-             on_token: Callable[[int, int], bool | None] | None = None, cache: KVCache | None = None,
-             step_fn=None, no_newline_after_colon: list[bool] | None = None) -> list[Generation]:
-    """Generate for each prompt. ``on_token(row, token)`` is called for every generated token (a
-    streaming hook; returning True ends that row, finish_reason "stop"). ``logprobs`` returns each
-    token's log-probability (prompt tokens included), ``top_logprobs`` the n most likely tokens at
-    each position. ``step_fn(tokens, position)`` replaces the one-token forward (the CUDA-graph
-    decoder) and returns (batch, vocab) logits. ``no_newline_after_colon`` (per row) forbids "\\n"
-    right after ":"."""
-    if not prompts:
-        return []
-    if isinstance(params, SamplingParams):
-        params = [params] * len(prompts)
-    eol = eol or EolIds()
-    model.eval()
-    device = model.word_embeddings.weight.device
-    window = model.cfg.max_position_embeddings
+def check_request(prompts: list[list[int]], params: list[SamplingParams], window: int) -> list[int]:
+    """Each row's end (prompt + new tokens); a ValueError names a row that does not fit."""
     lengths = [len(p) for p in prompts]
     if min(lengths) < 1:
         raise ValueError("every prompt needs at least one token")
@@ -93,6 +76,30 @@ def generate(model: GPT, prompts: list[list[int]], params: list[SamplingParams] 
         row = ends.index(max(ends))
         raise ValueError(f"prompt {row} has {lengths[row]} tokens and asks for {params[row].max_new_tokens} more: "
                          f"{ends[row]} exceeds the model's {window} positions")
+    return ends
+
+
+@torch.no_grad()
+def generate(model: GPT, prompts: list[list[int]], params: list[SamplingParams] | SamplingParams,
+             logprobs: bool = False, top_logprobs: int = 0, eol: EolIds | None = None,
+             on_token: Callable[[int, int], bool | None] | None = None, cache: KVCache | None = None,
+             step_fn=None, no_newline_after_colon: list[bool] | None = None, sync=None) -> list[Generation]:
+    """Generate for each prompt. ``on_token(row, token)`` is called for every generated token (a
+    streaming hook; returning True ends that row, finish_reason "stop"). ``logprobs`` returns each
+    token's log-probability (prompt tokens included), ``top_logprobs`` the n most likely tokens at
+    each position. ``step_fn(tokens, position)`` replaces the one-token forward (the CUDA-graph
+    decoder) and returns (batch, vocab) logits. ``no_newline_after_colon`` (per row) forbids "\\n"
+    right after ":". ``sync(chosen, go_on)`` (tensor parallelism) returns rank 0's chosen ids and
+    whether it goes on, so every rank feeds the same tokens and stops at the same step."""
+    if not prompts:
+        return []
+    if isinstance(params, SamplingParams):
+        params = [params] * len(prompts)
+    eol = eol or EolIds()
+    model.eval()
+    device = model.word_embeddings.weight.device
+    lengths = [len(p) for p in prompts]
+    ends = check_request(prompts, params, model.cfg.max_position_embeddings)
     b, total = len(prompts), max(ends)
     tokens = torch.zeros(b, max(total, max(lengths)), dtype=torch.long)
     for i, p in enumerate(prompts):
@@ -168,7 +175,11 @@ def generate(model: GPT, prompts: list[list[int]], params: list[SamplingParams] 
                 out[i].finish_reason, done[i] = "stop", True
             elif count[i] >= params[i].max_new_tokens:
                 done[i] = True
-        if t + 1 >= total or not pending(t + 1):
+        go_on = t + 1 < total and pending(t + 1)
+        if sync is not None:
+            chosen, go_on = sync(chosen, go_on)
+            tokens_dev[:, t] = chosen
+        if not go_on:
             break
         if step_fn is not None:
             logits = step_fn(chosen[:, None], t)

@@ -11,20 +11,57 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--merge-file", default=None)
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 (default: cuda when present)")
     p.add_argument("--dtype", default=None, help="bf16 | fp16 | fp32 (default: bf16 on a GPU, fp32 on the CPU)")
+    p.add_argument("--tensor-model-parallel-size", dest="tensor_parallel", type=int, default=1,
+                   help="split each layer over this many processes of one host, as Megatron serves "
+                        "(start with torchrun --nproc-per-node N; one GPU each)")
 
 
 def load_from_flags(args):
+    """The model of ``--load`` (this rank's shard under tensor parallelism: the process group is
+    joined here; ``close_distributed`` leaves it)."""
     from gptrain.inference.load import load_for_inference
     from gptrain.inference.text import pick_device, pick_dtype
 
     device = pick_device(args.device)
-    return load_for_inference(args.load, device, pick_dtype(args.dtype, device), args.vocab_file, args.merge_file)
+    dtype = pick_dtype(args.dtype, device)
+    device, mesh = _tensor_parallel_mesh(args.tensor_parallel, device)
+    return load_for_inference(args.load, device, dtype, args.vocab_file, args.merge_file, tp_mesh=mesh)
+
+
+def _tensor_parallel_mesh(tp: int, device):
+    """(this rank's device, the tensor-parallel mesh or None); the layout is checked before any work."""
+    from gptrain.parallel.dims import world_from_env
+
+    world = world_from_env()[0]
+    if tp < 1:
+        raise ValueError(f"--tensor-model-parallel-size {tp} must be at least 1")
+    if world != tp:
+        raise ValueError(f"--tensor-model-parallel-size {tp} needs {tp} process{'es' if tp > 1 else ''} "
+                         f"(torchrun --nproc-per-node {tp}); this run has {world}")
+    if tp == 1:
+        return device, None
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from gptrain.parallel.dims import init_distributed
+
+    device = init_distributed(device)
+    return device, init_device_mesh(device.type, (tp,), mesh_dim_names=("tp",))
+
+
+def close_distributed() -> None:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def is_rank0() -> bool:
+    from gptrain.parallel.dims import world_from_env
+
+    return world_from_env()[1] == 0
 
 
 def generate_main(argv: list[str]) -> int:
-    from gptrain.inference.generate import SamplingParams, generate
-    from gptrain.inference.text import TextStream
-
     p = argparse.ArgumentParser(prog="gptrain generate", description=__doc__.splitlines()[0])
     add_model_flags(p)
     p.add_argument("--prompt", required=True)
@@ -42,25 +79,43 @@ def generate_main(argv: list[str]) -> int:
     if args.temperature < 0 or args.top_k < 0 or not 0 <= args.top_p <= 1:
         return _fail("--temperature and --top-k must be >= 0, --top-p in [0, 1]")
     try:
-        loaded = load_from_flags(args)
-        tok = loaded.tokenizer
-        prompt = tok.encode(args.prompt) or [tok.eod]  # an empty prompt starts at <|endoftext|>
-        params = SamplingParams(max_new_tokens=args.tokens, temperature=0.0 if args.greedy else args.temperature,
-                                top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop_ids=(tok.eod,),
-                                stop_on_eol=args.stop_on_eol, stop_on_double_eol=args.stop_on_double_eol)
-        stream = TextStream(tok)
-        sys.stdout.write(args.prompt)
-        sys.stdout.flush()
-
-        def show(row: int, token: int) -> None:
-            if token != tok.eod:
-                sys.stdout.write(stream.push(token))
-                sys.stdout.flush()
-
-        generate(loaded.model, [prompt], params, on_token=show)
-        sys.stdout.write(stream.flush() + "\n")
+        return _generate(args)
     except (OSError, ValueError) as err:
         return _fail(str(err))
+    finally:
+        close_distributed()
+
+
+def _generate(args) -> int:
+    from gptrain.inference.generate import SamplingParams, generate
+    from gptrain.inference.text import TextStream
+
+    loaded = load_from_flags(args)
+    tok = loaded.tokenizer
+    prompt = tok.encode(args.prompt) or [tok.eod]  # an empty prompt starts at <|endoftext|>
+    params = SamplingParams(max_new_tokens=args.tokens, temperature=0.0 if args.greedy else args.temperature,
+                            top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop_ids=(tok.eod,),
+                            stop_on_eol=args.stop_on_eol, stop_on_double_eol=args.stop_on_double_eol)
+    # under tensor parallelism every rank runs the same steps (rank 0's ids, StepSync); rank 0 writes
+    sync = None
+    if loaded.group is not None:
+        from gptrain.inference.tensor_parallel import StepSync
+
+        sync = StepSync(loaded.group)
+    stream = TextStream(tok)
+    out = sys.stdout if is_rank0() else None
+    if out:
+        out.write(args.prompt)
+        out.flush()
+
+    def show(row: int, token: int) -> None:
+        if out and token != tok.eod:
+            out.write(stream.push(token))
+            out.flush()
+
+    generate(loaded.model, [prompt], params, on_token=show, sync=sync)
+    if out:
+        out.write(stream.flush() + "\n")
     return 0
 
 

@@ -1,10 +1,13 @@
 """A model for inference from any checkpoint gptrain reads: its own (DCP, with the run config in
 ``state.json``), a Megatron-LM folder (``mp_rank_XX/model_optim_rng.pt``, through the restricted
 reader), or a Hugging Face GPT-2 folder (``config.json`` + ``model.safetensors``). Nothing pickled
-is executed and nothing is downloaded.
+is executed and nothing is downloaded. With a tensor-parallel mesh each rank builds the model with
+the training stack's split and keeps its shards: gptrain checkpoints are read sharded by DCP (at any
+saved layout), the others read whole on the CPU and cut (inference/tensor_parallel.py).
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -21,6 +24,7 @@ class Loaded:
     tokenizer: GPT2Tokenizer
     kind: str  # "gptrain", "megatron" or "huggingface"
     name: str  # what the server calls the model
+    group: object = None  # the tensor-parallel process group (None: one process)
 
 
 def _inference_config(cfg: GPTConfig) -> GPTConfig:
@@ -29,14 +33,17 @@ def _inference_config(cfg: GPTConfig) -> GPTConfig:
 
 
 def load_for_inference(path: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
-                       vocab_file: str | None = None, merge_file: str | None = None) -> Loaded:
+                       vocab_file: str | None = None, merge_file: str | None = None, tp_mesh=None) -> Loaded:
+    """The model in eval mode on ``device`` in ``dtype``; with ``tp_mesh`` (a 1-D DeviceMesh over the
+    tensor-parallel ranks) this rank's shard of it."""
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"{path}: no such checkpoint")
     tokenizer = GPT2Tokenizer(vocab_file, merge_file) if vocab_file or merge_file else None
+    full, root = None, None  # the whole model (read on the CPU), or a gptrain checkpoint to read into shards
     if (path / "config.json").is_file():
-        model = _load_hf(path)
-        kind = "huggingface"
+        full = _load_hf(path)
+        cfg, kind = full.cfg, "huggingface"
     else:
         from gptrain.train.megatron_load import is_megatron_checkpoint
 
@@ -45,24 +52,78 @@ def load_for_inference(path: str | Path, device: torch.device | str = "cpu", dty
 
             ckpt = read_megatron_checkpoint(path)
             cfg = _inference_config(ckpt.gpt_config(tokenizer.vocab_size if tokenizer else None))
-            model = GPT(cfg)
-            model.load_state_dict({k: v.float() for k, v in ckpt.model_state_dict().items()}, strict=True)
+            full = GPT(cfg)
+            full.load_state_dict({k: v.float() for k, v in ckpt.model_state_dict().items()}, strict=True)
             kind = "megatron"
         else:
-            model, data = _load_gptrain(path)
-            kind = "gptrain"
+            cfg, data = _gptrain_config(path)
+            root, kind = path, "gptrain"
             if tokenizer is None and data.get("vocab_file"):
                 tokenizer = GPT2Tokenizer(data["vocab_file"], data.get("merge_file"))
     tokenizer = tokenizer or GPT2Tokenizer()
-    if tokenizer.vocab_size != model.cfg.vocab_size:
-        raise ValueError(f"{path}: the model's vocabulary has {model.cfg.vocab_size} tokens, the tokenizer "
+    if tokenizer.vocab_size != cfg.vocab_size:
+        raise ValueError(f"{path}: the model's vocabulary has {cfg.vocab_size} tokens, the tokenizer "
                          f"{tokenizer.vocab_size} (give the checkpoint's --vocab-file and --merge-file)")
+    if tp_mesh is not None:
+        model = _load_sharded(cfg, tp_mesh, torch.device(device), full, root)
+    else:
+        model = full
+        if model is None:
+            from gptrain.train.checkpoint import load_checkpoint
+
+            model = GPT(cfg)
+            load_checkpoint(root, dict(model.named_parameters()), None, cfg.vocab_size, load_rng=False)
     model = model.to(device=device, dtype=dtype).eval()
-    return Loaded(model, tokenizer, kind, path.resolve().name)
+    if tp_mesh is not None:
+        from gptrain.inference.tensor_parallel import retie
+
+        retie(model)
+    return Loaded(model, tokenizer, kind, path.resolve().name, None if tp_mesh is None else tp_mesh.get_group())
 
 
-def _load_gptrain(root: Path) -> tuple[GPT, dict]:
-    from gptrain.train.checkpoint import iteration_dir, load_checkpoint, read_tracker
+def check_layout(cfg: GPTConfig, tp: int) -> None:
+    """The split must give every rank whole heads and an equal share of the MLP."""
+    if cfg.num_attention_heads % tp:
+        raise ValueError(f"--tensor-model-parallel-size {tp}: the model's {cfg.num_attention_heads} attention heads "
+                         "are not divisible by it")
+    if cfg.ffn_hidden_size % tp:
+        raise ValueError(f"--tensor-model-parallel-size {tp}: the model's ffn hidden size {cfg.ffn_hidden_size} "
+                         "is not divisible by it")
+
+
+def _load_sharded(cfg: GPTConfig, mesh, device: torch.device, full: GPT | None, root: Path | None) -> GPT:
+    from gptrain.inference.tensor_parallel import localize, retie
+    from gptrain.model.gpt import copy_full_into
+    from gptrain.parallel.tensor_parallel import apply_tensor_parallel
+
+    tp = mesh.size()
+    check_layout(cfg, tp)
+    cfg = dataclasses.replace(cfg, tensor_parallel_size=tp)  # Megatron pads the vocabulary to 128 x tp
+    with torch.device("meta"):
+        model = GPT(cfg)
+    apply_tensor_parallel(model, mesh)
+    model.to_empty(device=device)
+    retie(model)
+    with torch.no_grad():
+        if full is None:
+            from gptrain.train.checkpoint import load_checkpoint
+
+            load_checkpoint(root, dict(model.named_parameters()), None, cfg.vocab_size, load_rng=False)
+        else:
+            whole = dict(full.named_parameters())
+            for name, param in model.named_parameters():
+                source = whole[name]
+                if name == "word_embeddings.weight":  # re-padded for this tensor-parallel size
+                    padded = torch.zeros(param.shape, dtype=source.dtype)
+                    padded[: cfg.vocab_size] = source[: cfg.vocab_size]
+                    source = padded
+                copy_full_into(param, source)
+    return localize(model.eval(), mesh.get_group())
+
+
+def _gptrain_config(root: Path) -> tuple[GPTConfig, dict]:
+    """The architecture and data settings of the run that wrote a gptrain checkpoint."""
+    from gptrain.train.checkpoint import iteration_dir, read_tracker
 
     iteration = read_tracker(root)
     if iteration is None:
@@ -77,9 +138,7 @@ def _load_gptrain(root: Path) -> tuple[GPT, dict]:
     known = {f.name for f in fields(GPTConfig)}
     cfg = _inference_config(GPTConfig(**{k: v for k, v in config["model"].items() if k in known}))
     cfg.tensor_parallel_size = 1  # the padding of this process; the checkpoint stores the real rows
-    model = GPT(cfg)
-    load_checkpoint(root, dict(model.named_parameters()), None, cfg.vocab_size, load_rng=False)
-    return model, config.get("data") or {}
+    return cfg, config.get("data") or {}
 
 
 def _load_hf(folder: Path) -> GPT:

@@ -62,9 +62,10 @@ class Engine:
         self._queue.put(job)
         return job.future
 
-    def close(self) -> None:
+    def close(self, timeout: float | None = 10) -> None:
+        """Stop taking batches; wait for the running one (``timeout`` None: however long it takes)."""
         self._stop.set()
-        self._thread.join(timeout=10)
+        self._thread.join(timeout=timeout)
 
     def _take(self) -> list[Job]:
         try:

@@ -2,11 +2,12 @@
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 
 
 def serve_main(argv: list[str]) -> int:
-    from gptrain.inference.generate_cli import add_model_flags, load_from_flags
+    from gptrain.inference.generate_cli import add_model_flags, close_distributed, load_from_flags
 
     p = argparse.ArgumentParser(prog="gptrain serve", description=__doc__.splitlines()[0])
     add_model_flags(p)
@@ -26,29 +27,69 @@ def serve_main(argv: list[str]) -> int:
         import uvicorn
 
         from gptrain.serve.app import build_app
-        from gptrain.serve.engine import Engine
     except ImportError as err:
         return _fail(f"{err.name} is not installed: pip install fastapi uvicorn")
     try:
-        loaded = load_from_flags(args)
-    except (OSError, ValueError) as err:
-        return _fail(str(err))
-    generate_fn = None
-    if loaded.model.word_embeddings.weight.is_cuda and not args.no_cuda_graph:
+        try:
+            loaded = load_from_flags(args)
+        except (OSError, ValueError) as err:
+            return _fail(str(err))
+        if loaded.group is None:
+            return _serve(args, loaded, uvicorn, build_app)
+        # tensor parallelism: rank 0 serves, the others follow it (serve/tensor_parallel.py)
+        from gptrain.serve.tensor_parallel import WorkChannel, follow
+
+        channel = WorkChannel()
+        if channel.rank == 0:
+            return _serve(args, loaded, uvicorn, build_app, channel)
+        _hold_signals()  # rank 0 decides when to stop (torchrun signals every rank)
+        batches = follow(loaded.model, channel, loaded.group)
+        print(f"gptrain serve: rank {channel.rank}: stopped after {batches} batches", flush=True)
+        return 0
+    finally:
+        close_distributed()
+
+
+def _serve(args, loaded, uvicorn, build_app, channel=None) -> int:
+    from gptrain.serve.engine import Engine
+
+    model = loaded.model
+    cuda = model.word_embeddings.weight.is_cuda
+    generate_fn, how = None, "eager decode"
+    if channel is not None:
+        from gptrain.serve.tensor_parallel import LeaderGenerate
+
+        generate_fn = LeaderGenerate(channel, loaded.group, model.word_embeddings.weight.device)
+        world = channel.group.size()
+        how = f"tensor-parallel over {world} ranks, eager decode"
+        if cuda and not args.no_cuda_graph:
+            how += " (the CUDA-graph decode step is off under tensor parallelism)"
+    elif cuda and not args.no_cuda_graph:
         from gptrain.inference.fast import graph_generate
 
-        generate_fn = graph_generate
-    engine = Engine(loaded.model, loaded.tokenizer, max_batch=args.max_batch, max_queue=args.max_queue,
+        generate_fn, how = graph_generate, "CUDA-graph decode"
+    engine = Engine(model, loaded.tokenizer, max_batch=args.max_batch, max_queue=args.max_queue,
                     **({"generate_fn": generate_fn} if generate_fn else {}))
     app = build_app(engine, args.model_name or loaded.name, max_body_bytes=args.max_body_bytes)
-    print(f"gptrain serve: {loaded.kind} model {loaded.name} ({loaded.model.cfg.num_layers} layers, "
-          f"{loaded.model.cfg.max_position_embeddings} positions) on "
-          f"{loaded.model.word_embeddings.weight.device}, http://{args.host}:{args.port}/", flush=True)
+    print(f"gptrain serve: {loaded.kind} model {loaded.name} ({model.cfg.num_layers} layers, "
+          f"{model.cfg.max_position_embeddings} positions) on {model.word_embeddings.weight.device}, {how}, "
+          f"http://{args.host}:{args.port}/", flush=True)
+    _hold_signals()  # uvicorn shuts down on SIGINT/SIGTERM, then re-raises it: end normally instead
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     finally:
-        engine.close()
+        engine.close(timeout=None if channel is not None else 10)  # the ranks stop after the running batch
+        if channel is not None:
+            channel.stop()
+    print("gptrain serve: stopped", flush=True)
     return 0
+
+
+def _hold_signals() -> None:
+    """SIGINT and SIGTERM end nothing by themselves: uvicorn (rank 0) or rank 0's stop message
+    (the other ranks) ends the process, with exit status 0."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: None)
 
 
 def _fail(message: str) -> int:

@@ -12,7 +12,7 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 (default: cuda when present)")
     p.add_argument("--dtype", default=None, help="bf16 | fp16 | fp32 (default: bf16 on a GPU, fp32 on the CPU)")
     p.add_argument("--tensor-model-parallel-size", dest="tensor_parallel", type=int, default=1,
-                   help="split each layer over this many processes of one host, as Megatron serves "
+                   metavar="N", help="split each layer over this many processes of one host, as Megatron serves "
                         "(start with torchrun --nproc-per-node N; one GPU each)")
 
 

@@ -210,8 +210,9 @@ def test_sampling_with_a_seed_equals_one_process(servers):
     assert tp["text"] == one["text"]
     other = call("PUT", servers[1] + "/api", {**body, "random_seed": 1235})[1]
     assert other["text"] != tp["text"]  # the seed matters
-    one, tp = _both(servers, "PUT", "/api", {**body, "top_p": 0.0, "top_k": 40, "temperature": 1.3})
-    assert tp["text"] == one["text"]
+    for extra in ({"top_p": 0.0, "top_k": 40, "temperature": 1.3}, {"top_p_decay": 0.5, "top_p_bound": 0.3}):
+        one, tp = _both(servers, "PUT", "/api", {**body, **extra})
+        assert tp["text"] == one["text"], extra
 
 
 def test_concurrent_requests(servers):
@@ -255,6 +256,7 @@ def _generate(nproc: int, load: Path, *extra: str):
     return subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=_env())
 
 
+@pytest.mark.slow
 def test_generate_tp2_equals_transformers(tmp_path):
     """The HF-folder path (read whole, then cut): TP2 greedy text is transformers' greedy text."""
     torch = pytest.importorskip("torch")

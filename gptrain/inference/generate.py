@@ -133,7 +133,8 @@ def generate(model: GPT, prompts: list[list[int]], params: list[SamplingParams] 
     count = [0] * b
     t = start
     pending = (lambda t: not all(done) or (want_lp and t < max(lengths)))  # rows to generate or score
-    while t < total and pending(t):
+    go_on = t < total and pending(t)  # the same on every rank: no stream hook has run yet
+    while go_on:
         if colon_rows is not None:
             banned = colon_rows & (tokens_dev[:, t - 1] == eol.colon)
             logits[:, eol.eol] = logits[:, eol.eol].masked_fill(banned, float("-inf"))

@@ -90,8 +90,8 @@ class WorkChannel:
             stop_ids, ints = tuple(ints[: stop_counts[r]]), ints[stop_counts[r]:]
             values = dict(zip(_INTS, row))
             values.update(zip(_FLOATS, floats[r * len(_FLOATS):(r + 1) * len(_FLOATS)]))
-            values["stop_on_eol"], values["stop_on_double_eol"] = bool(values["stop_on_eol"]), \
-                bool(values["stop_on_double_eol"])
+            for flag in ("stop_on_eol", "stop_on_double_eol"):
+                values[flag] = bool(values[flag])
             params.append(SamplingParams(stop_ids=stop_ids, **values))
             colons.append(bool(row[-1]))
         return Work(prompts, params, bool(logprobs), top_logprobs, EolIds(eol, double_eol, colon), colons)

@@ -22,6 +22,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from gptrain.model.dropout import hashed_dropout
+
 
 def padded_vocab_size(vocab_size: int, divisible_by: int = 128, tensor_parallel: int = 1) -> int:
     """Megatron's ``_vocab_size_with_padding``: round up to a multiple of divisible_by x TP."""
@@ -142,10 +144,19 @@ class Block(nn.Module):
         self.ln2 = nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon)
         self.mlp = MLP(cfg)
         self.hidden_dropout = cfg.hidden_dropout
+        self.layer_number = 0  # set by GPT: which dropout site this is
+        # (shard, shards) of the sequence this rank's residual stream holds, with tensor parallelism
+        # (hashed dropout, the same mask on every tensor-parallel rank); None: F.dropout
+        self.dropout_shard: tuple[int, int] | None = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + F.dropout(self.attn(self.ln1(x)), self.hidden_dropout, self.training)
-        return x + F.dropout(self.mlp(self.ln2(x)), self.hidden_dropout, self.training)
+    def _dropout(self, y: torch.Tensor, step: torch.Tensor | None, site: int) -> torch.Tensor:
+        if self.dropout_shard is None or step is None or not self.training:
+            return F.dropout(y, self.hidden_dropout, self.training)
+        return hashed_dropout(y, self.hidden_dropout, step, 2 * self.layer_number + site, *self.dropout_shard)
+
+    def forward(self, x: torch.Tensor, dropout_step: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self._dropout(self.attn(self.ln1(x)), dropout_step, 0)
+        return x + self._dropout(self.mlp(self.ln2(x)), dropout_step, 1)
 
 
 class OutputLayer(nn.Module):
@@ -170,6 +181,12 @@ class GPT(nn.Module):
         self.position_embeddings = nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size)
         # keyed by index so names stay stable when pipeline stages drop layers
         self.layers = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.num_layers)})
+        for i, block in self.layers.items():
+            block.layer_number = int(i)
+        # tensor parallelism: the hashed dropout's step counter (train/loop.py sets it each step, the
+        # forward advances it), so every rank draws the same masks outside tensor-parallel regions
+        self.register_buffer("dropout_step", torch.zeros((), dtype=torch.int64), persistent=False)
+        self.hashed_dropout = False
         self.final_layernorm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon)
         self.output_layer = OutputLayer(cfg.vocab_size, self.word_embeddings.weight)
         self.recompute_blocks = False  # full recompute (parallel/parallelize.py sets it)
@@ -201,6 +218,7 @@ class GPT(nn.Module):
         keeps its shard: the weights depend only on the seed, never on the device or the layout,
         and host memory holds one parameter at a time.
         """
+        self.dropout_step.zero_()
         gen = torch.Generator(device="cpu").manual_seed(seed)
         scaled_std = self.cfg.init_method_std / math.sqrt(2.0 * self.cfg.num_layers)
         held = dict(self.named_parameters())
@@ -227,21 +245,28 @@ class GPT(nn.Module):
         them before the final LayerNorm unless it is the last."""
         return self.run_layers(tokens, list(self.layers.values()), self.pre_process, self.post_process)
 
-    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+    def embed(self, tokens: torch.Tensor, dropout_step: torch.Tensor | None = None) -> torch.Tensor:
         positions = torch.arange(tokens.shape[1], device=tokens.device)
         x = self.word_embeddings(tokens) + self.position_embeddings(positions)
+        if dropout_step is not None:  # the embeddings' output is whole on every tensor-parallel rank
+            return hashed_dropout(x, self.cfg.hidden_dropout, dropout_step, 2 * self.cfg.num_layers)
         return F.dropout(x, self.cfg.hidden_dropout, self.training)
 
     def run_layers(self, x: torch.Tensor, blocks: list[nn.Module], embed: bool, final: bool) -> torch.Tensor:
         """Embeddings (if ``embed``), ``blocks`` in order, the final LayerNorm (if ``final``): the
         whole model, or one pipeline chunk of it."""
+        step = None
+        if self.hashed_dropout and self.training:
+            # this forward's value, passed to the blocks so a recomputed block redraws the same masks
+            step = self.dropout_step.clone()
+            self.dropout_step.add_(1)
         if embed:
-            x = self.embed(x)
+            x = self.embed(x, step)
         for block in blocks:
             if self.recompute_blocks and self.training:
-                x = checkpoint(block, x, use_reentrant=False)
+                x = checkpoint(block, x, step, use_reentrant=False)
             else:
-                x = block(x)
+                x = block(x, step)
         return self.final_layernorm(x) if final else x
 
     def logits(self, tokens: torch.Tensor) -> torch.Tensor:

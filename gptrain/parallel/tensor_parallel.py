@@ -31,13 +31,19 @@ def apply_tensor_parallel(model: GPT, tp_mesh: DeviceMesh, sequence_parallel: bo
     else:
         plan = {"attn.qkv": ColwiseParallel(), "attn.proj": RowwiseParallel(),
                 "mlp.fc1": ColwiseParallel(), "mlp.fc2": RowwiseParallel()}
+    # Megatron's dropout: the same masks on every tensor-parallel rank outside the parallel regions
+    # (hashed, per position of the whole sequence), a per-rank stream inside them (train/run.py)
+    model.hashed_dropout = True
+    shard = (tp_mesh.get_local_rank(), tp_mesh.size()) if sequence_parallel else (0, 1)
     for block in model.layers.values():
         parallelize_module(block, tp_mesh, plan)
+        block.dropout_shard = shard
     if sequence_parallel and model.pre_process:
         # the embeddings' sum (whole on every rank) enters the first block as this rank's sequence share
         # (pipeline stages after the first receive the shares as they are)
-        parallelize_module(model.layers["0"], tp_mesh, PrepareModuleInput(input_layouts=(Replicate(),),
-                                                                         desired_input_layouts=(Shard(1),),
+        # (the block's second input, the dropout step, passes as it is)
+        parallelize_module(model.layers["0"], tp_mesh, PrepareModuleInput(input_layouts=(Replicate(), None),
+                                                                         desired_input_layouts=(Shard(1), None),
                                                                          use_local_output=True))
     if sequence_parallel and model.post_process:
         # the final LayerNorm runs on the shares and the loss gets the whole sequence back

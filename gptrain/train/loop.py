@@ -282,6 +282,10 @@ class Trainer:
         """Forward/backward over this rank's share of the global batch and one update. Returns, for
         fp16 only, whether the step was skipped (bf16/fp32 decide on the device and return None)."""
         scale = self.loss_scale
+        if self.parts.model.hashed_dropout:
+            # the hashed dropout's counter follows the iteration, so a resumed run draws the masks
+            # the straight run drew (each forward of the step advances it by one)
+            self.parts.model.dropout_step.fill_(self.iteration << 16)
         loss_acc = self._forward_backward(loader, scale if self.scaler else 1.0)
         lr = self.schedule.lr()
         for group in self.optimizer.param_groups:

@@ -110,10 +110,14 @@ def pick_device(requested: str | None) -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def seed_everything(seed: int) -> None:
+def seed_everything(seed: int, tp_rank: int | None = None) -> None:
+    """With tensor parallelism (``tp_rank`` given) the process generator takes Megatron's
+    tensor-model-parallel seed, seed + 2718 + tp_rank: it only draws the attention dropout, inside
+    the tensor-parallel regions, where each rank's heads get their own masks; the dropout outside
+    them is hashed (model/dropout.py), the same on every rank."""
     random.seed(seed)
     np.random.seed(seed)
-    torch.manual_seed(seed)
+    torch.manual_seed(seed if tp_rank is None else seed + 2718 + tp_rank)
 
 
 def build_model(cfg: RunConfig, device: torch.device, log=print) -> GPT:
@@ -205,7 +209,11 @@ def train_main(argv: list[str], log=None) -> int:
         log(f"setting number of micro-batches to constant "
             f"{cfg.train.global_batch_size // (cfg.train.micro_batch_size * dims.dp)}")
         log(f"> setting random seeds to {cfg.data.seed} ...")
-        seed_everything(cfg.data.seed)
+        tp_rank = mesh["tp"].get_local_rank() if dims.tp > 1 else None
+        if tp_rank is not None:
+            log(f"> tensor-model-parallel seed {cfg.data.seed} + 2718 + tensor rank (attention dropout differs across "
+                "tensor-parallel ranks; hidden dropout is the same on all of them)")
+        seed_everything(cfg.data.seed, tp_rank)
         log("building GPT model ...")
         parts = build_training(cfg, device, dims, mesh, log)
         log(f" > padded vocab (size: {cfg.model.vocab_size}) with "

@@ -9,7 +9,8 @@ import torch
 from distributed import TINY
 from gptrain.config import parse_megatron_args
 from gptrain.model.gpt import GPT
-from gptrain.train.checkpoint import is_complete, load_checkpoint, read_tracker
+from gptrain.train.checkpoint import (CheckpointError, Checkpointer, HostStager, finish_save, init_optimizer_state,
+                                      is_complete, load_checkpoint, read_tracker, save_checkpoint)
 from gptrain.train.run import train_main
 
 RUN = TINY + ["--save-interval", "2", "--lr-decay-iters", "6"]
@@ -23,16 +24,108 @@ def _train(argv):
     return lines
 
 
-def _everything(folder):
-    cfg, _ = parse_megatron_args(TINY + ["--train-iters", "1"], world_size=1)
-    model = GPT(cfg.model)
-    params = dict(model.named_parameters())
-    optimizer = torch.optim.AdamW(params.values())
-    state = load_checkpoint(folder, params, optimizer, cfg.model.vocab_size, load_rng=False)
+def _snapshot(params, optimizer):
     tensors = {k: v.detach().clone() for k, v in params.items()}
     for k, p in params.items():
         tensors.update({f"{k}/{key}": v.clone() for key, v in optimizer.state[p].items()})
-    return tensors, state
+    return tensors
+
+
+def _model():
+    cfg, _ = parse_megatron_args(TINY + ["--train-iters", "1"], world_size=1)
+    model = GPT(cfg.model)
+    params = dict(model.named_parameters())
+    return cfg, model, params, torch.optim.AdamW(params.values())
+
+
+def _everything(folder):
+    cfg, _, params, optimizer = _model()
+    state = load_checkpoint(folder, params, optimizer, cfg.model.vocab_size, load_rng=False)
+    return _snapshot(params, optimizer), state
+
+
+def _step(model, optimizer, vocab_size, seed):
+    """One real AdamW step on random tokens: every weight and moment changes."""
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, vocab_size, (2, 33), generator=g)
+    logits = model.logits(tokens[:, :-1])[..., :vocab_size]
+    loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+
+
+def test_consecutive_async_saves_are_each_published_with_their_own_values(tmp_path, monkeypatch):
+    """Several async saves through one Checkpointer (with torch 2.11's DefaultStager the second one
+    failed): each is published, loads the values of its own iteration although training changed them
+    before the write finished, and reuses the first save's staging buffers."""
+    from torch.distributed.checkpoint.staging import DefaultStager
+
+    stage = DefaultStager._stage
+
+    def stage_as_in_torch_2_11(self, state_dict, **kwargs):  # pytorch#183413: its stage closed it
+        staged = stage(self, state_dict, **kwargs)
+        self._state_dict_stager.close()
+        return staged
+
+    monkeypatch.setattr(DefaultStager, "_stage", stage_as_in_torch_2_11)
+    torch.manual_seed(0)
+    cfg, model, params, optimizer = _model()
+    vocab = cfg.model.vocab_size
+    _step(model, optimizer, vocab, 0)  # AdamW state exists
+    saver = Checkpointer(True, log=lambda line: None)
+    expected, buffers = {}, []
+    for it in (1, 2, 3):
+        expected[it] = _snapshot(params, optimizer)
+        saver.save(tmp_path, it, params, optimizer, {"config": {}}, vocab)
+        buffers.append({k: v.data_ptr() for k, v in saver._stager.buffers.items()})
+        _step(model, optimizer, vocab, it)  # training goes on while the writer thread writes
+        if it == 2:
+            saver.poll()  # publishes it if the writer is done, else the next save does
+    saver.close()
+    assert buffers[0] == buffers[1] == buffers[2]
+    assert read_tracker(tmp_path) == 3
+    first = next(iter(expected[1]))
+    assert not torch.equal(expected[1][first], expected[3][first])  # the saves hold different values
+    for it in (1, 2, 3):
+        assert is_complete(tmp_path / f"iter_{it:07d}")[0]
+        alone = tmp_path / f"alone{it}"  # a root whose tracker names this iteration
+        alone.mkdir()
+        (alone / f"iter_{it:07d}").symlink_to(tmp_path / f"iter_{it:07d}")
+        (alone / "latest_checkpointed_iteration.txt").write_text(str(it))
+        got, _ = _everything(alone)
+        assert sorted(got) == sorted(expected[it])
+        for k in got:  # the vocabulary padding rows are not stored
+            cut = slice(vocab) if k.startswith("word_embeddings.weight") and got[k].dim() == 2 else ...
+            assert torch.equal(got[k][cut], expected[it][k][cut]), (it, k)
+
+
+def test_a_failing_save_names_the_underlying_exception(tmp_path):
+    """The one line of a failed save names the exception (type, message, where), whether it is
+    raised while staging (the torch 2.11 failure: a DefaultStager whose stage had closed it) or in
+    DCP's writer thread (per rank); the partial files go, the previous checkpoint stays."""
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+    cfg, _, params, optimizer = _model()
+    init_optimizer_state(params, optimizer)
+    vocab = cfg.model.vocab_size
+    save_checkpoint(tmp_path, 1, params, optimizer, {}, vocab)
+    closed = DefaultStager(StagingOptions(False, False, False, False))
+    closed.close()
+    with pytest.raises(CheckpointError) as err:
+        save_checkpoint(tmp_path, 2, params, optimizer, {}, vocab, async_save=True, stager=closed)
+    assert "iteration 2" in str(err.value) and "KeyError: <class 'type'> (at _state_dict_stager.py:" in str(err.value)
+    assert str(err.value).endswith(f"the newest complete checkpoint is {tmp_path / 'iter_0000001'}")
+
+    class Unpicklable(HostStager):  # DCP pickles non-tensor values in its writer thread
+        def stage(self, state_dict):
+            return {**super().stage(state_dict), "extra": lambda: 0}
+
+    pending = save_checkpoint(tmp_path, 3, params, optimizer, {}, vocab, async_save=True, stager=Unpicklable(False))
+    with pytest.raises(CheckpointError, match=r": rank 0: \w+: Can't (pickle|get) local object .*<lambda>.* "
+                                              r"\(at \w+\.py:\d+ in \w+\); its partial files were removed"):
+        finish_save(pending)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["iter_0000001", "latest_checkpointed_iteration.txt"]
 
 
 @pytest.fixture(scope="module")

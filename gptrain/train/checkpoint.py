@@ -26,6 +26,8 @@ import random
 import shutil
 import sys
 import time
+import traceback as tb
+import types
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,7 +36,9 @@ import numpy as np
 import torch
 import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file, save_file
+from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.tensor import DTensor
 
 from gptrain.model.gpt import copy_full_into
@@ -93,13 +97,15 @@ def _set_rng_state(tensors: dict[str, torch.Tensor], scalars: dict) -> None:
     random.setstate((version, tuple(internal), gauss))
 
 
-def _unpadded(name: str, t: torch.Tensor, vocab_size: int) -> torch.Tensor:
+def _unpadded(name: str, t: torch.Tensor, vocab_size: int, host: bool = True) -> torch.Tensor:
     """What is stored for ``t``: the embedding-shaped tensors whole and cut to the real vocabulary
-    (the same on every rank, so DCP writes it once), everything else as it is (DTensor shards)."""
+    (the same on every rank, so DCP writes it once), everything else as it is (DTensor shards).
+    ``host=False`` leaves the cut on its device, for a stager that copies it to the host anyway."""
     if name != UNPADDED or t.dim() != 2:
         return t
     full = t.full_tensor() if isinstance(t, DTensor) else t
-    return full.detach()[:vocab_size].float().cpu()
+    cut = full.detach()[:vocab_size].float()
+    return cut.cpu() if host else cut
 
 
 def init_optimizer_state(params: dict[str, torch.Tensor], optimizer: torch.optim.Optimizer) -> None:
@@ -112,12 +118,12 @@ def init_optimizer_state(params: dict[str, torch.Tensor], optimizer: torch.optim
 
 
 def _state_dict(params: dict[str, torch.Tensor], optimizer: torch.optim.Optimizer | None,
-                vocab_size: int) -> dict[str, torch.Tensor]:
-    out = {f"model/{name}": _unpadded(name, p, vocab_size) for name, p in params.items()}
+                vocab_size: int, host: bool = True) -> dict[str, torch.Tensor]:
+    out = {f"model/{name}": _unpadded(name, p, vocab_size, host) for name, p in params.items()}
     if optimizer is not None:
         for name, p in params.items():
             for key, value in optimizer.state.get(p, {}).items():
-                out[f"optim/{name}/{key}"] = _unpadded(name, value, vocab_size)
+                out[f"optim/{name}/{key}"] = _unpadded(name, value, vocab_size, host)
     return out
 
 
@@ -207,8 +213,37 @@ def recover(root: str | os.PathLike | None, log=None) -> None:
     barrier()
 
 
+def _where(trace) -> str:
+    """The innermost frame of a traceback or StackSummary, as ``file.py:line in function``."""
+    frames = tb.extract_tb(trace) if isinstance(trace, types.TracebackType) else trace
+    if not frames:
+        return ""
+    f = frames[-1]
+    return f" (at {Path(f.filename).name}:{f.lineno} in {f.name})"
+
+
+def _describe(err: BaseException, trace=None, depth: int = 0) -> str:
+    """``Type: first line of the message (at file:line in function)``; DCP's CheckpointException as
+    each rank's underlying exception (identical ones grouped), an explicit cause appended."""
+    failures = getattr(err, "failures", None)  # DCP's CheckpointException: rank -> (exception, trace)
+    if isinstance(failures, dict) and failures:
+        by_text: dict[str, list[int]] = {}
+        for rank, failure in sorted(failures.items()):
+            exc, stack = failure if isinstance(failure, tuple) else (failure, None)
+            by_text.setdefault(_describe(exc, stack, depth + 1), []).append(rank)
+        return "; ".join(f"rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))}: {text}"
+                         for text, r in by_text.items())
+    lines = str(err).strip().splitlines()
+    text = f"{type(err).__name__}: {lines[0]}" if lines else type(err).__name__
+    text += _where(trace if trace is not None else err.__traceback__)
+    if err.__cause__ is not None and depth < 3:
+        text += f", caused by {_describe(err.__cause__, depth=depth + 1)}"
+    return text
+
+
 def _reason(err: BaseException) -> str:
-    """One line for a failed save: the operating system's words where there are some."""
+    """One line for a failed save: the operating system's words where there are some (a full disk),
+    else the underlying exception's type, message and place, per rank for DCP's failures."""
     stack, seen = [err], set()
     while stack:
         e = stack.pop()
@@ -217,12 +252,11 @@ def _reason(err: BaseException) -> str:
         seen.add(id(e))
         if isinstance(e, OSError) and e.strerror:
             return e.strerror + (f" ({e.filename})" if e.filename else "")
-        failures = getattr(e, "failures", None)  # DCP's CheckpointException: rank -> (exception, trace)
+        failures = getattr(e, "failures", None)
         if isinstance(failures, dict):
             stack += [v[0] if isinstance(v, tuple) else v for v in failures.values()]
         stack += [e.__cause__, e.__context__]
-    text = str(err).strip().splitlines()
-    return text[0] if text else type(err).__name__
+    return _describe(err)
 
 
 def _together(what: str, fn, where: str, root: Path) -> None:
@@ -295,7 +329,8 @@ def save_checkpoint(root: str | os.PathLike, iteration: int, params: dict[str, t
             with warnings.catch_warnings():  # one process without a process group is a normal run here
                 warnings.filterwarnings("ignore", message=".*torch.distributed is disabled")
                 if async_save:
-                    future = dcp.async_save(_state_dict(params, optimizer, vocab_size), checkpoint_id=tmp,
+                    state_dict = _state_dict(params, optimizer, vocab_size, host=not isinstance(stager, HostStager))
+                    future = dcp.async_save(state_dict, checkpoint_id=tmp,
                                             async_stager=stager, process_group=process_group,
                                             no_dist=not distributed())
                 else:
@@ -414,12 +449,51 @@ def load_checkpoint(root: str | os.PathLike, params: dict[str, torch.Tensor],
     return state
 
 
+class HostStager(AsyncStager):
+    """``async_save``'s staging: host copies of the state dict in buffers allocated (pinned, on a GPU)
+    by the first save and reused by every later one, so a save blocks training only for the copy.
+    DCP's own DefaultStager cannot be reused in torch 2.11 (its ``stage`` closes itself: the
+    second save fails with ``KeyError: <class 'type'>``) and allocates and pins every time there.
+    The caller must not stage again before the previous save's writer is done with the buffers
+    (``Checkpointer`` finishes one save before it starts the next)."""
+
+    _synchronize_after_execute = False  # stage() returns with the copy complete
+
+    def __init__(self, pin: bool):
+        self.pin = pin
+        self.buffers: dict | None = None
+        self._layout: dict | None = None
+
+    @staticmethod
+    def _layout_of(state_dict: dict) -> dict:
+        return {k: (type(v), tuple(v.shape), v.dtype,
+                    tuple(v.to_local().shape) if isinstance(v, DTensor) else None) for k, v in state_dict.items()}
+
+    @torch.no_grad()
+    def stage(self, state_dict: dict) -> dict:
+        layout = self._layout_of(state_dict)
+        if layout != self._layout:  # first save, or another model: new buffers
+            self.buffers = None  # the old ones go before the new ones are allocated
+            self.buffers = _create_cpu_state_dict(state_dict, pin_memory=self.pin)
+            self._layout = layout
+        staged = _copy_state_dict(state_dict, self.buffers, non_blocking=self.pin)
+        if self.pin:
+            torch.cuda.synchronize()  # the device-to-host copies were queued behind the optimizer's kernels
+        return staged
+
+    def synchronize_staging(self) -> None:
+        pass
+
+    def close(self) -> None:
+        self.buffers = self._layout = None
+
+
 class Checkpointer:
     """The trainer's saves, synchronous or (``--async-save``) through DCP's ``async_save``: the
-    tensors are staged in host memory (pinned on a GPU) while training waits, a background thread
-    writes them, and the checkpoint is published (manifest, fsync, rename, tracker) once every rank
-    has finished writing. One save at a time: the previous one finishes before the next starts and
-    before the run ends."""
+    tensors are copied into host buffers (``HostStager``: pinned on a GPU, kept from save to save)
+    while training waits, a background thread writes them, and the checkpoint is published
+    (manifest, fsync, rename, tracker) once every rank has finished writing. One save at a time:
+    the previous one finishes before the next starts and before the run ends."""
 
     def __init__(self, async_save: bool, log=print):
         self.async_save, self.log = async_save, log
@@ -441,7 +515,7 @@ class Checkpointer:
         if self._group is None and distributed():  # the writer thread's collectives stay off the training group
             self._group = torch.distributed.new_group(backend="gloo")
         if self._stager is None:
-            self._stager = _stager(any(p.is_cuda for p in params.values()))
+            self._stager = HostStager(pin=any(p.is_cuda for p in params.values()))
         self.pending = save_checkpoint(root, iteration, params, optimizer, state, vocab_size, async_save=True,
                                        stager=self._stager, process_group=self._group)
         self._started = start
@@ -471,13 +545,3 @@ class Checkpointer:
         if self._stager is not None:
             self._stager.close()
             self._stager = None
-
-
-def _stager(cuda: bool):
-    """DCP's stager: pinned host buffers, reused from save to save, on a GPU; plain copies on a CPU."""
-    try:
-        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-    except ImportError:  # older torch: async_save's own default
-        return None
-    return DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=False,
-                                        use_non_blocking_copy=cuda))

@@ -4,7 +4,8 @@ AdamW's two moments (what the trainer saves: the fp32 main copies), synchronous 
     python3 benchmarks/ckpt_save.py --dir /tmp/ckpt_bench [--repeats 3]
 
 For async saves it prints the time training is blocked (staging into pinned host memory) and the
-time until the checkpoint is published (written, fsynced, renamed, tracker replaced).
+time until the checkpoint is published (written, fsynced, renamed, tracker replaced). The first
+async save also allocates and pins the staging buffers; the later ones reuse them.
 """
 from __future__ import annotations
 

@@ -469,12 +469,18 @@ class HostStager(AsyncStager):
         return {k: (type(v), tuple(v.shape), v.dtype,
                     tuple(v.to_local().shape) if isinstance(v, DTensor) else None) for k, v in state_dict.items()}
 
+    def _buffer(self, t: torch.Tensor) -> torch.Tensor:
+        if isinstance(t, DTensor):  # DCP's own way to a host DTensor (the same mesh and placements)
+            return _create_cpu_state_dict({"t": t}, pin_memory=self.pin)["t"]
+        # allocated pinned at once: DCP's helper pins a pageable copy, twice the work on the first save
+        return torch.empty(t.shape, dtype=t.dtype, pin_memory=self.pin)
+
     @torch.no_grad()
     def stage(self, state_dict: dict) -> dict:
         layout = self._layout_of(state_dict)
         if layout != self._layout:  # first save, or another model: new buffers
             self.buffers = None  # the old ones go before the new ones are allocated
-            self.buffers = _create_cpu_state_dict(state_dict, pin_memory=self.pin)
+            self.buffers = {k: self._buffer(v) for k, v in state_dict.items()}
             self._layout = layout
         staged = _copy_state_dict(state_dict, self.buffers, non_blocking=self.pin)
         if self.pin:

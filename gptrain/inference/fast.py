@@ -1,105 +1,303 @@
-"""The GPU decode step as a CUDA graph over a static cache.
+"""The GPU decode loop: one CUDA graph replay per token, and no step waits for the host.
 
-One graph per batch bucket (1, 2, 4, ... rows; a batch is padded with score-only rows to its
-bucket) replays the whole one-token forward: the new key and value go to the cache at the position
-held in a device tensor, and attention reads the full static cache under a mask of the positions
-written so far, so the shapes never change and nothing is read back to the host. The prefill and
-everything else is ``generate``'s own code, given this step and this cache.
+A ``Decoder`` holds, for one batch bucket (1, 2, 4, ... rows; a batch is padded to its bucket with
+score-only rows), a static cache and static buffers: the tokens by position, the logits, each row's
+sampling settings and the position ``t`` itself, all on the device. One step's graph does a whole
+token: it chooses the token at ``t`` from the logits (argmax, or ``sampling.sample`` with its seeded
+noise; a row still inside its prompt takes its prompt token), writes it to the token buffer (and its
+log-probabilities, when asked), runs the one-token forward at ``t`` (key and value into the cache
+with one copy per layer; attention over the cache's first ``L`` positions, ``L`` the power of two
+that covers ``t``, one graph per ``L``, under an additive mask of positions ``0 .. t`` taken from a
+precomputed table), keeps the logits for ``t + 1`` and advances ``t`` on the device. The host replays
+the graphs a few steps ahead of reading the chosen ids back (pinned copies behind events) and applies
+``generate``'s stop rules and stream hook there; a row that stopped only costs the steps already
+queued. The prefill is ``forward_cached``, eager, once per request.
 """
 from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from gptrain.inference.generate import SamplingParams, generate
-from gptrain.inference.kv_cache import KVCache
+from gptrain.inference.generate import (EolIds, Generation, SamplingParams, _prompt_logprobs, _stops,
+                                        check_request)
+from gptrain.inference.kv_cache import KVCache, forward_cached
+from gptrain.inference.sampling import sample
 from gptrain.model.gpt import GPT
 
-
-class GraphDecoder:
-    def __init__(self, model: GPT, batch: int, use_graph: bool = True):
-        self.model = model
-        self.window = model.cfg.max_position_embeddings
-        self.cache = KVCache(model, batch, self.window)
-        device = self.cache.k.device
-        self.tokens = torch.zeros(batch, 1, dtype=torch.long, device=device)
-        self.position = torch.zeros((), dtype=torch.long, device=device)
-        self.keys = torch.arange(self.window, device=device)
-        self.graph = None
-        self.logits = None
-        if use_graph and device.type == "cuda":
-            self._capture()
-
-    @torch.no_grad()
-    def _step(self) -> torch.Tensor:
-        model, cache = self.model, self.cache
-        b = self.tokens.shape[0]
-        pos = self.position.view(1)
-        x = model.word_embeddings(self.tokens) + model.position_embeddings(pos)
-        mask = (self.keys <= self.position)[None, None, None, :]
-        for i, block in enumerate(model.layers.values()):
-            qkv = block.attn.qkv(block.ln1(x))
-            qkv = qkv.view(b, 1, qkv.shape[-1] // (3 * model.cfg.head_dim), 3, model.cfg.head_dim)
-            query, key, value = qkv.permute(3, 0, 2, 1, 4)
-            cache.k[i].index_copy_(2, pos, key)
-            cache.v[i].index_copy_(2, pos, value)
-            y = F.scaled_dot_product_attention(query, cache.k[i], cache.v[i], attn_mask=mask)
-            x = x + block.attn.proj(y.transpose(1, 2).reshape(b, 1, -1))
-            x = x + block.mlp(block.ln2(x))
-        return model.output_layer(model.final_layernorm(x))[:, -1].float()
-
-    def _capture(self) -> None:
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(3):  # warm-up outside the graph (cuBLAS workspaces, lazy inits)
-                self._step()
-        torch.cuda.current_stream().wait_stream(stream)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self.logits = self._step()
-        self.cache.k.zero_()
-        self.cache.v.zero_()
-
-    def __call__(self, tokens: torch.Tensor, position: int) -> torch.Tensor:
-        """Logits (batch, vocab) after feeding ``tokens`` (batch, 1) at ``position``."""
-        self.tokens.copy_(tokens, non_blocking=True)
-        self.position.fill_(position)
-        if self.graph is None:
-            return self._step()
-        self.graph.replay()
-        return self.logits
-
-
-_decoders: dict[tuple[int, int], GraphDecoder] = {}
+MIN_LENGTH = 64  # the shortest attention bucket
+AHEAD = 4  # steps the host queues before it reads a step's ids back
 
 
 def bucket(n: int) -> int:
+    """The power of two at or above ``n`` (batch buckets)."""
     return 1 << max(0, (n - 1).bit_length())
 
 
+def length_bucket(n: int, window: int) -> int:
+    """How many cache positions a step that needs ``n`` of them attends over."""
+    return min(window, max(MIN_LENGTH, bucket(n)))
+
+
+@dataclass(frozen=True)
+class Mode:
+    """What a step's graph does besides the forward (one graph per mode and length bucket)."""
+    greedy: bool = True  # every row greedy: argmax only, no sort or noise
+    logprobs: bool = False  # the chosen token's log-probability
+    top_n: int = 0  # the n most likely tokens and their log-probabilities
+    colon: tuple[int, int] | None = None  # (colon id, eol id): no eol right after a colon, per row
+    decay: bool = False  # Megatron's top_p decay
+
+
+class Decoder:
+    def __init__(self, model: GPT, batch: int, use_graph: bool = True):
+        self.model, self.batch = model, batch
+        self.window = model.cfg.max_position_embeddings
+        self.cache = KVCache(model, batch, self.window)
+        dev, dtype = self.cache.kv.device, self.cache.kv.dtype
+        self.use_graph = use_graph and dev.type == "cuda"
+        zeros = lambda *shape, dtype=torch.long: torch.zeros(shape, device=dev, dtype=dtype)  # noqa: E731
+        self.tokens = zeros(self.window, batch)  # position-major: a step's ids are one contiguous row
+        self.prompt_len = zeros(batch)
+        self.position = zeros()
+        self.logits = zeros(batch, model.output_layer.vocab_size, dtype=dtype)
+        self.temperature, self.top_p = zeros(batch, dtype=torch.float32), zeros(batch, dtype=torch.float32)
+        self.decay, self.bound = zeros(batch, dtype=torch.float32), zeros(batch, dtype=torch.float32)
+        self.top_k, self.seeds = zeros(batch), zeros(batch)
+        self.colon_rows = zeros(batch, dtype=torch.bool)
+        self.chosen_lp = zeros(self.window, batch, dtype=torch.float32)
+        self.top: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        keys = torch.arange(self.window, device=dev)
+        # row t: 0 for key positions 0 .. t, -inf after (SDPA adds it to the scores)
+        self.mask_table = torch.zeros(self.window, self.window, device=dev, dtype=dtype).masked_fill(
+            keys[None, :] > keys[:, None], float("-inf"))
+        self.graphs: dict[tuple[Mode, int], torch.cuda.CUDAGraph] = {}
+        self.pool = None
+        self.host = self.events = None
+        if dev.type == "cuda":
+            self.host = torch.zeros(AHEAD, batch, dtype=torch.long, pin_memory=True)
+            self.events = [torch.cuda.Event() for _ in range(AHEAD)]
+        self.stats = {"steps": 0, "replays": 0, "host_waits": 0, "graphs": 0}
+
+    # ---- one step, on the device
+    @torch.no_grad()
+    def step(self, mode: Mode, length: int) -> None:
+        b, t = self.batch, self.position
+        at = t.view(1)
+        logits = self.logits
+        if mode.colon is not None:
+            colon, eol = mode.colon
+            banned = self.colon_rows & (self.tokens.index_select(0, at - 1)[0] == colon)
+            logits[:, eol] = logits[:, eol].masked_fill(banned, float("-inf"))
+        if mode.greedy:
+            chosen = logits.argmax(dim=-1)
+        else:
+            chosen = sample(logits, self.temperature, self.top_k, self.top_p, self.seeds, t.expand(b))
+        if mode.decay:
+            generating = t >= self.prompt_len
+            decayed = torch.maximum(self.top_p * self.decay, self.bound)
+            self.top_p.copy_(torch.where(generating & (self.decay > 0) & (self.top_p > 0), decayed, self.top_p))
+        chosen = torch.where(t < self.prompt_len, self.tokens.index_select(0, at)[0], chosen)
+        self.tokens.index_copy_(0, at, chosen[None])
+        if mode.logprobs or mode.top_n:
+            lp = torch.log_softmax(logits.float(), dim=-1)
+            self.chosen_lp.index_copy_(0, at, lp.gather(1, chosen[:, None]).T)
+            if mode.top_n:
+                values, indices = self.top[mode.top_n]
+                top = lp.topk(mode.top_n, dim=-1)
+                values.index_copy_(0, at, top.values[None])
+                indices.index_copy_(0, at, top.indices[None])
+        self.forward(chosen, length)
+        self.position.add_(1)
+
+    def forward(self, chosen: torch.Tensor, length: int) -> None:
+        """Logits (into ``self.logits``) of ``chosen`` (batch,) fed at position ``self.position``,
+        attending over the cache's first ``length`` positions."""
+        model, kv, b = self.model, self.cache.kv, self.batch
+        at = self.position.view(1)
+        dim = model.cfg.head_dim
+        x = model.word_embeddings(chosen[:, None]) + model.position_embeddings(at)
+        mask = self.mask_table.index_select(0, at)[None, None, :, :length]  # (1, 1, 1, length)
+        for i, block in enumerate(model.layers.values()):
+            qkv = block.attn.qkv(block.ln1(x))
+            qkv = qkv.view(b, 1, qkv.shape[-1] // (3 * dim), 3, dim).permute(3, 0, 2, 1, 4)  # (3, b, heads, 1, dim)
+            kv[i].index_copy_(3, at, qkv[1:])
+            y = F.scaled_dot_product_attention(qkv[0], kv[i, 0, :, :, :length], kv[i, 1, :, :, :length],
+                                               attn_mask=mask)
+            x = x + block.attn.proj(y.transpose(1, 2).reshape(b, 1, -1))
+            x = x + block.mlp(block.ln2(x))
+        self.logits.copy_(model.output_layer(model.final_layernorm(x))[:, -1])
+
+    def _graph(self, mode: Mode, length: int) -> torch.cuda.CUDAGraph:
+        """The captured step (captured on first use, before any request state is loaded: the
+        warm-up steps write to the buffers)."""
+        graph = self.graphs.get((mode, length))
+        if graph is None:
+            self.position.fill_(1)
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                for _ in range(2):  # warm-up outside the graph (cuBLAS workspaces, lazy inits)
+                    self.position.fill_(1)
+                    self.step(mode, length)
+            torch.cuda.current_stream().wait_stream(stream)
+            self.position.fill_(1)
+            graph = torch.cuda.CUDAGraph()
+            # the graphs never run at once and keep nothing between replays outside the static
+            # buffers: they share one memory pool
+            with torch.cuda.graph(graph, pool=self.pool):
+                self.step(mode, length)
+            self.pool = graph.pool()
+            self.graphs[(mode, length)] = graph
+            self.stats["graphs"] += 1
+        return graph
+
+    def _issue(self, mode: Mode, t: int) -> None:
+        length = length_bucket(t + 1, self.window)
+        if self.use_graph:
+            self.graphs[(mode, length)].replay()
+            self.stats["replays"] += 1
+        else:
+            self.step(mode, length)
+        self.stats["steps"] += 1
+        if self.host is not None:
+            slot = t % AHEAD
+            self.host[slot].copy_(self.tokens[t], non_blocking=True)
+            self.events[slot].record()
+
+    def _read(self, t: int) -> list[int]:
+        if self.host is None:
+            return self.tokens[t].tolist()
+        slot = t % AHEAD
+        self.events[slot].synchronize()
+        self.stats["host_waits"] += 1
+        return self.host[slot].tolist()
+
+    # ---- one request, on the host
+    @torch.no_grad()
+    def run(self, prompts: list[list[int]], params: list[SamplingParams], logprobs: bool = False,
+            top_logprobs: int = 0, eol: EolIds | None = None, on_token=None,
+            no_newline_after_colon: list[bool] | None = None) -> list[Generation]:
+        """``generate``'s results for up to ``batch`` prompts (its arguments, without ``sync``)."""
+        model, window, n = self.model, self.window, len(prompts)
+        if not 0 < n <= self.batch:
+            raise ValueError(f"{n} prompts for a decoder of {self.batch} rows")
+        eol = eol or EolIds()
+        model.eval()
+        ends = check_request(prompts, params, window)
+        lengths = [len(p) for p in prompts]
+        start, total = min(lengths), max(ends)
+        shortest = lengths.index(start)
+        pad = self.batch - n  # copies of the shortest prompt, score only: the prefill stays as long
+        rows = list(prompts) + [prompts[shortest]] * pad
+        row_params = list(params) + [SamplingParams(max_new_tokens=0, temperature=0.0)] * pad
+        colon = list(no_newline_after_colon or []) + [False] * (self.batch - len(no_newline_after_colon or []))
+        want_lp = logprobs or top_logprobs > 0
+        mode = Mode(greedy=all(p.temperature <= 0 or p.top_k == 1 for p in row_params),
+                    logprobs=want_lp, top_n=top_logprobs,
+                    colon=(eol.colon, eol.eol) if any(colon) else None,
+                    decay=any(p.top_p_decay > 0 for p in row_params))
+        if top_logprobs and top_logprobs not in self.top:
+            self.top[top_logprobs] = (torch.zeros(window, self.batch, top_logprobs, device=self.logits.device),
+                                      torch.zeros(window, self.batch, top_logprobs, device=self.logits.device,
+                                                  dtype=torch.long))
+        if self.use_graph:  # capture what this request needs before its state goes in
+            for length in sorted({length_bucket(t + 1, window) for t in range(start, total)}):
+                self._graph(mode, length)
+
+        grid = torch.zeros(window, self.batch, dtype=torch.long)
+        for i, p in enumerate(rows):
+            grid[: len(p), i] = torch.tensor(p, dtype=torch.long)
+        self.tokens.copy_(grid)
+        self.prompt_len.copy_(torch.tensor([len(p) for p in rows]))
+        self.temperature.copy_(torch.tensor([p.temperature for p in row_params]))
+        self.top_k.copy_(torch.tensor([p.top_k for p in row_params]))
+        self.top_p.copy_(torch.tensor([p.top_p for p in row_params]))
+        self.seeds.copy_(torch.tensor([p.seed for p in row_params]))
+        self.decay.copy_(torch.tensor([p.top_p_decay for p in row_params]))
+        self.bound.copy_(torch.tensor([p.top_p_bound for p in row_params]))
+        self.colon_rows.copy_(torch.tensor(colon, dtype=torch.bool))
+        self.position.fill_(start)
+
+        out = [Generation(tokens=list(p), prompt_length=len(p)) for p in prompts]
+        if want_lp:
+            for g in out:
+                g.logprobs, g.top_logprobs = [None], [None]
+        hidden = forward_cached(model, self.tokens[:start].T, 0, self.cache)
+        if want_lp and start > 1:
+            _prompt_logprobs(model, hidden[:n, :-1], self.tokens[1:start, :n].T, out, top_logprobs)
+        self.logits.copy_(model.output_layer(hidden[:, -1]))
+
+        done = [length >= end for length, end in zip(lengths, ends)]  # max_new_tokens 0: score only
+        count, last = [0] * n, [start - 1] * n  # last: the last position whose log-probability a row keeps
+        longest = max(lengths)
+        pending = (lambda t: not all(done) or (want_lp and t < longest))  # rows to generate or score
+        t = issued = start
+        go_on = t < total and pending(t)
+        while go_on:
+            while issued < total and issued - t < AHEAD:
+                self._issue(mode, issued)
+                issued += 1
+            ids = self._read(t)
+            for i in range(n):
+                if t < lengths[i]:  # a prompt token: only scored
+                    last[i] = t
+                    continue
+                if done[i]:
+                    continue
+                token = ids[i]
+                out[i].tokens.append(token)
+                last[i] = t
+                count[i] += 1
+                stop = _stops(params[i], token, out[i].tokens[-2], eol)
+                if on_token is not None and on_token(i, token):
+                    stop = True
+                if stop:
+                    out[i].finish_reason, done[i] = "stop", True
+                elif count[i] >= params[i].max_new_tokens:
+                    done[i] = True
+            go_on = t + 1 < total and pending(t + 1)
+            t += 1
+        if want_lp and t > start:
+            self._logprobs(out, start, t, last, top_logprobs)
+        return out
+
+    def _logprobs(self, out: list[Generation], start: int, stop: int, last: list[int], top_n: int) -> None:
+        n = len(out)
+        chosen = self.chosen_lp[start:stop, :n].double().cpu()
+        if top_n:
+            values, indices = self.top[top_n]
+            values, indices = values[start:stop, :n].double().cpu(), indices[start:stop, :n].cpu()
+        for i, g in enumerate(out):
+            for j in range(last[i] - start + 1):
+                g.logprobs.append(float(chosen[j, i]))
+                if top_n:
+                    g.top_logprobs.append({int(k): float(v) for k, v in zip(indices[j, i].tolist(),
+                                                                            values[j, i].tolist())})
+
+
+_decoders: dict[tuple[int, int], Decoder] = {}
+
+
+def decoder_for(model: GPT, rows: int, use_graph: bool = True) -> Decoder:
+    """The model's decoder for ``rows`` prompts (one per batch bucket, kept between requests)."""
+    key = (id(model), bucket(rows), use_graph)
+    if key not in _decoders:
+        _decoders[key] = Decoder(model, bucket(rows), use_graph=use_graph)
+    return _decoders[key]
+
+
 def graph_generate(model: GPT, prompts: list[list[int]], params, **kw):
-    """``generate`` with the CUDA-graph decode step (same arguments and results)."""
+    """``generate`` with the device-resident, CUDA-graph decode loop (same arguments, without
+    ``step_fn``, ``cache`` and ``sync``; same results)."""
     if not prompts:
         return []
+    for name in ("step_fn", "cache", "sync"):
+        if kw.pop(name, None) is not None:
+            raise ValueError(f"graph_generate does not take {name}")
     if isinstance(params, SamplingParams):
         params = [params] * len(prompts)
-    if kw.get("step_fn") is not None or kw.get("cache") is not None:
-        raise ValueError("graph_generate supplies its own step_fn and cache")
-    n = len(prompts)
-    size = bucket(n)
-    key = (id(model), size)
-    if key not in _decoders:
-        _decoders[key] = GraphDecoder(model, size)
-    decoder = _decoders[key]
-    pad = size - n
-    prompts = list(prompts) + [prompts[0][:1]] * pad  # one-token score-only rows
-    params = list(params) + [SamplingParams(max_new_tokens=0)] * pad
-    colon = kw.pop("no_newline_after_colon", None)
-    if colon:
-        colon = list(colon) + [False] * pad
-    hook = kw.pop("on_token", None)
-    out = generate(model, prompts, params, cache=decoder.cache, step_fn=decoder,
-                   on_token=None if hook is None else (lambda row, tok: hook(row, tok) if row < n else True),
-                   no_newline_after_colon=colon, **kw)
-    return out[:n]
+    use_graph = kw.pop("use_graph", True)
+    return decoder_for(model, len(prompts), use_graph).run(list(prompts), list(params), **kw)

@@ -15,7 +15,9 @@ from gptrain.model.gpt import GPT
 
 
 class KVCache:
-    """Keys and values of every layer, (layers, batch, local heads, max_len, head_dim)."""
+    """Keys and values of every layer, (layers, batch, local heads, max_len, head_dim) each, views
+    of one ``kv`` tensor (layers, 2, ...) so that a decode step writes a layer's key and value with
+    one copy."""
 
     def __init__(self, model: GPT, batch: int, max_len: int, device=None, dtype=None):
         param = model.layers["0"].attn.qkv.weight
@@ -24,8 +26,8 @@ class KVCache:
         shape = (model.cfg.num_layers, batch, heads, max_len, model.cfg.head_dim)
         device = device or local.device
         dtype = dtype or local.dtype
-        self.k = torch.zeros(shape, device=device, dtype=dtype)
-        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self.kv = torch.zeros((shape[0], 2) + shape[1:], device=device, dtype=dtype)
+        self.k, self.v = self.kv[:, 0], self.kv[:, 1]
         self.max_len = max_len
 
 

@@ -1,8 +1,13 @@
 """Decode tokens/s of the 345M GPT (random init, no download) in bf16: gptrain's generation (CUDA-graph
-decode step, static cache) next to Hugging Face transformers' ``generate`` on the same weights, at
-each batch size, greedy, in one process. Also checks that both produce the same greedy tokens.
+decode loop, static cache) next to its eager ``generate`` and Hugging Face transformers' ``generate`` on
+the same weights, at each batch size, greedy, in one process. Also counts how many greedy tokens agree.
 
-    python3 benchmarks/decode_speed.py [--batch-sizes 1 32] [--prompt-tokens 32] [--new-tokens 256]
+    python3 benchmarks/decode_speed.py [--batch-sizes 1 32] [--prompt-tokens 32] [--new-tokens 256] [--profile]
+
+``--profile`` explains the time at each batch size: the decode loop's host counters (prefill, host
+work and waits per step, graph replays and host syncs per step), CUDA-event timings of one step's
+graph at each attention bucket and of the token choice alone (argmax, and sampling with top-p), and
+the top CUDA kernels of a torch.profiler trace of a short request.
 """
 from __future__ import annotations
 
@@ -11,7 +16,7 @@ import time
 
 import torch
 
-from gptrain.inference.fast import graph_generate
+from gptrain.inference.fast import AHEAD, Mode, decoder_for, graph_generate, length_bucket
 from gptrain.inference.generate import SamplingParams, generate
 from gptrain.model.gpt import GPT, GPTConfig
 
@@ -28,6 +33,87 @@ def timed(fn, repeats: int) -> tuple[float, object]:
     return best, out
 
 
+def first_difference(a: list[int], b: list[int], n: int) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), n)
+
+
+def replay_ms(graph: torch.cuda.CUDAGraph, before=None, reps: int = 50) -> float:
+    """Mean ms of one replay over ``reps`` back-to-back replays (CUDA events)."""
+    graph.replay()
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    if before is not None:
+        before()
+    begin.record()
+    for _ in range(reps):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return begin.elapsed_time(end) / reps
+
+
+def explain(model: GPT, rows: list[list[int]], new_tokens: int) -> None:
+    """Where one batch's decode time goes (see the module's docstring)."""
+    b = len(rows)
+    params = SamplingParams(max_new_tokens=new_tokens, temperature=0.0)
+    graph_generate(model, rows, params)  # captures what this request needs
+    decoder = decoder_for(model, b)
+    before = dict(decoder.stats)
+    torch.cuda.synchronize()
+    begin = time.perf_counter()
+    graph_generate(model, rows, params)
+    torch.cuda.synchronize()
+    wall = time.perf_counter() - begin
+    d = {k: decoder.stats[k] - before[k] for k in before}
+    steps = d["steps"]
+    ms = lambda seconds: 1e3 * seconds / steps  # noqa: E731
+    print(f"  profile, batch {b}, {new_tokens} new tokens after a {len(rows[0])}-token prompt: "
+          f"{1e3 * wall:.2f} ms in all, prefill launches {1e3 * d['prefill_s']:.2f} ms, {steps} steps: "
+          f"{ms(wall - d['prefill_s']):.3f} ms/step ({ms(wall - d['prefill_s']) / b:.4f} ms/token); "
+          f"per step on the host: {ms(d['loop_s'] - d['wait_s']):.3f} ms of work, {ms(d['wait_s']):.3f} ms "
+          f"waiting for the GPU ({AHEAD} steps ahead); {d['replays'] / steps:.2f} graph replays and "
+          f"{d['host_waits'] / steps:.2f} host syncs (an event wait before reading a step's ids) per step; "
+          f"{len(decoder.graphs)} graphs captured so far", flush=True)
+    # one step's graph alone at each attention bucket the request used (the state is scratch now)
+    start, total = len(rows[0]), len(rows[0]) + new_tokens
+    mode = Mode()
+    times = []
+    for length in sorted({length_bucket(t + 1, decoder.window) for t in range(start, total)}):
+        graph = decoder.graphs[(mode, length)]
+        first = max(1, length // 2 - 25)
+        times.append(f"L={length}: {replay_ms(graph, lambda: decoder.position.fill_(first)):.3f}")
+    # the token choice alone: argmax, and sampling (temperature 1, top-p 0.9: sort, cumsum, noise)
+    decoder.temperature.fill_(1.0)
+    decoder.top_p.fill_(0.9)
+    decoder.position.fill_(start)
+    choice = {}
+    for name, m in (("argmax", Mode()), ("sampling", Mode(greedy=False))):
+        decoder.choose(m)  # warm-up (sort's workspace)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            decoder.choose(m)
+        choice[name] = replay_ms(graph)
+    print(f"  one step's graph (ms per replay, by attention bucket): {', '.join(times)}; of which the choice: "
+          f"argmax {choice['argmax']:.3f} ms, sampling {choice['sampling']:.3f} ms (greedy runs argmax only)",
+          flush=True)
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        graph_generate(model, rows, params)
+        torch.cuda.synchronize()
+    kernels: dict[str, list[float]] = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            kernels.setdefault(e.name, []).append(e.time_range.elapsed_us())
+    busy = sum(sum(v) for v in kernels.values())
+    count = sum(len(v) for v in kernels.values())
+    print(f"  trace: {count / steps:.0f} CUDA kernels/copies per step, {busy / 1e3 / steps:.3f} ms of them per step "
+          f"(prefill included); top by time:")
+    for name, us in sorted(kernels.items(), key=lambda kv: -sum(kv[1]))[:12]:
+        print(f"    {sum(us) / 1e3 / steps:7.3f} ms/step {len(us) / steps:6.1f}/step {sum(us) / len(us):8.2f} us each  "
+              f"{name[:100]}", flush=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 32])
@@ -35,6 +121,8 @@ def main() -> None:
     p.add_argument("--new-tokens", type=int, default=256)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--skip-hf", action="store_true")
+    p.add_argument("--profile", action="store_true", help="explain where the time goes at each batch size")
+    p.add_argument("--profile-tokens", type=int, default=32, help="new tokens of the profiled request")
     args = p.parse_args()
     assert torch.cuda.is_available(), "needs a GPU"
     torch.backends.cuda.matmul.allow_tf32 = True
@@ -63,9 +151,11 @@ def main() -> None:
         prompts = torch.randint(0, cfg.vocab_size, (b, args.prompt_tokens), generator=gen)
         rows = prompts.tolist()
         t_graph, ours = timed(lambda: graph_generate(model, rows, params), args.repeats)
-        t_eager, _ = timed(lambda: generate(model, rows, params), 1)
-        line = (f"batch {b:3d}: gptrain (CUDA graph) {b * n / t_graph:10.1f} tokens/s, "
-                f"gptrain eager {b * n / t_eager:9.1f} tokens/s")
+        t_eager, eager = timed(lambda: generate(model, rows, params), 1)
+        agree = [first_difference(g.generated, e.generated, n) for g, e in zip(ours, eager)]
+        line = (f"batch {b:3d}: gptrain (CUDA graph) {b * n / t_graph:10.1f} tokens/s "
+                f"({1e3 * t_graph / n:.3f} ms/step), gptrain eager {b * n / t_eager:9.1f} tokens/s "
+                f"(greedy tokens identical for the first {min(agree)} (mean {sum(agree) / len(agree):.0f}) of {n})")
         if hf is not None:
             ids = prompts.cuda()
             mask = torch.ones_like(ids)
@@ -74,10 +164,12 @@ def main() -> None:
                                                          do_sample=False), args.repeats)
             theirs = theirs[:, args.prompt_tokens:].tolist()
             # bf16 rounding differs between the two implementations: count the tokens before the first difference
-            same = [next((i for i, (x, y) in enumerate(zip(g.generated, h)) if x != y), n) for g, h in zip(ours, theirs)]
+            same = [first_difference(g.generated, h, n) for g, h in zip(ours, theirs)]
             line += (f", HF generate {b * n / t_hf:9.1f} tokens/s ({t_hf / t_graph:.1f}x slower); "
                      f"greedy tokens identical to HF for the first {min(same)} (mean {sum(same) / len(same):.0f}) of {n}")
         print(line, flush=True)
+        if args.profile:
+            explain(model, rows, args.profile_tokens)
 
 
 if __name__ == "__main__":

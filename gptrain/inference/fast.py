@@ -15,7 +15,7 @@ queued. The prefill is ``forward_cached``, eager, once per request.
 """
 from __future__ import annotations
 
-from collections import deque
+import time
 from dataclasses import dataclass
 
 import torch
@@ -79,11 +79,18 @@ class Decoder:
         if dev.type == "cuda":
             self.host = torch.zeros(AHEAD, batch, dtype=torch.long, pin_memory=True)
             self.events = [torch.cuda.Event() for _ in range(AHEAD)]
-        self.stats = {"steps": 0, "replays": 0, "host_waits": 0, "graphs": 0}
+        # counters and seconds on the host (the decode benchmark's --profile reads them)
+        self.stats = {"steps": 0, "replays": 0, "host_waits": 0, "graphs": 0, "requests": 0,
+                      "capture_s": 0.0, "prefill_s": 0.0, "loop_s": 0.0, "wait_s": 0.0}
 
     # ---- one step, on the device
     @torch.no_grad()
     def step(self, mode: Mode, length: int) -> None:
+        self.forward(self.choose(mode), length)
+        self.position.add_(1)
+
+    def choose(self, mode: Mode) -> torch.Tensor:
+        """The ids at position ``t`` (batch,), written to the token buffer, from ``self.logits``."""
         b, t = self.batch, self.position
         at = t.view(1)
         logits = self.logits
@@ -109,8 +116,7 @@ class Decoder:
                 top = lp.topk(mode.top_n, dim=-1)
                 values.index_copy_(0, at, top.values[None])
                 indices.index_copy_(0, at, top.indices[None])
-        self.forward(chosen, length)
-        self.position.add_(1)
+        return chosen
 
     def forward(self, chosen: torch.Tensor, length: int) -> None:
         """Logits (into ``self.logits``) of ``chosen`` (batch,) fed at position ``self.position``,
@@ -171,7 +177,9 @@ class Decoder:
         if self.host is None:
             return self.tokens[t].tolist()
         slot = t % AHEAD
+        begin = time.perf_counter()
         self.events[slot].synchronize()
+        self.stats["wait_s"] += time.perf_counter() - begin
         self.stats["host_waits"] += 1
         return self.host[slot].tolist()
 
@@ -203,9 +211,13 @@ class Decoder:
             self.top[top_logprobs] = (torch.zeros(window, self.batch, top_logprobs, device=self.logits.device),
                                       torch.zeros(window, self.batch, top_logprobs, device=self.logits.device,
                                                   dtype=torch.long))
+        begin = time.perf_counter()
         if self.use_graph:  # capture what this request needs before its state goes in
             for length in sorted({length_bucket(t + 1, window) for t in range(start, total)}):
                 self._graph(mode, length)
+        self.stats["capture_s"] += time.perf_counter() - begin
+        self.stats["requests"] += 1
+        begin = time.perf_counter()
 
         grid = torch.zeros(window, self.batch, dtype=torch.long)
         for i, p in enumerate(rows):
@@ -229,6 +241,8 @@ class Decoder:
         if want_lp and start > 1:
             _prompt_logprobs(model, hidden[:n, :-1], self.tokens[1:start, :n].T, out, top_logprobs)
         self.logits.copy_(model.output_layer(hidden[:, -1]))
+        loop = time.perf_counter()
+        self.stats["prefill_s"] += loop - begin  # its launches (the GPU may still be running it)
 
         done = [length >= end for length, end in zip(lengths, ends)]  # max_new_tokens 0: score only
         count, last = [0] * n, [start - 1] * n  # last: the last position whose log-probability a row keeps
@@ -260,6 +274,7 @@ class Decoder:
                     done[i] = True
             go_on = t + 1 < total and pending(t + 1)
             t += 1
+        self.stats["loop_s"] += time.perf_counter() - loop
         if want_lp and t > start:
             self._logprobs(out, start, t, last, top_logprobs)
         return out

@@ -2,7 +2,7 @@
 decode loop, static cache) next to its eager ``generate`` and Hugging Face transformers' ``generate`` on
 the same weights, at each batch size, greedy, in one process. Also counts how many greedy tokens agree.
 
-    python3 benchmarks/decode_speed.py [--batch-sizes 1 32] [--prompt-tokens 32] [--new-tokens 256] [--profile]
+    python3 benchmarks/decode_speed.py [--batch-sizes 1 32] [--prompt-tokens 32] [--new-tokens 256] [--profile] [--compile]
 
 ``--profile`` explains the time at each batch size: the decode loop's host counters (prefill, host
 work and waits per step, graph replays and host syncs per step), CUDA-event timings of one step's
@@ -122,6 +122,8 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--skip-hf", action="store_true")
     p.add_argument("--profile", action="store_true", help="explain where the time goes at each batch size")
+    p.add_argument("--compile", action="store_true",
+                   help="also time the decode loop with the block tails through torch.compile (graph_generate(compile=True))")
     p.add_argument("--profile-tokens", type=int, default=32, help="new tokens of the profiled request")
     args = p.parse_args()
     assert torch.cuda.is_available(), "needs a GPU"
@@ -168,6 +170,20 @@ def main() -> None:
             line += (f", HF generate {b * n / t_hf:9.1f} tokens/s ({t_hf / t_graph:.1f}x slower); "
                      f"greedy tokens identical to HF for the first {min(same)} (mean {sum(same) / len(same):.0f}) of {n}")
         print(line, flush=True)
+        if args.compile:
+            try:
+                begin = time.perf_counter()
+                graph_generate(model, rows, params, compile=True)
+                first = time.perf_counter() - begin
+                t_comp, comp = timed(lambda: graph_generate(model, rows, params, compile=True), args.repeats)
+                agree = [first_difference(g.generated, e.generated, n) for g, e in zip(comp, eager)]
+                print(f"batch {b:3d}: gptrain (CUDA graph, compiled block tails) {b * n / t_comp:10.1f} tokens/s "
+                      f"({1e3 * t_comp / n:.3f} ms/step; first call with compile and capture {first:.1f} s); greedy "
+                      f"tokens identical to eager gptrain for the first {min(agree)} (mean {sum(agree) / len(agree):.0f})",
+                      flush=True)
+            except Exception as err:  # noqa: BLE001 - the other rows stand
+                print(f"batch {b:3d}: compiled decode failed: {type(err).__name__}: {str(err).splitlines()[0][:300]}",
+                      flush=True)
         if args.profile:
             explain(model, rows, args.profile_tokens)
 

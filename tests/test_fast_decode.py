@@ -43,6 +43,25 @@ def test_step_forward_equals_full_recomputation_across_buckets():
         torch.testing.assert_close(decoder.logits, full[:, 149], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow  # an Inductor compile on CPU
+def test_compiled_step_equals_full_recomputation():
+    """The torch.compile'd block tail (fused LayerNorms, residual adds, biases, GELU) in the step:
+    logits and greedy text as the eager model's."""
+    model = tiny_model(std=0.05, positions=128)
+    tokens = torch.randint(0, 300, (2, 80), generator=torch.Generator().manual_seed(2))
+    decoder = Decoder(model, 2, compile=True)
+    with torch.no_grad():
+        full = model.logits(tokens)
+        for t in range(0, 80):
+            decoder.position.fill_(t)
+            decoder.forward(tokens[:, t], length_bucket(t + 1, 128))
+            torch.testing.assert_close(decoder.logits, full[:, t], rtol=1e-4, atol=1e-4)
+    prompts = [tokens[0, :20].tolist(), tokens[1, :7].tolist()]
+    params = SamplingParams(max_new_tokens=60, temperature=0.0)
+    _compare(graph_generate(model, prompts, params, compile=True, logprobs=True),
+             generate(model, prompts, params, logprobs=True))
+
+
 def _compare(ours, ref, lp_tol=1e-4):
     assert [g.tokens for g in ours] == [g.tokens for g in ref]
     assert [g.finish_reason for g in ours] == [g.finish_reason for g in ref]
@@ -170,3 +189,16 @@ def test_cuda_graphs_equal_eager_steps_and_generate():
     assert decoder.stats["replays"] - before["replays"] == 150  # one replay per position 40 .. 189
     assert decoder.stats["host_waits"] - before["host_waits"] == 150
     assert decoder.stats["graphs"] == before["graphs"]  # nothing captured again
+
+
+@pytest.mark.gpu
+@gpu
+def test_cuda_graphs_with_compiled_tails_equal_generate():
+    model = tiny_model(seed=6).cuda()
+    torch.backends.cuda.matmul.allow_tf32 = False
+    gen = torch.Generator().manual_seed(8)
+    prompts = [torch.randint(0, 300, (n,), generator=gen).tolist() for n in (30, 12)]
+    params = [SamplingParams(max_new_tokens=120, temperature=0.0), SamplingParams(max_new_tokens=100, seed=2)]
+    _compare(graph_generate(model, prompts, params, compile=True, logprobs=True),
+             generate(model, prompts, params, logprobs=True))
+    assert decoder_for(model, 2, compile=True).stats["replays"] > 0

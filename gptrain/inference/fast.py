@@ -51,9 +51,43 @@ class Mode:
     decay: bool = False  # Megatron's top_p decay
 
 
+def _tail(x, y, proj_w, proj_b, ln2_w, ln2_b, fc1_w, fc1_b, fc2_w, fc2_b, norm_w, norm_b, eps2: float,
+          eps: float):
+    """A block after its attention, and the next LayerNorm (the next block's ln1, or the final
+    one): what ``torch.compile`` fuses into a few kernels around the three matmuls."""
+    x = x + F.linear(y, proj_w, proj_b)
+    h = F.layer_norm(x, x.shape[-1:], ln2_w, ln2_b, eps2)
+    x = x + F.linear(F.gelu(F.linear(h, fc1_w, fc1_b), approximate="tanh"), fc2_w, fc2_b)
+    return x, F.layer_norm(x, x.shape[-1:], norm_w, norm_b, eps)
+
+
+_compiled_tail = None
+
+
+def _plain(model: GPT) -> bool:
+    """Whether the blocks are the model's own modules (no kernel swap, no tensor parallelism)."""
+    from gptrain.model.gpt import MLP
+
+    norms = [model.final_layernorm] + [m for blk in model.layers.values() for m in (blk.ln1, blk.ln2)]
+    linears = [m for blk in model.layers.values() for m in (blk.attn.proj, blk.mlp.fc1, blk.mlp.fc2)]
+    return (all(type(m) is torch.nn.LayerNorm and m.weight is not None for m in norms)
+            and all(type(m) is torch.nn.Linear for m in linears)
+            and all(type(blk.mlp) is MLP for blk in model.layers.values()))
+
+
 class Decoder:
-    def __init__(self, model: GPT, batch: int, use_graph: bool = True):
+    def __init__(self, model: GPT, batch: int, use_graph: bool = True, compile: bool = False):
+        """``compile``: the block after attention through ``torch.compile`` (fused LayerNorms,
+        residual adds, biases and GELU; numerics of fp32 intermediates, not eager's roundings)."""
+        global _compiled_tail
         self.model, self.batch = model, batch
+        self.tail = None
+        if compile:
+            if not _plain(model):
+                raise ValueError("the compiled decode step needs the model's plain modules (no kernel swap)")
+            if _compiled_tail is None:
+                _compiled_tail = torch.compile(_tail, dynamic=False, fullgraph=True)
+            self.tail = _compiled_tail
         self.window = model.cfg.max_position_embeddings
         self.cache = KVCache(model, batch, self.window)
         dev, dtype = self.cache.kv.device, self.cache.kv.dtype
@@ -126,15 +160,25 @@ class Decoder:
         dim = model.cfg.head_dim
         x = model.word_embeddings(chosen[:, None]) + model.position_embeddings(at)
         mask = self.mask_table.index_select(0, at)[None, None, :, :length]  # (1, 1, 1, length)
-        for i, block in enumerate(model.layers.values()):
-            qkv = block.attn.qkv(block.ln1(x))
+        blocks = list(model.layers.values())
+        h = blocks[0].ln1(x)
+        for i, block in enumerate(blocks):
+            qkv = block.attn.qkv(h)
             qkv = qkv.view(b, 1, qkv.shape[-1] // (3 * dim), 3, dim).permute(3, 0, 2, 1, 4)  # (3, b, heads, 1, dim)
             kv[i].index_copy_(3, at, qkv[1:])
             y = F.scaled_dot_product_attention(qkv[0], kv[i, 0, :, :, :length], kv[i, 1, :, :, :length],
                                                attn_mask=mask)
-            x = x + block.attn.proj(y.transpose(1, 2).reshape(b, 1, -1))
-            x = x + block.mlp(block.ln2(x))
-        self.logits.copy_(model.output_layer(model.final_layernorm(x))[:, -1])
+            y = y.transpose(1, 2).reshape(b, 1, -1)
+            norm = blocks[i + 1].ln1 if i + 1 < len(blocks) else model.final_layernorm
+            if self.tail is None:
+                x = x + block.attn.proj(y)
+                x = x + block.mlp(block.ln2(x))
+                h = norm(x)
+            else:
+                x, h = self.tail(x, y, block.attn.proj.weight, block.attn.proj.bias, block.ln2.weight,
+                                 block.ln2.bias, block.mlp.fc1.weight, block.mlp.fc1.bias, block.mlp.fc2.weight,
+                                 block.mlp.fc2.bias, norm.weight, norm.bias, block.ln2.eps, norm.eps)
+        self.logits.copy_(model.output_layer(h)[:, -1])
 
     def _graph(self, mode: Mode, length: int) -> torch.cuda.CUDAGraph:
         """The captured step (captured on first use, before any request state is loaded: the
@@ -296,11 +340,11 @@ class Decoder:
 _decoders: dict[tuple[int, int], Decoder] = {}
 
 
-def decoder_for(model: GPT, rows: int, use_graph: bool = True) -> Decoder:
+def decoder_for(model: GPT, rows: int, use_graph: bool = True, compile: bool = False) -> Decoder:
     """The model's decoder for ``rows`` prompts (one per batch bucket, kept between requests)."""
-    key = (id(model), bucket(rows), use_graph)
+    key = (id(model), bucket(rows), use_graph, compile)
     if key not in _decoders:
-        _decoders[key] = Decoder(model, bucket(rows), use_graph=use_graph)
+        _decoders[key] = Decoder(model, bucket(rows), use_graph=use_graph, compile=compile)
     return _decoders[key]
 
 
@@ -314,5 +358,5 @@ def graph_generate(model: GPT, prompts: list[list[int]], params, **kw):
             raise ValueError(f"graph_generate does not take {name}")
     if isinstance(params, SamplingParams):
         params = [params] * len(prompts)
-    use_graph = kw.pop("use_graph", True)
-    return decoder_for(model, len(prompts), use_graph).run(list(prompts), list(params), **kw)
+    decoder = decoder_for(model, len(prompts), kw.pop("use_graph", True), kw.pop("compile", False))
+    return decoder.run(list(prompts), list(params), **kw)

@@ -123,7 +123,7 @@ def main() -> None:
     p.add_argument("--skip-hf", action="store_true")
     p.add_argument("--profile", action="store_true", help="explain where the time goes at each batch size")
     p.add_argument("--compile", action="store_true",
-                   help="also time the decode loop with the block tails through torch.compile (graph_generate(compile=True))")
+                   help="also time the decode loop with each block's step through torch.compile (graph_generate(compile=True))")
     p.add_argument("--profile-tokens", type=int, default=32, help="new tokens of the profiled request")
     args = p.parse_args()
     assert torch.cuda.is_available(), "needs a GPU"
@@ -177,7 +177,7 @@ def main() -> None:
                 first = time.perf_counter() - begin
                 t_comp, comp = timed(lambda: graph_generate(model, rows, params, compile=True), args.repeats)
                 agree = [first_difference(g.generated, e.generated, n) for g, e in zip(comp, eager)]
-                print(f"batch {b:3d}: gptrain (CUDA graph, compiled block tails) {b * n / t_comp:10.1f} tokens/s "
+                print(f"batch {b:3d}: gptrain (CUDA graph, compiled block steps) {b * n / t_comp:10.1f} tokens/s "
                       f"({1e3 * t_comp / n:.3f} ms/step; first call with compile and capture {first:.1f} s); greedy "
                       f"tokens identical to eager gptrain for the first {min(agree)} (mean {sum(agree) / len(agree):.0f})",
                       flush=True)

@@ -45,7 +45,7 @@ def test_step_forward_equals_full_recomputation_across_buckets():
 
 @pytest.mark.slow  # an Inductor compile on CPU
 def test_compiled_step_equals_full_recomputation():
-    """The torch.compile'd block tail (fused LayerNorms, residual adds, biases, GELU) in the step:
+    """The torch.compile'd block step (compile=True: qkv, cache write, attention, MLP, LayerNorms) in the step:
     logits and greedy text as the eager model's."""
     model = tiny_model(std=0.05, positions=128)
     tokens = torch.randint(0, 300, (2, 80), generator=torch.Generator().manual_seed(2))
@@ -60,6 +60,29 @@ def test_compiled_step_equals_full_recomputation():
     params = SamplingParams(max_new_tokens=60, temperature=0.0)
     _compare(graph_generate(model, prompts, params, compile=True, logprobs=True),
              generate(model, prompts, params, logprobs=True))
+
+
+@pytest.mark.slow  # Inductor compiles on CPU
+@pytest.mark.parametrize("settings", [{"compile": "block", "gemv": True, "sdpa": False},
+                                      {"compile": "block", "gemv": False, "sdpa": True},
+                                      {"compile": "block", "gemv": True, "sdpa": True},
+                                      {"compile": "tail"}])
+def test_compiled_block_step_equals_eager_step(settings):
+    """The compiled whole block step (qkv, cache write, attention, MLP, LayerNorms; products as
+    fused reductions or matmuls, attention as reductions or SDPA) and the compiled output head:
+    in fp32 the eager step's logits and cache at every position, across attention buckets."""
+    model = tiny_model(std=0.05, positions=128)
+    tokens = torch.randint(0, 300, (2, 70), generator=torch.Generator().manual_seed(3))
+    eager, compiled = Decoder(model, 2), Decoder(model, 2, **settings)
+    with torch.no_grad():
+        for t in range(70):
+            for d in (eager, compiled):
+                d.position.fill_(t)
+                d.forward(tokens[:, t], length_bucket(t + 1, 128))
+            torch.testing.assert_close(compiled.logits, eager.logits, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(compiled.cache.kv, eager.cache.kv, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="compile="):
+        Decoder(model, 1, compile="whole")
 
 
 def _compare(ours, ref, lp_tol=1e-4):

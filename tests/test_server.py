@@ -259,10 +259,12 @@ def test_queue_limit_is_503(model):
         body = {"prompts": ["a"], "tokens_to_generate": 1}
         with ThreadPoolExecutor(4) as pool:
             first = [pool.submit(call, "PUT", base + "/api", body) for _ in range(3)]  # 1 running, 2 queued
-            for _ in range(200):
-                if engine._waiting == 2:
+            # one job running (taken, so busy) and two queued: only then is the queue full for the fourth
+            for _ in range(1200):
+                if engine.busy and engine._waiting == 2:
                     break
                 threading.Event().wait(0.05)
+            assert engine.busy and engine._waiting == 2
             status, answer = call("PUT", base + "/api", body)
             assert status == 503 and "queue" in answer["error"]
             release.set()

@@ -176,3 +176,62 @@ def test_exit_signal_on_one_rank_stops_every_rank_at_the_same_iteration(tmp_path
     state = load_checkpoint(tmp_path / "ck", dict(model.named_parameters()), None, cfg.model.vocab_size)
     assert state["iteration"] == it and state["layout"]["dp"] == 2
     assert torch.isfinite(model.get_parameter("layers.0.attn.qkv.weight")).all()
+
+
+class _RunsCode:
+    """Unpickling this calls ``os.system``: what a crafted ``.metadata`` would do to DCP's plain pickle."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def _restamp(folder):
+    """Rewrite the manifest's sizes, as a crafted folder would, so that it counts as complete."""
+    import json
+
+    state = json.loads((folder / "state.json").read_text())
+    state["files"] = {name: (folder / name).stat().st_size for name in state["files"]}
+    (folder / "state.json").write_text(json.dumps(state))
+
+
+@pytest.mark.parametrize("craft", ["code", "bytes-entry", "outside-path"])
+def test_a_crafted_dcp_metadata_is_refused_without_running_code(craft, straight, tmp_path):
+    """DCP's own reader unpickles ``.metadata`` with code allowed and loads byte entries with
+    ``torch.load(weights_only=False)``; gptrain's reader refuses all three crafts, runs nothing."""
+    import pickle
+
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    from gptrain.train.safe_dcp import UnsafeDCPMetadata, read_metadata_safely
+
+    _, saved = straight
+    ck = tmp_path / "ck"
+    shutil.copytree(saved, ck)
+    folder = ck / "iter_0000004"
+    marker = tmp_path / "ran"
+    metadata = read_metadata_safely(folder)
+    if craft == "code":
+        metadata.planner_data = _RunsCode(marker)
+        why = "refuses to load posix.system"
+    elif craft == "bytes-entry":
+        key = next(k for k in metadata.state_dict_metadata if k.startswith("model/"))
+        metadata.state_dict_metadata[key] = BytesStorageMetadata()
+        why = "BytesStorageMetadata"
+    else:
+        info = next(iter(metadata.storage_data.values()))
+        info.relative_path = "../../state.json"
+        why = "outside the checkpoint folder"
+    (folder / ".metadata").write_bytes(pickle.dumps(metadata))
+    _restamp(folder)
+    cfg, model = _model()
+    with pytest.raises(UnsafeDCPMetadata, match=why):
+        load_checkpoint(ck, dict(model.named_parameters()), None, cfg.model.vocab_size)
+    assert not marker.exists()
+    if craft == "code":  # the check is real: DCP's own reader runs it
+        import torch.distributed.checkpoint as dcp
+
+        dcp.FileSystemReader(folder).read_metadata()
+        assert marker.exists()

@@ -1,6 +1,7 @@
 """Checkpoints in Megatron's directory layout through ``torch.distributed.checkpoint`` (DCP): every
-rank writes its own shards, nothing pickled is ever loaded as code, and shapes do not depend on the
-layout (the word embeddings are stored at the real vocabulary's size, without the padding).
+rank writes its own shards, nothing in them is loaded as code (``safe_dcp``: DCP's metadata pickle
+through an allow-list, tensor entries only), and shapes do not depend on the layout (the word
+embeddings are stored at the real vocabulary's size, without the padding).
 
     SAVE/latest_checkpointed_iteration.txt    "500" (or "release")
     SAVE/iter_0000500/.metadata, __*_*.distcp  DCP: "model/<name>" fp32 weights (the main copies when
@@ -45,6 +46,7 @@ from gptrain.model.gpt import copy_full_into
 from gptrain.parallel.collectives import barrier, distributed
 from gptrain.train.durable import crash_point, fsync_file, fsync_tree, replace_durable, write_durable
 from gptrain.train.signals import deferred_signals
+from gptrain.train.safe_dcp import load_safely, read_metadata_safely
 
 TRACKER = "latest_checkpointed_iteration.txt"
 FORMAT = "gptrain-checkpoint/2"
@@ -414,7 +416,7 @@ def load_checkpoint(root: str | os.PathLike, params: dict[str, torch.Tensor],
     path = find_checkpoint(root, log)
     if path is None:
         return None
-    stored = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    stored = read_metadata_safely(path).state_dict_metadata
     if optimizer is not None and not any(k.startswith("optim/") for k in stored):
         _warn(log, f" > {path} holds weights only (a converted checkpoint): the optimizer starts fresh")
         optimizer = None
@@ -432,7 +434,7 @@ def load_checkpoint(root: str | os.PathLike, params: dict[str, torch.Tensor],
                              f"{tuple(target.shape)} in the model: check the model flags against the saved config")
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*torch.distributed is disabled")
-        dcp.load(targets, checkpoint_id=path)
+        load_safely(targets, path)
     # the unpadded embedding-shaped tensors were read whole: pad with zeros and keep this rank's shard
     for key, value in targets.items():
         name = key.split("/")[1]

@@ -1,0 +1,107 @@
+"""Reading a DCP checkpoint without running code from it.
+
+``torch.distributed.checkpoint``'s ``FileSystemReader`` reads ``.metadata`` with plain ``pickle``,
+and its default load planner reads any entry the metadata marks as bytes with
+``torch.load(weights_only=False)``: a crafted checkpoint folder would run code on ``--load``,
+``serve`` or ``generate``. Here the metadata goes through an unpickler that builds DCP's own
+metadata records, ``torch.Size``, dtypes and paths only, every entry must be a tensor's, and each
+shard file must be a plain file name inside the checkpoint folder. The tensors themselves are read
+by DCP with ``torch.load(weights_only=True)``.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import pickle
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import metadata as dcp_metadata
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
+
+
+class UnsafeDCPMetadata(ValueError):
+    """The checkpoint's metadata names something other than DCP's own records."""
+
+
+_METADATA_RECORDS = {"Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
+                     "ChunkStorageMetadata", "_MEM_FORMAT_ENCODING"}
+_ALLOWED = {
+    ("torch", "Size"): torch.Size,
+    ("torch.serialization", "_get_layout"): torch.serialization._get_layout,
+    ("pathlib", "PosixPath"): pathlib.PurePosixPath,
+    ("pathlib", "PurePosixPath"): pathlib.PurePosixPath,
+    ("pathlib", "WindowsPath"): pathlib.PureWindowsPath,
+    ("pathlib", "PureWindowsPath"): pathlib.PureWindowsPath,
+    ("builtins", "set"): set,
+    ("builtins", "frozenset"): frozenset,
+    ("collections", "OrderedDict"): __import__("collections").OrderedDict,
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def __init__(self, file, path):
+        super().__init__(file)
+        self._path = path
+
+    def find_class(self, module, name):
+        if module == "torch.distributed.checkpoint.metadata" and name in _METADATA_RECORDS:
+            return getattr(dcp_metadata, name)
+        if module == "torch.distributed.checkpoint.filesystem" and name == "_StorageInfo":
+            from torch.distributed.checkpoint.filesystem import _StorageInfo
+            return _StorageInfo
+        if (module, name) in _ALLOWED:
+            return _ALLOWED[(module, name)]
+        if module == "torch" and isinstance(vars(torch).get(name), torch.dtype):
+            return vars(torch)[name]
+        raise UnsafeDCPMetadata(f"{self._path}: refuses to load {module}.{name}: a DCP checkpoint's metadata may "
+                                "only name DCP's metadata records, torch.Size, dtypes and paths")
+
+    def persistent_load(self, pid):
+        raise UnsafeDCPMetadata(f"{self._path}: refuses persistent id {pid!r:.80} in DCP metadata")
+
+
+def read_metadata_safely(path) -> Metadata:
+    """The ``.metadata`` of the DCP checkpoint folder ``path``, checked: tensor entries only, shard
+    files named inside the folder."""
+    meta_path = pathlib.Path(path) / ".metadata"
+    with open(meta_path, "rb") as f:
+        metadata = _MetadataUnpickler(f, meta_path).load()
+    if not isinstance(metadata, Metadata):
+        raise UnsafeDCPMetadata(f"{meta_path}: holds a {type(metadata).__name__}, not DCP metadata")
+    for key, entry in metadata.state_dict_metadata.items():
+        if not isinstance(entry, TensorStorageMetadata):
+            raise UnsafeDCPMetadata(f"{meta_path}: entry {key!r} is a {type(entry).__name__}; gptrain checkpoints "
+                                    "hold tensors only")
+    for info in (metadata.storage_data or {}).values():
+        name = str(getattr(info, "relative_path", ""))
+        if not name or name != pathlib.PurePath(name).name or name in (".", ".."):
+            raise UnsafeDCPMetadata(f"{meta_path}: names shard file {name!r} outside the checkpoint folder")
+    return metadata
+
+
+class SafeFileSystemReader(dcp.FileSystemReader):
+    """DCP's file reader with :func:`read_metadata_safely` in place of ``pickle.load``."""
+
+    def read_metadata(self, *args, **kwargs) -> Metadata:
+        if kwargs.get("rank") is not None:
+            raise UnsafeDCPMetadata(f"{self.path}: per-rank metadata files are not part of gptrain checkpoints")
+        metadata = read_metadata_safely(self.path)
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class TensorsOnlyLoadPlanner(DefaultLoadPlanner):
+    """DCP's default planner, refusing byte entries (which it would unpickle with code allowed)."""
+
+    def load_bytes(self, read_item, value):
+        raise UnsafeDCPMetadata(f"refuses the byte entry {read_item.dest_index.fqn!r}: gptrain checkpoints hold "
+                                "tensors only")
+
+
+def load_safely(state_dict: dict, path) -> None:
+    """``dcp.load(state_dict, checkpoint_id=path)`` through the checked reader and planner."""
+    dcp.load(state_dict, storage_reader=SafeFileSystemReader(path), planner=TensorsOnlyLoadPlanner())

@@ -35,7 +35,9 @@ def test_hashed_dropout_masks_are_independent_across_steps_and_sites():
     x = torch.ones(2, 128, 128)
     a = hashed_dropout(x, 0.5, torch.tensor(1), salt=0) != 0
     for other in (hashed_dropout(x, 0.5, torch.tensor(2), salt=0), hashed_dropout(x, 0.5, torch.tensor(1), salt=1),
-                  hashed_dropout(x, 0.5, torch.tensor((1 << 16) + 1), salt=0)):
+                  hashed_dropout(x, 0.5, torch.tensor((1 << 16) + 1), salt=0),
+                  hashed_dropout(x, 0.5, torch.tensor((1 << 31) + 1), salt=0),  # iteration + 32768 (loop: << 16)
+                  hashed_dropout(x, 0.5, torch.tensor((1 << 47) + 1), salt=0)):
         agree = (a == (other != 0)).float().mean().item()
         assert agree == pytest.approx(0.5, abs=0.01)  # uncorrelated masks agree half the time at p = 0.5
     # neighbouring elements, rows and the two halves of the hidden size are uncorrelated too
@@ -67,11 +69,23 @@ def _replicas_after_training(rank: int, out_path: str, flags: list[str]) -> None
     device = init_distributed(torch.device("cpu"))
     mesh = dims.build_mesh("cpu")
     seed_everything(cfg.data.seed, mesh["tp"].get_local_rank())
-    attention_stream = torch.rand(4)  # what the attention dropout's generator draws first on this rank
-    seed_everything(cfg.data.seed, mesh["tp"].get_local_rank())
     parts = build_training(cfg, device, dims, mesh, log=lambda s: None)
+    # what the attention dropout draws from: the process generator's state at each attention call
+    from gptrain.model.gpt import CoreAttention
+
+    streams: list[torch.Tensor] = []
+    plain_forward = CoreAttention.forward
+
+    def recording_forward(self, *args, **kw):
+        if self.training:
+            streams.append(torch.get_rng_state())
+        return plain_forward(self, *args, **kw)
+
+    CoreAttention.forward = recording_forward
     data = MockGPTDataset("train", 1000, cfg.model.seq_length, cfg.model.vocab_size, cfg.data.seed)
     Trainer(cfg, parts, data, None, None, device, log=lambda s: None).train()
+    CoreAttention.forward = plain_forward
+    attention_stream = torch.stack(streams)
     from torch.distributed.tensor import DTensor
 
     # the parameters every tensor-parallel rank holds whole (LayerNorms, position embeddings, row-parallel biases)
@@ -90,7 +104,9 @@ def _replicas_after_training(rank: int, out_path: str, flags: list[str]) -> None
 def test_replicated_parameters_stay_equal_and_attention_streams_differ(flags, tmp_path):
     spawn(2, _replicas_after_training, str(tmp_path / "r.pt"), ["--tensor-model-parallel-size", "2"] + flags)
     (stream0, whole0), (stream1, whole1) = torch.load(tmp_path / "r.pt")
-    assert not torch.equal(stream0, stream1)  # inside the regions: each rank its own masks
+    # inside the regions: at every attention call the ranks' generators differ, so their masks do
+    assert len(stream0) == len(stream1) >= 3 * 2
+    assert all(not torch.equal(a, b) for a, b in zip(stream0, stream1))
     assert len(whole0) >= 10  # LayerNorms, position embeddings, proj/fc2 biases
     for name, value in whole0.items():
         assert torch.equal(value, whole1[name]), name  # outside: the same masks, so still bit-equal

@@ -35,7 +35,10 @@ def hashed_dropout(x: torch.Tensor, p: float, step: torch.Tensor, salt: int, sha
     rows = torch.arange(b, device=dev).view(b, 1, 1) * (s * shards)
     positions = (torch.arange(s, device=dev) + shard * s).view(1, s, 1)
     index = (rows + positions) * h + torch.arange(h, device=dev).view(1, 1, h)
-    key = _mix32((((step & 0x7FFFFFFF) * 0x9E3779B1) + salt * 0x85EBCA6B) & _MASK32)
+    # the step's high bits (iteration >= 2^15 once the loop shifts it by 16) fold in through their
+    # own hash, so masks never repeat; they are zero below that, leaving those keys as they were
+    low = (((step & 0x7FFFFFFF) * 0x9E3779B1) + salt * 0x85EBCA6B) & _MASK32
+    key = _mix32(_mix32(step >> 31) ^ low)
     bits = _mix32((index & _MASK32) ^ key ^ _mix32(index >> 32))
     keep = bits >= int(p * 2 ** 32)
     return x * keep.to(x.dtype) * (1.0 / (1.0 - p))

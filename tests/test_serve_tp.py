@@ -294,3 +294,27 @@ def test_bad_layouts_are_one_line_errors(tmp_path, checkpoint):
     assert done.returncode == 2 and done.stderr.strip().count("\n") == 0
     assert "--tensor-model-parallel-size 2 needs 2 processes (torchrun --nproc-per-node 2); this run has 1" in done.stderr
 
+
+
+def test_a_batch_that_cannot_be_packed_fails_before_anything_is_sent():
+    """Rank 0 builds the whole message before its first broadcast: a bad value is the request's own
+    error, and the other ranks, never told of the batch, stay in step (no exit)."""
+    import torch
+
+    from gptrain.inference.generate import EolIds, SamplingParams
+    from gptrain.serve.tensor_parallel import LeaderGenerate, Work, WorkChannel
+
+    sent: list = []
+    channel = object.__new__(WorkChannel)
+    channel.send = sent.append
+    leader = object.__new__(LeaderGenerate)
+    leader.channel, leader.sync, leader.device = channel, None, torch.device("cpu")
+    good = SamplingParams(max_new_tokens=2, stop_ids=(7,))
+    bad = dataclasses.replace(good, top_p="high")
+    with pytest.raises(ValueError, match="could not convert"):
+        leader(tiny_gpt(), [[1, 2], [3]], [good, bad])
+    assert sent == []
+    header, ints, floats = WorkChannel.pack(Work([[1, 2], [3]], [good, good], False, 0, EolIds(), [False, True]))
+    # kind WORK, 2 rows, 3 prompt tokens, 2 stop ids; lengths, 6 settings per row, stop counts, ids
+    assert header.tolist()[:4] == [1, 2, 3, 2]
+    assert len(ints) == 2 + 2 * 6 + 2 + 3 + 2 and len(floats) == 2 * 4

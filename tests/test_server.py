@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
@@ -241,8 +242,14 @@ def test_queue_limit_is_503(model):
     release = threading.Event()
 
     def held(*args, **kw):
-        release.wait(30)
+        release.wait(300)
         return generate(*args, **kw)
+
+    def until(condition, what: str, seconds: float = 120) -> None:
+        deadline = time.monotonic() + seconds
+        while not condition():
+            assert time.monotonic() < deadline, f"timed out waiting for {what}"
+            time.sleep(0.02)
 
     engine = Engine(model, TOK, max_batch=1, max_queue=2, generate_fn=held)
     port = free_port()
@@ -252,23 +259,18 @@ def test_queue_limit_is_503(model):
     thread.start()
     base = f"http://127.0.0.1:{port}"
     try:
-        for _ in range(200):
-            if srv.started:
-                break
-            threading.Event().wait(0.05)
+        until(lambda: srv.started, "the server to start")
         body = {"prompts": ["a"], "tokens_to_generate": 1}
         with ThreadPoolExecutor(4) as pool:
-            first = [pool.submit(call, "PUT", base + "/api", body) for _ in range(3)]  # 1 running, 2 queued
-            # one job running (taken, so busy) and two queued: only then is the queue full for the fourth
-            for _ in range(1200):
-                if engine.busy and engine._waiting == 2:
-                    break
-                threading.Event().wait(0.05)
-            assert engine.busy and engine._waiting == 2
+            # in stages, so that the engine has taken the first (busy) before the queue fills
+            first = [pool.submit(call, "PUT", base + "/api", body, 300)]
+            until(lambda: engine.busy, "the first request to run")
+            first += [pool.submit(call, "PUT", base + "/api", body, 300) for _ in range(2)]
+            until(lambda: engine._waiting == 2, "two requests in the queue")
             status, answer = call("PUT", base + "/api", body)
             assert status == 503 and "queue" in answer["error"]
             release.set()
-            assert [f.result(timeout=60)[0] for f in first] == [200, 200, 200]
+            assert [f.result(timeout=300)[0] for f in first] == [200, 200, 200]
     finally:
         release.set()
         srv.should_exit = True

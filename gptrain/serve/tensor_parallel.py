@@ -50,7 +50,10 @@ class WorkChannel:
         dist.broadcast(t, src=0, group=self.group)
         return t
 
-    def send(self, work: Work) -> None:
+    @staticmethod
+    def pack(work: Work) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The header and payloads of ``work``, built whole before anything is sent, so a bad
+        value fails here with the ranks still in step."""
         p, rows = work.params, len(work.prompts)
         stops = [list(s.stop_ids) for s in p]
         header = [WORK, rows, sum(map(len, work.prompts)), sum(map(len, stops)), int(work.logprobs),
@@ -60,9 +63,13 @@ class WorkChannel:
             ints += [int(getattr(s, name)) for name in _INTS] + [int(colon)]
         ints += [len(s) for s in stops]
         ints += [t for x in work.prompts for t in x] + [t for s in stops for t in s]
-        self._broadcast(torch.tensor(header, dtype=torch.int64))
-        self._broadcast(torch.tensor(ints, dtype=torch.int64))
-        self._broadcast(torch.tensor([float(getattr(s, name)) for s in p for name in _FLOATS], dtype=torch.float64))
+        floats = [float(getattr(s, name)) for s in p for name in _FLOATS]
+        return (torch.tensor(header, dtype=torch.int64), torch.tensor(ints, dtype=torch.int64),
+                torch.tensor(floats, dtype=torch.float64))
+
+    def send(self, packed: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> None:
+        for t in packed:
+            self._broadcast(t)
 
     def stop(self) -> None:
         header = torch.zeros(_HEADER, dtype=torch.int64)
@@ -116,8 +123,9 @@ class LeaderGenerate:
         colons = list(no_newline_after_colon or [False] * len(prompts))
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)  # the engine's thread
-        self.channel.send(Work(prompts, params, logprobs, top_logprobs, eol, colons))
+        packed = self.channel.pack(Work(prompts, params, logprobs, top_logprobs, eol, colons))
         try:
+            self.channel.send(packed)  # from here on the other ranks are in this batch
             return generate(model, prompts, params, logprobs=logprobs, top_logprobs=top_logprobs, eol=eol,
                             on_token=on_token, no_newline_after_colon=colons, sync=self.sync)
         except BaseException as err:  # noqa: BLE001 - the other ranks are mid-batch: nothing can go on
@@ -130,8 +138,14 @@ def follow(model, channel: WorkChannel, group) -> int:
     """A rank other than 0: generate each batch rank 0 sends, in step with it, until it says stop."""
     sync = StepSync(group)
     batches = 0
-    while (work := channel.receive()) is not None:
-        generate(model, work.prompts, work.params, logprobs=work.logprobs, top_logprobs=work.top_logprobs,
-                 eol=work.eol, no_newline_after_colon=work.no_newline_after_colon, sync=sync)
-        batches += 1
+    try:
+        while (work := channel.receive()) is not None:
+            generate(model, work.prompts, work.params, logprobs=work.logprobs, top_logprobs=work.top_logprobs,
+                     eol=work.eol, no_newline_after_colon=work.no_newline_after_colon, sync=sync)
+            batches += 1
+    except Exception as err:  # noqa: BLE001 - out of step with rank 0: one line, and torchrun stops the rest
+        print(f"gptrain serve: error: rank {channel.rank} failed after {batches} batches "
+              f"({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}); stopping",
+              file=sys.stderr, flush=True)
+        os._exit(1)
     return batches

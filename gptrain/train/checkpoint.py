@@ -548,6 +548,29 @@ class Checkpointer:
         self.log(f"  successfully saved checkpoint at iteration {pending.iteration:7d} to {pending.root} "
                  f"({time.perf_counter() - self._started:.2f} s, in the background)")
 
+    def finish_interrupted(self, timeout_s: float = 300.0) -> None:
+        """After a signal without ``--exit-signal-handler``: the pending background save still
+        lands. No collective on the training group (the other ranks may be anywhere in the step):
+        each rank waits for its own writer, and rank 0 publishes once its writer succeeded, which
+        DCP reports only after every rank's data is written (its own gather on the writers' group)."""
+        if self.pending is None:
+            return
+        pending, self.pending = self.pending, None
+        upload = getattr(pending.future, "upload_completion", pending.future)
+        try:
+            with deferred_signals():
+                upload.result(timeout=timeout_s)
+                if _rank() == 0:
+                    _publish(pending)
+        except Exception as err:  # noqa: BLE001 - the run is stopping: say what was lost, keep the rest
+            if _rank() == 0:
+                _discard(str(pending.final))
+                self.log(f"  the background save of iteration {pending.iteration} did not finish "
+                         f"({_reason(err)}); {newest_complete(pending.root)}")
+            return
+        self.log(f"  successfully saved checkpoint at iteration {pending.iteration:7d} to {pending.root} "
+                 f"({time.perf_counter() - self._started:.2f} s, in the background, finished after the signal)")
+
     def close(self) -> None:
         self.finish()
         if self._stager is not None:

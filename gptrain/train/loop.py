@@ -486,6 +486,9 @@ class Trainer:
                     exit_reason = f"exiting program after receiving {name} at iteration {self.iteration}; saved {saved}"
                 if exit_reason:
                     break
+        except signals.Interrupted:  # without --exit-signal-handler: a save already under way still lands
+            self.checkpointer.finish_interrupted()
+            raise
         finally:
             loader.close()
         # the final state, unless it is already saved or nothing ran since the checkpoint it came from

@@ -98,10 +98,11 @@ def deferred_signals():
     if guard is None or guard.deferring:
         yield
         return
+    already = guard.received  # a signal before the block was acted on then (the run is stopping)
     guard.deferring = True
     try:
         yield
     finally:
         guard.deferring = False
-    if guard.received and not guard.exit_handler:
+    if guard.received and not already and not guard.exit_handler:
         raise Interrupted(guard.received)

@@ -184,8 +184,10 @@ class Pipeline:
         per_stage = sizes[0] if len(sizes) == 1 else ", ".join(map(str, self.plan.sizes))
         kind = "1F1B" if len(self.plan.stages) == 1 else f"interleaved 1F1B, {len(self.plan.stages)} virtual stages per rank"
         bubble = (self.dims.pp - 1) / (self.n_micro * len(self.plan.stages) + self.dims.pp - 1)
+        # the formula holds for stages of equal time; with uneven layer counts it is only the guide
+        which = "bubble" if len(sizes) == 1 else "equal-stage bubble (these stages are uneven)"
         return (f"{self.dims.pp} stages ({kind}) of {per_stage} layers, {self.n_micro} micro-batches per step, "
-                f"bubble (p - 1) / (v m + p - 1) = {bubble:.1%}; tied word embeddings summed over the first "
+                f"{which} (p - 1) / (v m + p - 1) = {bubble:.1%}; tied word embeddings summed over the first "
                 "and last stage")
 
     @property

@@ -181,28 +181,59 @@ def test_a_signal_during_a_background_save_still_publishes_it(tmp_path, monkeypa
     run stops with the signal's status, and iteration 2 is published complete, not dropped."""
     import os
     import signal
-    import time
+    import threading
 
     from torch.distributed.checkpoint import FileSystemWriter
 
     plain_write = FileSystemWriter.write_data
+    signalled = threading.Event()
 
-    def slow_write(self, *args, **kw):
-        time.sleep(1.5)  # the save is still pending when the signal comes
+    def gated_write(self, *args, **kw):
+        assert signalled.wait(300)  # the save is still pending when the signal comes, however slow the machine
         return plain_write(self, *args, **kw)
 
-    monkeypatch.setattr(FileSystemWriter, "write_data", slow_write)
+    monkeypatch.setattr(FileSystemWriter, "write_data", gated_write)
     lines: list[str] = []
 
     def log(line: str) -> None:
         lines.append(line)
         if line.startswith(f" iteration {3:8d}/"):
+            signalled.set()
             os.kill(os.getpid(), signal.SIGTERM)
 
     ck = tmp_path / "ck"
     rc = train_main(RUN + ["--train-iters", "100", "--async-save", "--save", str(ck)], log=log)
     assert rc == 128 + signal.SIGTERM
     assert not any("successfully saved checkpoint at iteration       2" in x for x in lines[:-1])
+    assert lines[-2].startswith("  waiting for the background save of iteration 2"), "\n".join(lines[-6:])
     assert "finished after the signal" in lines[-1] and "iteration       2" in lines[-1], "\n".join(lines[-6:])
     assert read_tracker(ck) == 2 and is_complete(ck / "iter_0000002")[0]
     assert sorted(p.name for p in ck.iterdir()) == ["iter_0000002", "latest_checkpointed_iteration.txt"]
+
+
+def test_a_signal_while_a_background_save_is_staged_still_publishes_it(tmp_path, monkeypatch):
+    """SIGTERM while training is blocked for the copy into host buffers (iteration 4's save): it takes
+    effect once the save is recorded as pending, so that save is published too, not left half-way."""
+    import os
+    import signal
+
+    from gptrain.train import checkpoint as ckpt
+
+    plain_stage = ckpt.HostStager.stage
+    staged: list[int] = []
+
+    def stage(self, state_dict):
+        staged.append(1)
+        out = plain_stage(self, state_dict)
+        if len(staged) == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return out
+
+    monkeypatch.setattr(ckpt.HostStager, "stage", stage)
+    lines: list[str] = []
+    ck = tmp_path / "ck"
+    rc = train_main(RUN + ["--train-iters", "100", "--async-save", "--save", str(ck)], log=lines.append)
+    assert rc == 128 + signal.SIGTERM
+    assert "finished after the signal" in lines[-1] and "iteration       4" in lines[-1], "\n".join(lines[-6:])
+    assert read_tracker(ck) == 4 and is_complete(ck / "iter_0000004")[0]
+    assert sorted(p.name for p in ck.iterdir()) == ["iter_0000002", "iter_0000004", "latest_checkpointed_iteration.txt"]

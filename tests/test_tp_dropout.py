@@ -107,6 +107,7 @@ def test_replicated_parameters_stay_equal_and_attention_streams_differ(flags, tm
     # inside the regions: at every attention call the ranks' generators differ, so their masks do
     assert len(stream0) == len(stream1) >= 3 * 2
     assert all(not torch.equal(a, b) for a, b in zip(stream0, stream1))
+    assert all(not torch.equal(a, b) for a, b in zip(stream0, stream0[1:]))  # each call draws: the state moves
     assert len(whole0) >= 10  # LayerNorms, position embeddings, proj/fc2 biases
     for name, value in whole0.items():
         assert torch.equal(value, whole1[name]), name  # outside: the same masks, so still bit-equal

@@ -332,11 +332,11 @@ def save_checkpoint(root: str | os.PathLike, iteration: int, params: dict[str, t
                 warnings.filterwarnings("ignore", message=".*torch.distributed is disabled")
                 if async_save:
                     state_dict = _state_dict(params, optimizer, vocab_size, host=not isinstance(stager, HostStager))
-                    future = dcp.async_save(state_dict, checkpoint_id=tmp,
+                    future = dcp.async_save(state_dict, checkpoint_id=str(tmp),
                                             async_stager=stager, process_group=process_group,
                                             no_dist=not distributed())
                 else:
-                    dcp.save(_state_dict(params, optimizer, vocab_size), checkpoint_id=tmp)
+                    dcp.save(_state_dict(params, optimizer, vocab_size), checkpoint_id=str(tmp))
             rng_tensors, rng_scalars = _rng_state()
             save_file(rng_tensors, tmp / f"rng_rank{rank:05d}.safetensors")
             fsync_file(tmp / f"rng_rank{rank:05d}.safetensors")
@@ -524,9 +524,10 @@ class Checkpointer:
             self._group = torch.distributed.new_group(backend="gloo")
         if self._stager is None:
             self._stager = HostStager(pin=any(p.is_cuda for p in params.values()))
-        self.pending = save_checkpoint(root, iteration, params, optimizer, state, vocab_size, async_save=True,
-                                       stager=self._stager, process_group=self._group)
-        self._started = start
+        with deferred_signals():  # a signal while staging takes effect once the save is recorded as pending
+            self.pending = save_checkpoint(root, iteration, params, optimizer, state, vocab_size, async_save=True,
+                                           stager=self._stager, process_group=self._group)
+            self._started = start
         self.log(f"  training blocked {time.perf_counter() - start:.2f} s; the checkpoint is written in the background")
 
     def poll(self) -> None:
@@ -557,6 +558,9 @@ class Checkpointer:
             return
         pending, self.pending = self.pending, None
         upload = getattr(pending.future, "upload_completion", pending.future)
+        if _rank() == 0:
+            self.log(f"  waiting for the background save of iteration {pending.iteration} to finish "
+                     f"(at most {timeout_s:.0f} s; a launcher may kill the run sooner)")
         try:
             with deferred_signals():
                 upload.result(timeout=timeout_s)

@@ -30,14 +30,17 @@ _METADATA_RECORDS = {"Metadata", "MetadataIndex", "StorageMeta", "TensorProperti
 _ALLOWED = {
     ("torch", "Size"): torch.Size,
     ("torch.serialization", "_get_layout"): torch.serialization._get_layout,
-    ("pathlib", "PosixPath"): pathlib.PurePosixPath,
-    ("pathlib", "PurePosixPath"): pathlib.PurePosixPath,
-    ("pathlib", "WindowsPath"): pathlib.PureWindowsPath,
-    ("pathlib", "PureWindowsPath"): pathlib.PureWindowsPath,
     ("builtins", "set"): set,
     ("builtins", "frozenset"): frozenset,
     ("collections", "OrderedDict"): __import__("collections").OrderedDict,
 }
+
+# a checkpoint_id saved as a path object (older gptrain saves); Python 3.13 names it pathlib._local.*
+for _module in ("pathlib", "pathlib._local"):
+    for _name in ("Path", "PosixPath", "PurePath", "PurePosixPath"):
+        _ALLOWED[(_module, _name)] = pathlib.PurePosixPath
+    for _name in ("WindowsPath", "PureWindowsPath"):
+        _ALLOWED[(_module, _name)] = pathlib.PureWindowsPath
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -65,7 +68,10 @@ class _MetadataUnpickler(pickle.Unpickler):
 def read_metadata_safely(path) -> Metadata:
     """The ``.metadata`` of the DCP checkpoint folder ``path``, checked: tensor entries only, shard
     files named inside the folder."""
-    meta_path = pathlib.Path(path) / ".metadata"
+    folder = pathlib.Path(path)
+    meta_path = folder / ".metadata"
+    if meta_path.is_symlink():
+        raise UnsafeDCPMetadata(f"{meta_path} is a symbolic link; a checkpoint's files are its own")
     with open(meta_path, "rb") as f:
         metadata = _MetadataUnpickler(f, meta_path).load()
     if not isinstance(metadata, Metadata):
@@ -76,8 +82,9 @@ def read_metadata_safely(path) -> Metadata:
                                     "hold tensors only")
     for info in (metadata.storage_data or {}).values():
         name = str(getattr(info, "relative_path", ""))
-        if not name or name != pathlib.PurePath(name).name or name in (".", ".."):
-            raise UnsafeDCPMetadata(f"{meta_path}: names shard file {name!r} outside the checkpoint folder")
+        if not name or name != pathlib.PurePath(name).name or name in (".", "..") or (folder / name).is_symlink():
+            raise UnsafeDCPMetadata(f"{meta_path}: names shard file {name!r} outside the checkpoint folder "
+                                    "(or a symbolic link)")
     return metadata
 
 

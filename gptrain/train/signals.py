@@ -91,6 +91,11 @@ def exit_signal() -> str | None:
     return signal.Signals(signum).name if signum else None
 
 
+def signalled() -> bool:
+    """Whether SIGINT/SIGTERM reached this process during the run (handler or not)."""
+    return _active is not None and _active.received is not None
+
+
 @contextmanager
 def deferred_signals():
     """A signal arriving inside (a checkpoint being written) takes effect when the block ends."""

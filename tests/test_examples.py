@@ -120,6 +120,7 @@ def _per_rank_counts(stdout: str) -> dict[tuple[int, int], int]:
     return counts
 
 
+@pytest.mark.slow  # the fast loop (-m "not slow") stays under 3 minutes; CI runs it
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
 def test_example_dry_run(case: Case, dry_runs):
     result = dry_runs[case.id]
@@ -141,6 +142,7 @@ def test_example_dry_run(case: Case, dry_runs):
         assert 174e9 < total < 176e9, total
 
 
+@pytest.mark.slow  # the fast loop (-m "not slow") stays under 3 minutes; CI runs it
 def test_sbatch_launches_torchrun_with_rendezvous_on_first_node(dry_runs):
     result = dry_runs[next(c.id for c in CASES if c.script.endswith(".sbatch"))]
     assert result.returncode == 0, result.stderr
@@ -187,6 +189,7 @@ def test_example_default_launcher(script, tmp_path):
     assert launched[0].endswith(" --extra-flag")
 
 
+@pytest.mark.slow  # the fast loop (-m "not slow") stays under 3 minutes; CI runs it
 def test_deepspeed_seed_layout_is_refused_as_the_header_says(dry_runs):
     """On the seed's 4 GPUs, TP 4 leaves one data-parallel rank, and ZeRO-3 CPU offload needs more."""
     result = dry_runs[REFUSED_LAYOUT.id]

@@ -123,6 +123,7 @@ def _train_losses(argv, steps=8):
     return trainer, losses
 
 
+@pytest.mark.slow  # the fast loop (-m "not slow") stays under 3 minutes; CI runs it
 def test_bf16_main_params_track_autocast_and_fp32():
     _, fp32 = _train_losses(FLAGS)
     trainer, main = _train_losses(FLAGS + ["--bf16"])
@@ -135,6 +136,7 @@ def test_bf16_main_params_track_autocast_and_fp32():
         assert abs(a - b) < 0.005 * a and abs(a - c) < 0.005 * a
 
 
+@pytest.mark.slow  # the fast loop (-m "not slow") stays under 3 minutes; CI runs it
 def test_fp8_converts_the_block_linears_and_trains():
     pytest.importorskip("torchao")
     trainer, losses = _train_losses(FLAGS + ["--bf16", "--fp8"])

@@ -71,6 +71,7 @@ def test_uneven_stage_split_follows_megatron_flags():
     assert sum(uneven.values()) == total + cfg.model.padded_vocab_size * 1024  # + the last stage's copy
 
 
+@pytest.mark.slow  # the fast loop (-m "not slow") stays under 3 minutes; CI runs it
 def test_uneven_split_refuses_interleaving():
     with pytest.raises(AssertionError, match="with --num-layers-per-virtual-pipeline-stage is not built"):
         torchrun(2, _layers(4) + STEPS + ["--pipeline-model-parallel-size", "2", "--decoder-last-pipeline-num-layers",

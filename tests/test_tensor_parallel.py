@@ -89,6 +89,7 @@ M345 = ("--num-layers 24 --hidden-size 1024 --num-attention-heads 16 --seq-lengt
         "--micro-batch-size 1 --global-batch-size 8 --train-iters 10 --data-path unused_text_document").split()
 
 
+@pytest.mark.slow  # the fast loop (-m "not slow") stays under 3 minutes; CI runs it
 @pytest.mark.parametrize("tp, pp, expected", [
     (2, 2, {(0, 0): 102_483_968, (1, 0): 102_483_968, (0, 1): 101_437_440, (1, 1): 101_437_440}),
     (4, 1, {(t, 0): 89_714_688 for t in range(4)}),

@@ -111,6 +111,7 @@ def losses(lines):
     return out
 
 
+@pytest.mark.slow  # the fast loop (-m "not slow") stays under 3 minutes; CI runs it
 @pytest.mark.parametrize("precision", [[], ["--bf16"], ["--fp16", "--initial-loss-scale", "1024"]],
                          ids=["fp32", "bf16-main-params", "fp16-main-params"])
 def test_exact_resume_with_dropout(tmp_path, data_prefix, precision):

@@ -546,8 +546,7 @@ class Checkpointer:
             return
         pending, self.pending = self.pending, None
         finish_save(pending)
-        self.log(f"  successfully saved checkpoint at iteration {pending.iteration:7d} to {pending.root} "
-                 f"({time.perf_counter() - self._started:.2f} s, in the background)")
+        self._log_published(pending)
 
     def finish_interrupted(self, timeout_s: float = 300.0) -> None:
         """After a signal without ``--exit-signal-handler``: the pending background save still
@@ -572,8 +571,11 @@ class Checkpointer:
                 self.log(f"  the background save of iteration {pending.iteration} did not finish "
                          f"({_reason(err)}); {newest_complete(pending.root)}")
             return
+        self._log_published(pending, ", finished after the signal")
+
+    def _log_published(self, pending: PendingSave, note: str = "") -> None:
         self.log(f"  successfully saved checkpoint at iteration {pending.iteration:7d} to {pending.root} "
-                 f"({time.perf_counter() - self._started:.2f} s, in the background, finished after the signal)")
+                 f"({time.perf_counter() - self._started:.2f} s, in the background{note})")
 
     def close(self) -> None:
         self.finish()

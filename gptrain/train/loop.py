@@ -486,11 +486,11 @@ class Trainer:
                     exit_reason = f"exiting program after receiving {name} at iteration {self.iteration}; saved {saved}"
                 if exit_reason:
                     break
-        except BaseException as err:
+        except BaseException:
             # stopped by a signal (Interrupted, or a collective failing because another rank stopped):
             # a save already under way still lands; DCP reports rank 0's write done only once every
             # rank has written, so publishing stays safe on any of these paths
-            if isinstance(err, signals.Interrupted) or signals.signalled():
+            if signals.signalled():
                 self.checkpointer.finish_interrupted()
             raise
         finally:

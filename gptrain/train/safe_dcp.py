@@ -11,6 +11,7 @@ by DCP with ``torch.load(weights_only=True)``.
 
 from __future__ import annotations
 
+import collections
 import pathlib
 import pickle
 
@@ -32,7 +33,7 @@ _ALLOWED = {
     ("torch.serialization", "_get_layout"): torch.serialization._get_layout,
     ("builtins", "set"): set,
     ("builtins", "frozenset"): frozenset,
-    ("collections", "OrderedDict"): __import__("collections").OrderedDict,
+    ("collections", "OrderedDict"): collections.OrderedDict,
 }
 
 # a checkpoint_id saved as a path object (older gptrain saves); Python 3.13 names it pathlib._local.*

@@ -1,0 +1,300 @@
+"""The fused decode loop: each row of the batch at its own position, one CUDA graph per batch bucket.
+
+``RowDecoder`` prefills each prompt alone (``forward_cached`` on its row of the cache), so a row
+starts decoding right after its own prompt, whatever the other rows' lengths. A step's graph
+chooses every row's next token from its logits (argmax, or ``sampling.sample``'s seeded noise at
+the row's own position), records it, and runs the one-token forward at each row's position
+through ``kernels/decode.py``: five kernels a block, attention over the row's own cached
+positions. No step depends on the host, and a step's numbers for a row depend only on that row
+(the kernels are batch invariant, the prefill is the row's alone): a seeded request gives the same
+text alone or batched with any others, and one graph serves every length.
+
+The host queues a few steps ahead of reading a step's ids back (pinned copies behind events) and
+applies ``generate``'s stop rules and stream hook there. Elsewhere than CUDA the same steps run
+eagerly with the kernels' PyTorch references (the tests' path).
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from gptrain.inference.fast import AHEAD, Mode, _plain, bucket
+from gptrain.inference.generate import (EolIds, Generation, SamplingParams, _prompt_logprobs, _stops,
+                                        check_request)
+from gptrain.inference.kv_cache import forward_cached
+from gptrain.inference.sampling import sample
+from gptrain.kernels.decode import decode_attention, ln_linear
+from gptrain.model.gpt import GPT
+
+
+class RowCache:
+    """Rows ``first .. first + rows - 1`` of a decoder's cache, as ``forward_cached`` takes a cache."""
+
+    def __init__(self, kv: torch.Tensor, first: int, rows: int = 1):
+        self.kv = kv[:, :, first:first + rows]
+        self.k, self.v = self.kv[:, 0], self.kv[:, 1]
+        self.max_len = kv.shape[-2]
+
+
+class RowDecoder:
+    def __init__(self, model: GPT, batch: int, use_graph: bool = True):
+        if not _plain(model):
+            raise ValueError("the fused decode step needs the model's plain modules (no kernel swap, "
+                             "no tensor parallelism)")
+        self.model, self.batch = model, batch
+        self.window = window = model.cfg.max_position_embeddings
+        param = model.word_embeddings.weight
+        dev, dtype = param.device, param.dtype
+        cfg = model.cfg
+        # (layers, 2, batch, heads, window, dim): a layer's slice is what decode_attention takes
+        self.kv = torch.zeros(cfg.num_layers, 2, batch, cfg.num_attention_heads, window, cfg.head_dim,
+                              device=dev, dtype=dtype)
+        self.use_graph = use_graph and dev.type == "cuda"
+        zeros = lambda *shape, dtype=torch.long: torch.zeros(shape, device=dev, dtype=dtype)  # noqa: E731
+        self.step_index = zeros()  # steps done in this request
+        self.start = zeros(batch)  # each row's prompt length: the position of its first new token
+        self.current = zeros(batch)  # the ids fed last (a prompt's last token before the first step)
+        self.out = zeros(window, batch)  # the chosen ids, step-major
+        self.logits = zeros(batch, model.output_layer.vocab_size, dtype=torch.float32)
+        self.temperature, self.top_p = zeros(batch, dtype=torch.float32), zeros(batch, dtype=torch.float32)
+        self.decay, self.bound = zeros(batch, dtype=torch.float32), zeros(batch, dtype=torch.float32)
+        self.top_k, self.seeds = zeros(batch), zeros(batch)
+        self.colon_rows = zeros(batch, dtype=torch.bool)
+        self.chosen_lp = zeros(window, batch, dtype=torch.float32)
+        self.top: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.graphs: dict[Mode, torch.cuda.CUDAGraph] = {}
+        self.pool = None
+        self.host = self.events = None
+        if dev.type == "cuda":
+            self.host = torch.zeros(AHEAD, batch, dtype=torch.long, pin_memory=True)
+            self.events = [torch.cuda.Event() for _ in range(AHEAD)]
+        self.stats = {"steps": 0, "replays": 0, "host_waits": 0, "graphs": 0, "requests": 0,
+                      "capture_s": 0.0, "prefill_s": 0.0, "loop_s": 0.0, "wait_s": 0.0}
+
+    # ---- one step, on the device
+    @torch.no_grad()
+    def step(self, mode: Mode) -> None:
+        self.forward(self.choose(mode))
+        self.step_index.add_(1)
+
+    def choose(self, mode: Mode) -> torch.Tensor:
+        """Each row's next id (batch,) from ``self.logits``, recorded at this step."""
+        at = self.step_index.view(1)
+        logits = self.logits
+        if mode.colon is not None:
+            colon, eol = mode.colon
+            banned = self.colon_rows & (self.current == colon)
+            logits[:, eol] = logits[:, eol].masked_fill(banned, float("-inf"))
+        if mode.greedy:
+            chosen = logits.argmax(dim=-1)
+        else:
+            chosen = sample(logits, self.temperature, self.top_k, self.top_p, self.seeds,
+                            self.start + self.step_index)
+        if mode.decay:
+            decayed = torch.maximum(self.top_p * self.decay, self.bound)
+            self.top_p.copy_(torch.where((self.decay > 0) & (self.top_p > 0), decayed, self.top_p))
+        self.out.index_copy_(0, at, chosen[None])
+        if mode.logprobs or mode.top_n:
+            lp = torch.log_softmax(logits, dim=-1)
+            self.chosen_lp.index_copy_(0, at, lp.gather(1, chosen[:, None]).T)
+            if mode.top_n:
+                values, indices = self.top[mode.top_n]
+                top = lp.topk(mode.top_n, dim=-1)
+                values.index_copy_(0, at, top.values[None])
+                indices.index_copy_(0, at, top.indices[None])
+        self.current.copy_(chosen)
+        return chosen
+
+    def forward(self, chosen: torch.Tensor) -> None:
+        """Logits (into ``self.logits``) of ``chosen`` (batch,), each fed at its row's position (a
+        row past the window, already finished, repeats the last position)."""
+        model = self.model
+        positions = (self.start + self.step_index).clamp_(max=self.window - 1)
+        x = model.word_embeddings(chosen) + model.position_embeddings(positions)
+        for i, block in enumerate(model.layers.values()):
+            attn, mlp = block.attn, block.mlp
+            qkv = ln_linear(x, attn.qkv.weight, attn.qkv.bias, ln=block.ln1)
+            y = decode_attention(qkv, self.kv[i], positions)
+            ln_linear(y, attn.proj.weight, attn.proj.bias, residual=x, out=x)
+            h = ln_linear(x, mlp.fc1.weight, mlp.fc1.bias, ln=block.ln2, gelu=True)
+            ln_linear(h, mlp.fc2.weight, mlp.fc2.bias, residual=x, out=x)
+        out = model.output_layer
+        ln_linear(x, out.weight[: out.vocab_size], ln=model.final_layernorm, out=self.logits)
+
+    def _graph(self, mode: Mode) -> torch.cuda.CUDAGraph:
+        """The captured step (captured before a request's state goes in: warm-up steps write the
+        buffers and the cache)."""
+        graph = self.graphs.get(mode)
+        if graph is None:
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                for _ in range(2):  # warm-up outside the graph (Triton compiles, lazy inits)
+                    self.step_index.zero_()
+                    self.step(mode)
+            torch.cuda.current_stream().wait_stream(stream)
+            self.step_index.zero_()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                self.step(mode)
+            self.pool = graph.pool()
+            self.graphs[mode] = graph
+            self.stats["graphs"] += 1
+        return graph
+
+    def _issue(self, mode: Mode, s: int) -> None:
+        if self.use_graph:
+            self.graphs[mode].replay()
+            self.stats["replays"] += 1
+        else:
+            self.step(mode)
+        self.stats["steps"] += 1
+        if self.host is not None:
+            slot = s % AHEAD
+            self.host[slot].copy_(self.out[s], non_blocking=True)
+            self.events[slot].record()
+
+    def _read(self, s: int) -> list[int]:
+        if self.host is None:
+            return self.out[s].tolist()
+        slot = s % AHEAD
+        begin = time.perf_counter()
+        self.events[slot].synchronize()
+        self.stats["wait_s"] += time.perf_counter() - begin
+        self.stats["host_waits"] += 1
+        return self.host[slot].tolist()
+
+    # ---- one request, on the host
+    @torch.no_grad()
+    def prefill(self, prompts: list[list[int]], out: list[Generation], top_logprobs: int, want_lp: bool,
+                together: bool) -> None:
+        """Each prompt's keys and values into its row of the cache and its last logits into
+        ``self.logits``; alone (``together`` False) or, for prompts of one length, in one call."""
+        model, dev = self.model, self.logits.device
+        groups = [list(range(len(prompts)))] if together and len({len(p) for p in prompts}) == 1 else \
+            [[i] for i in range(len(prompts))]
+        for rows in groups:
+            first = rows[0]
+            tokens = torch.tensor([prompts[i] for i in rows], device=dev)
+            hidden = forward_cached(model, tokens, 0, RowCache(self.kv, first, len(rows)))
+            if want_lp and tokens.shape[1] > 1:
+                _prompt_logprobs(model, hidden[:, :-1], tokens[:, 1:], out[first:first + len(rows)], top_logprobs)
+            self.logits[first:first + len(rows)] = model.output_layer(hidden[:, -1]).float()
+
+    @torch.no_grad()
+    def run(self, prompts: list[list[int]], params: list[SamplingParams], logprobs: bool = False,
+            top_logprobs: int = 0, eol: EolIds | None = None, on_token=None,
+            no_newline_after_colon: list[bool] | None = None, together: bool = False) -> list[Generation]:
+        """``generate``'s results for up to ``batch`` prompts (its arguments, without ``sync``);
+        ``together`` prefills prompts of one length in one call (faster for a large batch, but a
+        row's numbers then depend on the batch)."""
+        model, window, n = self.model, self.window, len(prompts)
+        if not 0 < n <= self.batch:
+            raise ValueError(f"{n} prompts for a decoder of {self.batch} rows")
+        eol = eol or EolIds()
+        model.eval()
+        ends = check_request(prompts, params, window)
+        colon = list(no_newline_after_colon or []) + [False] * (self.batch - len(no_newline_after_colon or []))
+        want_lp = logprobs or top_logprobs > 0
+        mode = Mode(greedy=all(p.temperature <= 0 or p.top_k == 1 for p in params), logprobs=want_lp,
+                    top_n=top_logprobs, colon=(eol.colon, eol.eol) if any(colon[:n]) else None,
+                    decay=any(p.top_p_decay > 0 for p in params))
+        if top_logprobs and top_logprobs not in self.top:
+            dev = self.logits.device
+            self.top[top_logprobs] = (torch.zeros(window, self.batch, top_logprobs, device=dev),
+                                      torch.zeros(window, self.batch, top_logprobs, device=dev, dtype=torch.long))
+        begin = time.perf_counter()
+        if self.use_graph:
+            self._graph(mode)
+        self.stats["capture_s"] += time.perf_counter() - begin
+        self.stats["requests"] += 1
+        begin = time.perf_counter()
+
+        out = [Generation(tokens=list(p), prompt_length=len(p)) for p in prompts]
+        if want_lp:
+            for g in out:
+                g.logprobs, g.top_logprobs = [None], [None]
+        pad = self.batch - n  # padding rows: a one-token prompt at position 0, never read back
+        lengths = [len(p) for p in prompts] + [1] * pad
+        row_params = list(params) + [SamplingParams(max_new_tokens=0, temperature=0.0)] * pad
+        self.logits.zero_()
+        self.prefill(prompts, out, top_logprobs, want_lp, together)
+        self.start.copy_(torch.tensor(lengths))
+        self.current.copy_(torch.tensor([p[-1] for p in prompts] + [0] * pad))
+        self.temperature.copy_(torch.tensor([p.temperature for p in row_params]))
+        self.top_k.copy_(torch.tensor([p.top_k for p in row_params]))
+        self.top_p.copy_(torch.tensor([p.top_p for p in row_params]))
+        self.seeds.copy_(torch.tensor([p.seed for p in row_params]))
+        self.decay.copy_(torch.tensor([p.top_p_decay for p in row_params]))
+        self.bound.copy_(torch.tensor([p.top_p_bound for p in row_params]))
+        self.colon_rows.copy_(torch.tensor(colon, dtype=torch.bool))
+        self.step_index.zero_()
+        loop = time.perf_counter()
+        self.stats["prefill_s"] += loop - begin
+
+        done = [len(p) >= end for p, end in zip(prompts, ends)]  # max_new_tokens 0: score only
+        count = [0] * n
+        total = max(end - len(p) for p, end in zip(prompts, ends))  # steps the longest row needs
+        s = issued = 0
+        while s < total and not all(done):
+            while issued < total and issued - s < AHEAD:
+                self._issue(mode, issued)
+                issued += 1
+            ids = self._read(s)
+            for i in range(n):
+                if done[i]:
+                    continue
+                token = ids[i]
+                out[i].tokens.append(token)
+                count[i] += 1
+                stop = _stops(params[i], token, out[i].tokens[-2], eol)
+                if on_token is not None and on_token(i, token):
+                    stop = True
+                if stop:
+                    out[i].finish_reason, done[i] = "stop", True
+                elif count[i] >= params[i].max_new_tokens:
+                    done[i] = True
+            s += 1
+        self.stats["loop_s"] += time.perf_counter() - loop
+        if want_lp and s:
+            self._logprobs(out, count, s, top_logprobs)
+        return out
+
+    def _logprobs(self, out: list[Generation], count: list[int], steps: int, top_n: int) -> None:
+        n = len(out)
+        chosen = self.chosen_lp[:steps, :n].double().cpu()
+        if top_n:
+            values, indices = self.top[top_n]
+            values, indices = values[:steps, :n].double().cpu(), indices[:steps, :n].cpu()
+        for i, g in enumerate(out):
+            for j in range(count[i]):
+                g.logprobs.append(float(chosen[j, i]))
+                if top_n:
+                    g.top_logprobs.append({int(k): float(v) for k, v in zip(indices[j, i].tolist(),
+                                                                            values[j, i].tolist())})
+
+
+_decoders: dict[tuple, RowDecoder] = {}
+
+
+def row_decoder_for(model: GPT, rows: int, use_graph: bool = True) -> RowDecoder:
+    """The model's decoder for ``rows`` prompts (one per batch bucket, kept between requests)."""
+    key = (id(model), bucket(rows), use_graph)
+    if key not in _decoders:
+        _decoders[key] = RowDecoder(model, bucket(rows), use_graph=use_graph)
+    return _decoders[key]
+
+
+def fused_generate(model: GPT, prompts: list[list[int]], params, **kw) -> list[Generation]:
+    """``generate`` through ``RowDecoder`` (same arguments, without ``step_fn``, ``cache`` and
+    ``sync``; ``use_graph`` and ``together`` as RowDecoder's)."""
+    if not prompts:
+        return []
+    for name in ("step_fn", "cache", "sync"):
+        if kw.pop(name, None) is not None:
+            raise ValueError(f"fused_generate does not take {name}")
+    if isinstance(params, SamplingParams):
+        params = [params] * len(prompts)
+    decoder = row_decoder_for(model, len(prompts), kw.pop("use_graph", True))
+    return decoder.run(list(prompts), list(params), **kw)

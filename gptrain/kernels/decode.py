@@ -1,0 +1,213 @@
+"""The one-token decode step's kernels: a matrix-vector product with its LayerNorm before it and its
+bias, GELU and residual add after it, in one kernel; and attention of one new token over a row's
+cached keys, with the new key and value written into the cache by the same kernel.
+
+A 345M step at batch 1 reads 0.7 GB of weights, about 0.2 ms at an H100's memory speed, but as
+PyTorch ops (or Inductor's fusions around cuBLAS) it is 300-odd kernels, and their launch gaps
+cost more than the reads. Here a block is five kernels: LayerNorm + QKV; attention; output
+projection + bias + residual; LayerNorm + FC1 + bias + GELU; FC2 + bias + residual.
+
+Every kernel computes a row of the batch the same way whatever the other rows hold and however
+many there are: fixed tiles (16 rows a program, masked), a fixed order of the reduction over the
+input dimension, and attention that walks the row's own cached positions in a fixed order up to
+its own length. So a request's numbers do not depend on the batch it decodes in (batch
+invariance): a seeded request gives the same text alone or under load. Tile sizes depend only on
+the weight's shape, never on the batch.
+
+Elsewhere than CUDA (and as the reference the kernels are checked against) the same math runs as
+PyTorch ops.
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+import torch.nn.functional as F
+
+ROWS = 16  # batch rows a program computes (tensor-core tiles need 16); fewer are masked
+SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
+
+
+@functools.cache
+def _kernels():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def ln_linear_kernel(x_ptr, ln_w_ptr, ln_b_ptr, w_ptr, bias_ptr, res_ptr, out_ptr, M, N, K, eps,
+                         HAS_LN: tl.constexpr, HAS_BIAS: tl.constexpr, GELU: tl.constexpr,
+                         RESIDUAL: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        pid_n, pid_m = tl.program_id(0), tl.program_id(1)
+        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        row_ok, col_ok = rows < M, cols < N
+        x_rows = x_ptr + rows.to(tl.int64)[:, None] * K
+        w_rows = w_ptr + cols.to(tl.int64)[:, None] * K
+        if HAS_LN:  # the row's mean and 1/std, two passes in fp32 (x is small: L2 serves it)
+            total = tl.zeros([BLOCK_M], tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                ks = k0 + tl.arange(0, BLOCK_K)
+                x = tl.load(x_rows + ks[None, :], mask=row_ok[:, None] & (ks < K)[None, :], other=0.0)
+                total += tl.sum(x.to(tl.float32), axis=1)
+            mean = total / K
+            total = tl.zeros([BLOCK_M], tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                ks = k0 + tl.arange(0, BLOCK_K)
+                ok = row_ok[:, None] & (ks < K)[None, :]
+                x = tl.load(x_rows + ks[None, :], mask=ok, other=0.0).to(tl.float32)
+                d = tl.where(ok, x - mean[:, None], 0.0)
+                total += tl.sum(d * d, axis=1)
+            rstd = 1.0 / tl.sqrt(total / K + eps)
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            k_ok = ks < K
+            a = tl.load(x_rows + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            if HAS_LN:
+                g = tl.load(ln_w_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)
+                b = tl.load(ln_b_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)
+                a = (a.to(tl.float32) - mean[:, None]) * rstd[:, None] * g[None, :] + b[None, :]
+                a = tl.where(row_ok[:, None], a, 0.0)
+            w = tl.load(w_rows + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+            a = a.to(w.dtype)
+            if IEEE:
+                acc += tl.dot(a, tl.trans(w), input_precision="ieee")
+            else:
+                acc += tl.dot(a, tl.trans(w))
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        if GELU:  # tanh GELU, tanh(u) written as 1 - 2 / (1 + e^(2u)) (finite at both ends)
+            u = 0.7978845608028654 * (acc + 0.044715 * acc * acc * acc)
+            acc = 0.5 * acc * (2.0 - 2.0 / (1.0 + tl.exp(2.0 * u)))
+        out_at = rows.to(tl.int64)[:, None] * N + cols[None, :]
+        ok = row_ok[:, None] & col_ok[None, :]
+        if RESIDUAL:  # the residual's rounding as eager's: the product in the model's dtype first
+            acc = acc.to(out_ptr.dtype.element_ty).to(tl.float32)
+            acc += tl.load(res_ptr + out_at, mask=ok, other=0.0).to(tl.float32)
+        tl.store(out_ptr + out_at, acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+    @triton.jit
+    def attention_kernel(qkv_ptr, kv_ptr, pos_ptr, out_ptr, heads, window, batch, scale,
+                         DIM: tl.constexpr, BLOCK_T: tl.constexpr):
+        row, head = tl.program_id(0), tl.program_id(1)
+        pos = tl.load(pos_ptr + row)
+        d = tl.arange(0, DIM)
+        src = qkv_ptr + row.to(tl.int64) * (3 * heads * DIM) + head * (3 * DIM)
+        q = tl.load(src + d).to(tl.float32)
+        k_new = tl.load(src + DIM + d)
+        v_new = tl.load(src + 2 * DIM + d)
+        # kv: (2, batch, heads, window, DIM); this row and head's keys, then its values
+        keys = kv_ptr + ((row.to(tl.int64) * heads + head) * window) * DIM
+        values = keys + batch * heads * window * DIM
+        tl.store(keys + pos * DIM + d, k_new)
+        tl.store(values + pos * DIM + d, v_new)
+        # online softmax: the new token first (from registers), then positions 0 .. pos-1 in order
+        m = tl.sum(q * k_new.to(tl.float32), axis=0) * scale
+        s = 1.0
+        acc = v_new.to(tl.float32)
+        for t0 in range(0, pos, BLOCK_T):
+            ts = t0 + tl.arange(0, BLOCK_T)
+            ok = ts < pos
+            k = tl.load(keys + ts[:, None] * DIM + d[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
+            scores = tl.where(ok, tl.sum(k * q[None, :], axis=1) * scale, float("-inf"))
+            m_new = tl.maximum(m, tl.max(scores, axis=0))
+            p = tl.exp(scores - m_new)
+            alpha = tl.exp(m - m_new)
+            v = tl.load(values + ts[:, None] * DIM + d[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
+            s = s * alpha + tl.sum(p, axis=0)
+            acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
+            m = m_new
+        dst = out_ptr + row.to(tl.int64) * (heads * DIM) + head * DIM
+        tl.store(dst + d, (acc / s).to(out_ptr.dtype.element_ty))
+
+    return ln_linear_kernel, attention_kernel
+
+
+@functools.cache
+def tiles(n: int, k: int) -> dict:
+    """Tile sizes and launch settings for a (n x k) weight (never the batch: see the docstring)."""
+    block_n = 64 if n >= 8192 else 32 if n >= 2048 else 16
+    return {"BLOCK_N": block_n, "BLOCK_K": 128 if k <= 1024 else 256, "num_warps": 4, "num_stages": 4}
+
+
+TILES: dict[tuple[int, int], dict] = {}  # overrides by weight shape (benchmarks/decode_kernels.py's sweep)
+
+
+def _use_triton(t: torch.Tensor) -> bool:
+    return t.is_cuda
+
+
+def ln_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+              ln: torch.nn.LayerNorm | None = None, gelu: bool = False, residual: torch.Tensor | None = None,
+              out: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``residual + gelu(ln(x) @ weight.T + bias)`` for x (rows, k), each part optional; into
+    ``out`` when given (it may be ``residual``)."""
+    m, k = x.shape
+    n = weight.shape[0]
+    if out is None:
+        out = torch.empty(m, n, device=x.device, dtype=out_dtype or x.dtype)
+    if not _use_triton(x):
+        return out.copy_(reference_ln_linear(x, weight, bias, ln, gelu, residual))
+    assert x.is_contiguous() and weight.stride() == (k, 1) and out.is_contiguous()
+    kernel = _kernels()[0]
+    settings = dict(TILES.get((n, k)) or tiles(n, k))
+    if x.dtype == torch.float32:  # fp32 tiles take twice the shared memory
+        settings.update(BLOCK_K=min(settings["BLOCK_K"], 64), num_stages=2)
+    grid = (triton_cdiv(n, settings["BLOCK_N"]), triton_cdiv(m, ROWS))
+    kernel[grid](x, ln.weight if ln is not None else x, ln.bias if ln is not None else x, weight,
+                 bias if bias is not None else x, residual if residual is not None else out, out, m, n, k,
+                 ln.eps if ln is not None else 0.0, HAS_LN=ln is not None, HAS_BIAS=bias is not None, GELU=gelu,
+                 RESIDUAL=residual is not None, IEEE=x.dtype == torch.float32, BLOCK_M=ROWS, **settings)
+    return out
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def reference_ln_linear(x, weight, bias=None, ln=None, gelu=False, residual=None) -> torch.Tensor:
+    """The same math as PyTorch ops, with the kernel's roundings: LayerNorm in fp32, its output in
+    the weight's dtype; the product accumulated in fp32; bias and GELU in fp32; the product
+    rounded to the output dtype before the residual add."""
+    a = x.float()
+    if ln is not None:
+        a = F.layer_norm(a, a.shape[-1:], ln.weight.float(), ln.bias.float(), ln.eps)
+    y = F.linear(a.to(weight.dtype).float(), weight.float(), None if bias is None else bias.float())
+    if gelu:
+        y = F.gelu(y, approximate="tanh")
+    if residual is not None:
+        y = y.to(residual.dtype).float() + residual.float()
+    return y
+
+
+def decode_attention(qkv: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention of each row's new token over its own cache: ``qkv`` (rows, heads * 3 * dim) as the
+    QKV projection lays it out (per head: query, key, value), ``kv`` (2, batch, heads, window, dim)
+    one layer's cache, ``positions`` (rows,) each row's position. Writes the new key and value at
+    the row's position and attends over positions 0 .. position; returns (rows, heads * dim)."""
+    rows = qkv.shape[0]
+    _, batch, heads, window, dim = kv.shape
+    if out is None:
+        out = torch.empty(rows, heads * dim, device=qkv.device, dtype=qkv.dtype)
+    if not _use_triton(qkv):
+        return out.copy_(reference_decode_attention(qkv, kv, positions))
+    assert qkv.is_contiguous() and kv.is_contiguous() and out.is_contiguous() and rows <= batch
+    _kernels()[1][(rows, heads)](qkv, kv, positions, out, heads, window, batch, dim ** -0.5, DIM=dim, BLOCK_T=64,
+                                 num_warps=4)
+    return out
+
+
+def reference_decode_attention(qkv: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    rows = qkv.shape[0]
+    _, _, heads, window, dim = kv.shape
+    q, k, v = qkv.view(rows, heads, 3, dim).unbind(2)
+    at = torch.arange(rows, device=qkv.device)
+    kv[0, at, :, positions] = k
+    kv[1, at, :, positions] = v
+    mask = torch.arange(window, device=qkv.device)[None, :] <= positions[:, None]  # (rows, window)
+    y = F.scaled_dot_product_attention(q[:, :, None].float(), kv[0, :rows].float(), kv[1, :rows].float(),
+                                       attn_mask=mask[:, None, None, :])
+    return y.reshape(rows, heads * dim)

@@ -1,0 +1,222 @@
+"""The fused decode loop (inference/rows.py) and its kernels (kernels/decode.py): on CPU the loop
+with the kernels' PyTorch references against ``generate`` and transformers (every sampling and stop
+feature, log-probabilities, rows at their own positions, padding, reuse); on a GPU (the GPU lane)
+the Triton kernels against their references, their batch invariance bit for bit, and the captured
+loop against ``generate``."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gptrain.inference.generate import EolIds, SamplingParams, generate
+from gptrain.inference.rows import RowDecoder, fused_generate, row_decoder_for
+from gptrain.kernels import decode as kernels
+from gptrain.model.gpt import GPT, GPTConfig
+from test_fast_decode import _compare, tiny_model
+
+
+def test_every_feature_equals_generate():
+    """Greedy, temperature, top-k, top-p with decay, seeds, stop ids, the eol rules, no eol after a
+    colon, a stream hook that ends a row, prompt and top log-probabilities; prompts of different
+    lengths, each decoded from its own position; 3 rows padded to 4."""
+    model = tiny_model(seed=2)
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 300, (n,), generator=gen).tolist() for n in (40, 3, 70)]
+    greedy = SamplingParams(max_new_tokens=90, temperature=0.0)
+    plain = generate(model, prompts, greedy)
+    stop_id = plain[1].generated[30]
+    colon, after = plain[0].generated[10], plain[0].generated[11]
+    eol = EolIds(eol=after, double_eol=299, colon=colon)
+    cases = [
+        ([greedy, greedy, greedy], {}),
+        ([SamplingParams(max_new_tokens=90, temperature=0.0, stop_ids=(stop_id,)),
+          SamplingParams(max_new_tokens=90, temperature=0.0, stop_ids=(stop_id,)),
+          SamplingParams(max_new_tokens=20, temperature=0.0, stop_on_eol=True)],
+         {"eol": eol, "logprobs": True}),
+        ([SamplingParams(max_new_tokens=90, temperature=0.0), SamplingParams(max_new_tokens=60, temperature=0.7, seed=3),
+          SamplingParams(max_new_tokens=80, top_k=5, seed=4)],
+         {"eol": eol, "no_newline_after_colon": [True, False, True], "top_logprobs": 3}),
+        ([SamplingParams(max_new_tokens=50, top_p=0.9, top_p_decay=0.9, top_p_bound=0.3, seed=7),
+          SamplingParams(max_new_tokens=90, temperature=1.3, seed=8, stop_on_double_eol=True),
+          SamplingParams(max_new_tokens=0)],
+         {"logprobs": True, "eol": eol}),
+    ]
+    for params, kw in cases:
+        ref = generate(model, prompts, params, **kw)
+        ours = fused_generate(model, prompts, params, **kw)
+        _compare(ours, ref)
+    assert ours[2].generated == [] and len(ours[2].logprobs) == 70  # score only
+    assert row_decoder_for(model, 3).batch == 4
+    seen, seen_ref = [], []
+    hook = lambda store: (lambda row, tok: store.append((row, tok)) or (row == 0 and sum(r == 0 for r, _ in store) >= 5))  # noqa: E731
+    ref = generate(model, prompts, greedy, on_token=hook(seen_ref))
+    ours = fused_generate(model, prompts, greedy, on_token=hook(seen))
+    _compare(ours, ref)
+    assert ours[0].finish_reason == "stop" and len(ours[0].generated) == 5
+    assert sorted(seen) == sorted(seen_ref)
+
+
+def test_greedy_equals_transformers_generate():
+    transformers = pytest.importorskip("transformers")
+    from gptrain.interop.hf import hf_config_kwargs, to_hf_state_dict
+
+    model = tiny_model(seed=3)
+    hf = transformers.GPT2LMHeadModel(transformers.GPT2Config(**hf_config_kwargs(model.cfg))).eval()
+    hf.load_state_dict(to_hf_state_dict(model), strict=False)
+    hf.generation_config.eos_token_id = None
+    hf.generation_config.pad_token_id = 0
+    gen = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(0, 300, (n,), generator=gen).tolist() for n in (50, 20)]
+    ours = fused_generate(model, prompts, SamplingParams(max_new_tokens=100, temperature=0.0))
+    for prompt, got in zip(prompts, ours):
+        with torch.no_grad():
+            theirs = hf.generate(torch.tensor([prompt]), max_new_tokens=100, do_sample=False,
+                                 attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
+        assert got.tokens == theirs[0].tolist()
+
+
+def test_rows_are_independent_and_decoder_reused():
+    """A row's text does not depend on the other rows (alone, or beside others of other lengths and
+    settings), a decoder keeps nothing of one request in the next, and a prompt may end at the last
+    position."""
+    model = tiny_model(seed=4)
+    gen = torch.Generator().manual_seed(6)
+    prompts = [torch.randint(0, 300, (n,), generator=gen).tolist() for n in (30, 12, 5, 90)]
+    params = [SamplingParams(max_new_tokens=40, top_p=0.8, top_p_decay=0.5, top_p_bound=0.2, seed=1),
+              SamplingParams(max_new_tokens=40, temperature=0.0), SamplingParams(max_new_tokens=100, seed=2),
+              SamplingParams(max_new_tokens=166, temperature=0.9, seed=3)]  # 90 + 166 = all 256 positions
+    together = fused_generate(model, prompts, params, logprobs=True)
+    for i in range(4):
+        alone = fused_generate(model, [prompts[i]], [params[i]], logprobs=True)
+        _compare(alone, [together[i]], lp_tol=1e-5)
+    _compare(together, generate(model, prompts, params, logprobs=True))
+    _compare(fused_generate(model, prompts[::-1], params[::-1], logprobs=True), together[::-1], lp_tol=1e-5)
+    with pytest.raises(ValueError, match="does not take sync"):
+        fused_generate(model, prompts, params, sync=lambda c, g: (c, g))
+    with pytest.raises(ValueError, match="exceeds the model's 256 positions"):
+        fused_generate(model, [[1] * 250], SamplingParams(max_new_tokens=10))
+    with pytest.raises(ValueError, match="5 prompts for a decoder of 4 rows"):
+        RowDecoder(model, 4).run(prompts + prompts[:1], params + params[:1])
+
+
+def test_prefill_together_equals_alone():
+    model = tiny_model(seed=7)
+    gen = torch.Generator().manual_seed(8)
+    prompts = [torch.randint(0, 300, (20,), generator=gen).tolist() for _ in range(3)]
+    params = SamplingParams(max_new_tokens=30, temperature=0.8, seed=5)
+    ref = generate(model, prompts, params, logprobs=True)
+    _compare(fused_generate(model, prompts, params, logprobs=True, together=True), ref)
+    _compare(fused_generate(model, prompts, params, logprobs=True), ref)
+
+
+def test_reference_kernels_math():
+    """The kernels' PyTorch references against the model's own modules (fp32)."""
+    torch.manual_seed(0)
+    ln = torch.nn.LayerNorm(64)
+    torch.nn.init.normal_(ln.weight)
+    torch.nn.init.normal_(ln.bias)
+    fc = torch.nn.Linear(64, 96)
+    x, res = torch.randn(5, 64), torch.randn(5, 96)
+    got = kernels.ln_linear(x, fc.weight, fc.bias, ln=ln, gelu=True, residual=res)
+    with torch.no_grad():
+        want = res + torch.nn.functional.gelu(fc(ln(x)), approximate="tanh")
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # attention: rows at positions 0, 3 and 9 of a 12-position cache; the new key and value land there
+    heads, dim, window = 2, 8, 12
+    kv = torch.randn(2, 4, heads, window, dim)
+    qkv = torch.randn(3, heads * 3 * dim)
+    positions = torch.tensor([0, 3, 9])
+    before = kv.clone()
+    y = kernels.decode_attention(qkv, kv, positions)
+    q, k, v = qkv.view(3, heads, 3, dim).unbind(2)
+    for r, p in enumerate(positions.tolist()):
+        assert torch.equal(kv[0, r, :, p], k[r]) and torch.equal(kv[1, r, :, p], v[r])
+        keys = torch.cat([before[0, r, :, :p], k[r, :, None]], 1)
+        values = torch.cat([before[1, r, :, :p], v[r, :, None]], 1)
+        scores = torch.softmax((keys @ q[r, :, :, None])[..., 0] / dim ** 0.5, -1)
+        torch.testing.assert_close(y[r].view(heads, dim), (scores[..., None] * values).sum(1), rtol=1e-5, atol=1e-6)
+    assert torch.equal(kv[:, 3], before[:, 3])  # a row beyond the batch's rows is untouched
+
+
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the GPU lane)")
+SHAPES_345M = [(3072, 1024), (1024, 1024), (4096, 1024), (1024, 4096), (50257, 1024)]
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernels_equal_references_and_are_batch_invariant(dtype):
+    """Every 345M weight shape, each epilogue: the Triton kernel against its reference, and a row's
+    output bit for bit the same alone, in a batch of 5 and in a batch of 37 (other rows random)."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    tol = {"rtol": 1e-4, "atol": 1e-4} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
+    for n, k in SHAPES_345M:
+        w = (torch.randn(n, k, device="cuda", generator=gen) * k ** -0.5).to(dtype)
+        b = torch.randn(n, device="cuda", generator=gen).to(dtype)
+        ln = torch.nn.LayerNorm(k, device="cuda", dtype=dtype)
+        torch.nn.init.normal_(ln.weight, 1.0, 0.2)
+        torch.nn.init.normal_(ln.bias, 0.0, 0.2)
+        x = (torch.randn(37, k, device="cuda", generator=gen) * 3).to(dtype)
+        res = torch.randn(37, n, device="cuda", generator=gen).to(dtype)
+        for kw in ({"ln": ln}, {"bias": b, "ln": ln, "gelu": True}, {"bias": b, "residual": res}):
+            def run(rows):
+                args = {key: (v[:rows] if key == "residual" else v) for key, v in kw.items()}
+                return kernels.ln_linear(x[:rows], w, **args)
+            full = run(37)
+            want = kernels.reference_ln_linear(x, w, **kw)
+            torch.testing.assert_close(full.float(), want.float().to(dtype).float(), **tol)
+            assert torch.equal(run(1)[0], full[0]) and torch.equal(run(5), full[:5]), (n, k, list(kw))
+        logits = kernels.ln_linear(x, w, ln=ln, out_dtype=torch.float32)
+        assert logits.dtype == torch.float32
+    heads, dim, window, batch = 16, 64, 1024, 37
+    kv = torch.randn(2, batch, heads, window, dim, device="cuda", generator=gen).to(dtype)
+    qkv = torch.randn(batch, heads * 3 * dim, device="cuda", generator=gen).to(dtype)
+    positions = torch.randint(0, window, (batch,), device="cuda", generator=gen)
+    positions[:3] = torch.tensor([0, 1, window - 1])
+    ref_kv = kv.clone()
+    want = kernels.reference_decode_attention(qkv, ref_kv, positions)
+    got = kernels.decode_attention(qkv, kv, positions)
+    assert torch.equal(kv, ref_kv)
+    torch.testing.assert_close(got.float(), want.to(dtype).float(), **tol)
+    one = kernels.decode_attention(qkv[:1].contiguous(), kv.clone(), positions[:1])
+    assert torch.equal(one[0], got[0])
+
+
+@pytest.mark.gpu
+@gpu
+def test_captured_loop_equals_generate():
+    """fp32 on a GPU: the captured graphs (one per mode, every length) give generate's tokens and
+    log-probabilities, sampled and greedy."""
+    model = tiny_model(seed=5).cuda()
+    torch.backends.cuda.matmul.allow_tf32 = False
+    gen = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(0, 300, (n,), generator=gen).tolist() for n in (40, 3, 70, 9, 9)]
+    params = [SamplingParams(max_new_tokens=150, temperature=0.0), SamplingParams(max_new_tokens=90, seed=3),
+              SamplingParams(max_new_tokens=80, top_k=5, seed=4),
+              SamplingParams(max_new_tokens=60, top_p=0.9, top_p_decay=0.9, top_p_bound=0.3, seed=7),
+              SamplingParams(max_new_tokens=100, temperature=0.0, stop_ids=(7,))]
+    for kw in ({}, {"logprobs": True, "top_logprobs": 2}):
+        ref = generate(model, prompts, params, **kw)
+        _compare(fused_generate(model, prompts, params, use_graph=False, **kw), ref)
+        _compare(fused_generate(model, prompts, params, **kw), ref)
+    decoder = row_decoder_for(model, len(prompts))
+    assert decoder.use_graph and decoder.stats["graphs"] == 2  # one per mode, whatever the lengths
+
+
+@pytest.mark.gpu
+@gpu
+def test_same_seed_same_text_in_any_batch_bf16():
+    """The 345M shape in bf16 (random weights): a seeded request's tokens and log-probabilities are
+    bit for bit the same alone and inside a batch of 32 other requests of other lengths and settings."""
+    cfg = GPTConfig(num_layers=4, hidden_dropout=0.0, attention_dropout=0.0)
+    model = GPT(cfg)
+    model.init_weights(3)
+    model = model.to("cuda", torch.bfloat16).eval()
+    gen = torch.Generator().manual_seed(9)
+    prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=gen).tolist()
+               for n in torch.randint(1, 200, (32,), generator=gen).tolist()]
+    params = [SamplingParams(max_new_tokens=64, temperature=0.9, top_p=0.95, seed=i) for i in range(32)]
+    batch = fused_generate(model, prompts, params, logprobs=True)
+    for i in (0, 7, 31):
+        alone = fused_generate(model, [prompts[i]], [params[i]], logprobs=True)[0]
+        assert alone.tokens == batch[i].tokens and alone.logprobs == batch[i].logprobs

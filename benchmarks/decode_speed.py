@@ -18,6 +18,7 @@ import torch
 
 from gptrain.inference.fast import AHEAD, Mode, decoder_for, graph_generate, length_bucket
 from gptrain.inference.generate import SamplingParams, generate
+from gptrain.inference.rows import fused_generate, row_decoder_for
 from gptrain.model.gpt import GPT, GPTConfig
 
 
@@ -114,6 +115,34 @@ def explain(model: GPT, rows: list[list[int]], new_tokens: int) -> None:
               f"{name[:100]}", flush=True)
 
 
+def explain_fused(model: GPT, rows: list[list[int]], new_tokens: int) -> None:
+    """The fused loop's step alone (one graph replay) and its kernels per step (a profiler trace)."""
+    b = len(rows)
+    params = SamplingParams(max_new_tokens=new_tokens, temperature=0.0)
+    fused_generate(model, rows, params)
+    decoder = row_decoder_for(model, b)
+    graph = decoder.graphs[Mode()]
+    step_ms = replay_ms(graph, lambda: decoder.step_index.fill_(0))
+    from torch.profiler import ProfilerActivity, profile
+
+    before = decoder.stats["steps"]
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fused_generate(model, rows, params)
+        torch.cuda.synchronize()
+    steps = decoder.stats["steps"] - before
+    kernels: dict[str, list[float]] = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            kernels.setdefault(e.name, []).append(e.time_range.elapsed_us())
+    count = sum(len(v) for v in kernels.values())
+    busy = sum(sum(v) for v in kernels.values())
+    print(f"  fused profile, batch {b}: one step's graph {step_ms:.3f} ms per replay; trace: {count / steps:.0f} "
+          f"CUDA kernels/copies per step (prefill included), {busy / 1e3 / steps:.3f} ms of them per step; top:")
+    for name, us in sorted(kernels.items(), key=lambda kv: -sum(kv[1]))[:8]:
+        print(f"    {sum(us) / 1e3 / steps:7.3f} ms/step {len(us) / steps:6.1f}/step {sum(us) / len(us):8.2f} us each  "
+              f"{name[:100]}", flush=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 32])
@@ -170,6 +199,19 @@ def main() -> None:
             line += (f", HF generate {b * n / t_hf:9.1f} tokens/s ({t_hf / t_graph:.1f}x slower); "
                      f"greedy tokens identical to HF for the first {min(same)} (mean {sum(same) / len(same):.0f}) of {n}")
         print(line, flush=True)
+        begin = time.perf_counter()
+        fused_generate(model, rows, params)
+        first = time.perf_counter() - begin
+        variants = [("fused", {})] + ([("fused, prompts prefilled together", {"together": True})] if b > 1 else [])
+        for name, kw in variants:
+            t_fused, fused = timed(lambda: fused_generate(model, rows, params, **kw), args.repeats)
+            agree = [first_difference(g.generated, e.generated, n) for g, e in zip(fused, eager)]
+            print(f"batch {b:3d}: gptrain ({name}) {b * n / t_fused:10.1f} tokens/s ({1e3 * t_fused / n:.3f} ms/step, "
+                  f"prefill included; first call with Triton compiles and capture {first:.1f} s); greedy tokens "
+                  f"identical to eager gptrain for the first {min(agree)} (mean {sum(agree) / len(agree):.0f}) of {n}",
+                  flush=True)
+        if args.profile:
+            explain_fused(model, rows, args.profile_tokens)
         if args.compile:
             try:
                 begin = time.perf_counter()

@@ -126,7 +126,7 @@ def _compiled_step(gemv: bool, sdpa: bool, mode: str | None):
     return _compiled_steps[key]
 
 
-def _plain(model: GPT) -> bool:
+def plain_model(model: GPT) -> bool:
     """Whether the blocks are the model's own modules (no kernel swap, no tensor parallelism)."""
     from gptrain.model.gpt import MLP
 
@@ -160,7 +160,7 @@ class Decoder:
         if compile:
             if compile not in COMPILE_MODES:
                 raise ValueError(f"compile={compile!r}: one of False, True, {COMPILE_MODES}")
-            if not _plain(model):
+            if not plain_model(model):
                 raise ValueError("the compiled decode step needs the model's plain modules (no kernel swap)")
         if compile == "tail":
             if _compiled_tail is None:

@@ -87,6 +87,7 @@ def generate_main(argv: list[str]) -> int:
 
 
 def _generate(args) -> int:
+    from gptrain.inference.fast import plain_model
     from gptrain.inference.generate import SamplingParams, generate
     from gptrain.inference.text import TextStream
 
@@ -113,7 +114,13 @@ def _generate(args) -> int:
             out.write(stream.push(token))
             out.flush()
 
-    generate(loaded.model, [prompt], params, on_token=show, sync=sync)
+    model = loaded.model
+    if sync is None and model.word_embeddings.weight.is_cuda and plain_model(model):
+        from gptrain.inference.rows import fused_generate  # the CUDA-graph decode loop
+
+        fused_generate(model, [prompt], params, on_token=show)
+    else:
+        generate(model, [prompt], params, on_token=show, sync=sync)
     if out:
         out.write(stream.flush() + "\n")
     return 0

@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from gptrain.inference.fast import AHEAD, Mode, _plain, bucket
+from gptrain.inference.fast import AHEAD, Mode, bucket, plain_model
 from gptrain.inference.generate import (EolIds, Generation, SamplingParams, _prompt_logprobs, _stops,
                                         check_request)
 from gptrain.inference.kv_cache import forward_cached
@@ -39,7 +39,7 @@ class RowCache:
 
 class RowDecoder:
     def __init__(self, model: GPT, batch: int, use_graph: bool = True):
-        if not _plain(model):
+        if not plain_model(model):
             raise ValueError("the fused decode step needs the model's plain modules (no kernel swap, "
                              "no tensor parallelism)")
         self.model, self.batch = model, batch

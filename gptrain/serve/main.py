@@ -65,9 +65,13 @@ def _serve(args, loaded, uvicorn, build_app, channel=None) -> int:
         if cuda and not args.no_cuda_graph:
             how += " (the CUDA-graph decode step is off under tensor parallelism)"
     elif cuda and not args.no_cuda_graph:
-        from gptrain.inference.fast import graph_generate
+        from gptrain.inference.fast import graph_generate, plain_model
+        from gptrain.inference.rows import fused_generate
 
-        generate_fn, how = graph_generate, "CUDA-graph decode"
+        if plain_model(model):  # one graph per batch bucket; a request's text does not depend on its batch
+            generate_fn, how = fused_generate, "fused CUDA-graph decode (batch invariant)"
+        else:
+            generate_fn, how = graph_generate, "CUDA-graph decode"
     engine = Engine(model, loaded.tokenizer, max_batch=args.max_batch, max_queue=args.max_queue,
                     **({"generate_fn": generate_fn} if generate_fn else {}))
     app = build_app(engine, args.model_name or loaded.name, max_body_bytes=args.max_body_bytes)

@@ -45,6 +45,8 @@ def _kernels():
         row_ok, col_ok = rows < M, cols < N
         x_rows = x_ptr + rows.to(tl.int64)[:, None] * K
         w_rows = w_ptr + cols.to(tl.int64)[:, None] * K
+        mean = tl.zeros([BLOCK_M], tl.float32)
+        rstd = tl.zeros([BLOCK_M], tl.float32)
         if HAS_LN:  # the row's mean and 1/std, two passes in fp32 (x is small: L2 serves it)
             total = tl.zeros([BLOCK_M], tl.float32)
             for k0 in range(0, K, BLOCK_K):
@@ -105,7 +107,7 @@ def _kernels():
         tl.store(values + pos * DIM + d, v_new)
         # online softmax: the new token first (from registers), then positions 0 .. pos-1 in order
         m = tl.sum(q * k_new.to(tl.float32), axis=0) * scale
-        s = 1.0
+        s = m * 0.0 + 1.0
         acc = v_new.to(tl.float32)
         for t0 in range(0, pos, BLOCK_T):
             ts = t0 + tl.arange(0, BLOCK_T)

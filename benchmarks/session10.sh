@@ -16,12 +16,12 @@ pack() { tar czf "$FINAL/$part.tgz" -C $L .; }
 cat $L/device.txt
 if [ "$part" = a ]; then
   timeout 200 python3 -m pytest -m gpu -q -rs -p no:cacheprovider --durations=8 tests/test_row_decode.py \
-    tests/test_fast_decode.py tests/test_gpu_kernels.py > $L/gpu_lane.txt 2>&1
+    ${LANE_MORE:-} > $L/gpu_lane.txt 2>&1
   echo "lane rc $?" >> $L/gpu_lane.txt; pack; tail -25 $L/gpu_lane.txt
-  timeout 170 python3 benchmarks/decode_kernels.py --quick > $L/kernels.txt 2>&1
-  echo "kernels rc $?" >> $L/kernels.txt; pack; grep -v "^  {" $L/kernels.txt | head -40; grep -A2 "^qkv\|^fc2\|^head" $L/kernels.txt | head -20
+  timeout 200 python3 benchmarks/decode_kernels.py --quick --json $L/tiles.json > $L/kernels.txt 2>&1
+  echo "kernels rc $?" >> $L/kernels.txt; pack; grep -v "^  {'BLOCK" $L/kernels.txt | head -40; grep -A2 "^qkv\|^proj\|^fc1\|^fc2\|^head" $L/kernels.txt
   timeout 200 python3 benchmarks/decode_speed.py --batch-sizes 1 32 --prompt-tokens 32 --new-tokens 256 --profile \
-    > $L/decode.txt 2>&1; echo "decode rc $?" >> $L/decode.txt; pack
+    $( [ -s $L/tiles.json ] && echo --tiles $L/tiles.json ) > $L/decode.txt 2>&1; echo "decode rc $?" >> $L/decode.txt; pack
   grep -E "^batch|profile|graph|rc " $L/decode.txt | cut -c1-400
 else
   timeout 260 python3 benchmarks/decode_speed.py --batch-sizes 1 32 --prompt-tokens 32 --new-tokens 256 --compile \

@@ -56,7 +56,11 @@ class RowDecoder:
         self.start = zeros(batch)  # each row's prompt length: the position of its first new token
         self.current = zeros(batch)  # the ids fed last (a prompt's last token before the first step)
         self.out = zeros(window, batch)  # the chosen ids, step-major
-        self.logits = zeros(batch, model.output_layer.vocab_size, dtype=torch.float32)
+        # logits in rows padded to a multiple of 64 columns (-inf there, never chosen): each row starts
+        # aligned, so the softmax and sort kernels group a row's values the same way in any batch
+        vocab = model.output_layer.vocab_size
+        self.padded_logits = torch.full((batch, -(-vocab // 64) * 64), float("-inf"), device=dev)
+        self.logits = self.padded_logits[:, :vocab]
         self.temperature, self.top_p = zeros(batch, dtype=torch.float32), zeros(batch, dtype=torch.float32)
         self.decay, self.bound = zeros(batch, dtype=torch.float32), zeros(batch, dtype=torch.float32)
         self.top_k, self.seeds = zeros(batch), zeros(batch)
@@ -81,7 +85,7 @@ class RowDecoder:
     def choose(self, mode: Mode) -> torch.Tensor:
         """Each row's next id (batch,) from ``self.logits``, recorded at this step."""
         at = self.step_index.view(1)
-        logits = self.logits
+        logits = self.padded_logits
         if mode.colon is not None:
             colon, eol = mode.colon
             banned = self.colon_rows & (self.current == colon)
@@ -218,7 +222,7 @@ class RowDecoder:
         pad = self.batch - n  # padding rows: a one-token prompt at position 0, never read back
         lengths = [len(p) for p in prompts] + [1] * pad
         row_params = list(params) + [SamplingParams(max_new_tokens=0, temperature=0.0)] * pad
-        self.logits.zero_()
+        self.logits.zero_()  # padding rows' logits: finite
         self.prefill(prompts, out, top_logprobs, want_lp, together)
         self.start.copy_(torch.tensor(lengths))
         self.current.copy_(torch.tensor([p[-1] for p in prompts] + [0] * pad))

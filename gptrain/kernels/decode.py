@@ -35,11 +35,11 @@ def _kernels():
     import triton.language as tl
 
     @triton.jit
-    def ln_linear_kernel(x_ptr, ln_w_ptr, ln_b_ptr, w_ptr, bias_ptr, res_ptr, out_ptr, M, N, K, eps,
-                         HAS_LN: tl.constexpr, HAS_BIAS: tl.constexpr, GELU: tl.constexpr,
+    def ln_linear_kernel(x_ptr, ln_w_ptr, ln_b_ptr, w_ptr, bias_ptr, res_ptr, out_ptr, part_ptr, lock_ptr, M, N, K,
+                         stride_out, eps, HAS_LN: tl.constexpr, HAS_BIAS: tl.constexpr, GELU: tl.constexpr,
                          RESIDUAL: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
-                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        pid_n, pid_m = tl.program_id(0), tl.program_id(1)
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr):
+        pid_n, pid_m, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         row_ok, col_ok = rows < M, cols < N
@@ -63,7 +63,8 @@ def _kernels():
                 total += tl.sum(d * d, axis=1)
             rstd = 1.0 / tl.sqrt(total / K + eps)
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        for k0 in range(0, K, BLOCK_K):
+        span = K // SPLIT  # this program's share of the input dimension (a multiple of BLOCK_K)
+        for k0 in range(pid_k * span, pid_k * span + span, BLOCK_K):
             ks = k0 + tl.arange(0, BLOCK_K)
             k_ok = ks < K
             a = tl.load(x_rows + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
@@ -78,16 +79,28 @@ def _kernels():
                 acc += tl.dot(a, tl.trans(w), input_precision="ieee")
             else:
                 acc += tl.dot(a, tl.trans(w))
+        if SPLIT > 1:  # the last program of a tile to finish adds the shares in their fixed order
+            tile = pid_m * tl.num_programs(0) + pid_n
+            inside = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+            parts = part_ptr + tile.to(tl.int64) * (SPLIT * BLOCK_M * BLOCK_N) + inside
+            tl.store(parts + pid_k * (BLOCK_M * BLOCK_N), acc, cache_modifier=".cg")
+            tl.debug_barrier()
+            if tl.atomic_add(lock_ptr + tile, 1, sem="acq_rel") != SPLIT - 1:
+                return
+            acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+            for part in range(SPLIT):
+                acc += tl.load(parts + part * (BLOCK_M * BLOCK_N), cache_modifier=".cg")
+            tl.atomic_xchg(lock_ptr + tile, 0)  # ready for the next launch
         if HAS_BIAS:
             acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
         if GELU:  # tanh GELU, tanh(u) written as 1 - 2 / (1 + e^(2u)) (finite at both ends)
             u = 0.7978845608028654 * (acc + 0.044715 * acc * acc * acc)
             acc = 0.5 * acc * (2.0 - 2.0 / (1.0 + tl.exp(2.0 * u)))
-        out_at = rows.to(tl.int64)[:, None] * N + cols[None, :]
         ok = row_ok[:, None] & col_ok[None, :]
         if RESIDUAL:  # the residual's rounding as eager's: the product in the model's dtype first
             acc = acc.to(out_ptr.dtype.element_ty).to(tl.float32)
-            acc += tl.load(res_ptr + out_at, mask=ok, other=0.0).to(tl.float32)
+            acc += tl.load(res_ptr + rows.to(tl.int64)[:, None] * N + cols[None, :], mask=ok, other=0.0).to(tl.float32)
+        out_at = rows.to(tl.int64)[:, None] * stride_out + cols[None, :]
         tl.store(out_ptr + out_at, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
     @triton.jit
@@ -129,9 +142,13 @@ def _kernels():
 
 @functools.cache
 def tiles(n: int, k: int) -> dict:
-    """Tile sizes and launch settings for a (n x k) weight (never the batch: see the docstring)."""
-    block_n = 64 if n >= 8192 else 32 if n >= 2048 else 16
-    return {"BLOCK_N": block_n, "BLOCK_K": 128 if k <= 1024 else 256, "num_warps": 4, "num_stages": 4}
+    """Tile sizes and launch settings for a (n x k) weight (never the batch: see the docstring).
+    ``SPLIT`` programs share a tile's input dimension when the tiles alone are too few to keep the
+    GPU's memory system busy."""
+    block_n = 64 if n >= 8192 else 16
+    split = 4 if n <= 1024 and k % (4 * 256) == 0 else 1
+    return {"BLOCK_N": block_n, "BLOCK_K": 256 if k % 256 == 0 else 128, "num_warps": 4, "num_stages": 3,
+            "SPLIT": split}
 
 
 TILES: dict[tuple[int, int], dict] = {}  # overrides by weight shape (benchmarks/decode_kernels.py's sweep)
@@ -152,17 +169,43 @@ def ln_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None =
         out = torch.empty(m, n, device=x.device, dtype=out_dtype or x.dtype)
     if not _use_triton(x):
         return out.copy_(reference_ln_linear(x, weight, bias, ln, gelu, residual))
-    assert x.is_contiguous() and weight.stride() == (k, 1) and out.is_contiguous()
+    assert x.is_contiguous() and weight.stride() == (k, 1) and out.stride(1) == 1 and out.shape == (m, n)
+    assert residual is None or residual.is_contiguous()
     kernel = _kernels()[0]
-    settings = dict(TILES.get((n, k)) or tiles(n, k))
+    settings = {"SPLIT": 1, **(TILES.get((n, k)) or tiles(n, k))}
     if x.dtype == torch.float32:  # fp32 tiles take twice the shared memory
         settings.update(BLOCK_K=min(settings["BLOCK_K"], 64), num_stages=2)
-    grid = (triton_cdiv(n, settings["BLOCK_N"]), triton_cdiv(m, ROWS))
+    split = settings["SPLIT"]
+    if split > 1 and k % (split * settings["BLOCK_K"]):
+        raise ValueError(f"{k} inputs do not split into {split} shares of {settings['BLOCK_K']}-wide steps")
+    grid = (triton_cdiv(n, settings["BLOCK_N"]), triton_cdiv(m, ROWS), split)
+    parts, locks = (x, x) if split == 1 else _split_buffers(x.device, grid[0] * grid[1],
+                                                             split * ROWS * settings["BLOCK_N"])
     kernel[grid](x, ln.weight if ln is not None else x, ln.bias if ln is not None else x, weight,
-                 bias if bias is not None else x, residual if residual is not None else out, out, m, n, k,
-                 ln.eps if ln is not None else 0.0, HAS_LN=ln is not None, HAS_BIAS=bias is not None, GELU=gelu,
-                 RESIDUAL=residual is not None, IEEE=x.dtype == torch.float32, BLOCK_M=ROWS, **settings)
+                 bias if bias is not None else x, residual if residual is not None else out, out, parts, locks,
+                 m, n, k, out.stride(0), ln.eps if ln is not None else 0.0, HAS_LN=ln is not None,
+                 HAS_BIAS=bias is not None, GELU=gelu, RESIDUAL=residual is not None, IEEE=x.dtype == torch.float32,
+                 BLOCK_M=ROWS, **settings)
     return out
+
+
+_buffers: dict[torch.device, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+
+
+def _split_buffers(device: torch.device, tiles: int, tile_floats: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The split programs' fp32 shares and per-tile counters (zero between launches: the last
+    program resets its counter). The newest set per device serves every launch that fits it
+    (launches on one stream never overlap); a larger set is made outside a CUDA graph's capture
+    (the warm-up steps before it), and the older sets stay alive for the graphs that hold them."""
+    sets = _buffers.setdefault(device, [])
+    if not sets or sets[-1][0].numel() < tiles * tile_floats or sets[-1][1].numel() < tiles:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("the decode kernels' split buffers must be sized before a graph capture")
+        floats = max([tiles * tile_floats] + [p.numel() for p, _ in sets])
+        count = max([tiles] + [c.numel() for _, c in sets])
+        sets.append((torch.empty(floats, device=device, dtype=torch.float32),
+                     torch.zeros(count, device=device, dtype=torch.int32)))
+    return sets[-1]
 
 
 def triton_cdiv(a: int, b: int) -> int:

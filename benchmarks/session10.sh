@@ -4,9 +4,11 @@
 #      matrix-vector kernel, decode speed (fused, graph, eager, transformers) with --profile.
 #   b: decode speed with --compile beside the fused rows, then the 345M served (fused decode) under
 #      benchmarks/serve_load.py: 32 clients, then the same seeds alone.
-#   bash benchmarks/session10.sh a|b      (carry .whl: pytest, fastapi, uvicorn, tokenizer, zstandard)
+#   c: the GPU lane's fused tests, decode speed (fused with and without PDL) with --profile, and b's
+#      serving run.
+#   bash benchmarks/session10.sh a|b|c      (carry .whl: pytest, fastapi, uvicorn, tokenizer, zstandard)
 set -uo pipefail
-part=${1:?a or b}
+part=${1:?a, b or c}
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:/tmp/site
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl >/dev/null 2>&1
 FINAL=${OUT:-/tmp/out}; L=/tmp/logs; mkdir -p "$FINAL" $L
@@ -24,9 +26,17 @@ if [ "$part" = a ]; then
     $( [ -s $L/tiles.json ] && echo --tiles $L/tiles.json ) > $L/decode.txt 2>&1; echo "decode rc $?" >> $L/decode.txt; pack
   grep -E "^batch|profile|graph|rc " $L/decode.txt | cut -c1-400
 else
-  timeout 260 python3 benchmarks/decode_speed.py --batch-sizes 1 32 --prompt-tokens 32 --new-tokens 256 --compile \
-    --skip-hf > $L/decode_compile.txt 2>&1; echo "decode rc $?" >> $L/decode_compile.txt; pack
-  grep -E "^batch|rc " $L/decode_compile.txt | cut -c1-300
+  if [ "$part" = b ]; then
+    timeout 260 python3 benchmarks/decode_speed.py --batch-sizes 1 32 --prompt-tokens 32 --new-tokens 256 --compile \
+      --skip-hf > $L/decode_compile.txt 2>&1; echo "decode rc $?" >> $L/decode_compile.txt; pack
+    grep -E "^batch|rc " $L/decode_compile.txt | cut -c1-300
+  else
+    timeout 100 python3 -m pytest -m gpu -q -rs -p no:cacheprovider tests/test_row_decode.py > $L/gpu_lane.txt 2>&1
+    echo "lane rc $?" >> $L/gpu_lane.txt; pack; tail -4 $L/gpu_lane.txt
+    timeout 200 python3 benchmarks/decode_speed.py --batch-sizes 1 32 --prompt-tokens 32 --new-tokens 256 --profile \
+      > $L/decode.txt 2>&1; echo "decode rc $?" >> $L/decode.txt; pack
+    grep -E "^batch|profile|graph|rc |^    " $L/decode.txt | cut -c1-300
+  fi
   M345="--num-layers 24 --hidden-size 1024 --num-attention-heads 16 --seq-length 1024 --max-position-embeddings 1024"
   timeout 100 python3 -m gptrain train $M345 --mock-data --micro-batch-size 4 --global-batch-size 4 --train-iters 2 \
     --lr 1e-4 --bf16 --eval-iters 2 --save /tmp/ck345 --save-interval 2 > $L/ck345.txt 2>&1; echo "train rc $?" >> $L/ck345.txt

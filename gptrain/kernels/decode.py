@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import math
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -38,8 +39,12 @@ def _kernels():
     def ln_linear_kernel(x_ptr, ln_w_ptr, ln_b_ptr, w_ptr, bias_ptr, res_ptr, out_ptr, part_ptr, lock_ptr, M, N, K,
                          stride_out, eps, HAS_LN: tl.constexpr, HAS_BIAS: tl.constexpr, GELU: tl.constexpr,
                          RESIDUAL: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
-                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr):
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
+                         PDL: tl.constexpr):
         pid_n, pid_m, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        if PDL:  # let the next kernel launch now; wait for the previous one's writes
+            tl.extra.cuda.gdc_launch_dependents()
+            tl.extra.cuda.gdc_wait()
         rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         row_ok, col_ok = rows < M, cols < N
@@ -105,8 +110,11 @@ def _kernels():
 
     @triton.jit
     def attention_kernel(qkv_ptr, kv_ptr, pos_ptr, out_ptr, heads, window, batch, scale,
-                         DIM: tl.constexpr, BLOCK_T: tl.constexpr):
+                         DIM: tl.constexpr, BLOCK_T: tl.constexpr, PDL: tl.constexpr):
         row, head = tl.program_id(0), tl.program_id(1)
+        if PDL:
+            tl.extra.cuda.gdc_launch_dependents()
+            tl.extra.cuda.gdc_wait()
         pos = tl.load(pos_ptr + row)
         d = tl.arange(0, DIM)
         src = qkv_ptr + row.to(tl.int64) * (3 * heads * DIM) + head * (3 * DIM)
@@ -145,10 +153,12 @@ def tiles(n: int, k: int) -> dict:
     """Tile sizes and launch settings for a (n x k) weight (never the batch: see the docstring).
     ``SPLIT`` programs share a tile's input dimension when the tiles alone are too few to keep the
     GPU's memory system busy."""
-    block_n = 64 if n >= 8192 else 16
-    split = 4 if n <= 1024 and k % (4 * 256) == 0 else 1
+    # benchmarks/decode_kernels.py's sweep on an H100 (RESULTS.md): wide tiles for the wide weights,
+    # narrow ones for a square 1024, and four shares of the input for a long one
+    long = n <= 1024 and k >= 4096 and k % (4 * 256) == 0
+    block_n = 64 if n >= 2048 else 32 if long else 16
     return {"BLOCK_N": block_n, "BLOCK_K": 256 if k % 256 == 0 else 128, "num_warps": 4, "num_stages": 3,
-            "SPLIT": split}
+            "SPLIT": 4 if long else 1}
 
 
 TILES: dict[tuple[int, int], dict] = {}  # overrides by weight shape (benchmarks/decode_kernels.py's sweep)
@@ -181,12 +191,45 @@ def ln_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None =
     grid = (triton_cdiv(n, settings["BLOCK_N"]), triton_cdiv(m, ROWS), split)
     parts, locks = (x, x) if split == 1 else _split_buffers(x.device, grid[0] * grid[1],
                                                              split * ROWS * settings["BLOCK_N"])
-    kernel[grid](x, ln.weight if ln is not None else x, ln.bias if ln is not None else x, weight,
+    _launch(kernel, grid, x, x, ln.weight if ln is not None else x, ln.bias if ln is not None else x, weight,
                  bias if bias is not None else x, residual if residual is not None else out, out, parts, locks,
                  m, n, k, out.stride(0), ln.eps if ln is not None else 0.0, HAS_LN=ln is not None,
                  HAS_BIAS=bias is not None, GELU=gelu, RESIDUAL=residual is not None, IEEE=x.dtype == torch.float32,
                  BLOCK_M=ROWS, **settings)
     return out
+
+
+PDL = True  # programmatic dependent launch on Hopper and later (False: plain launches)
+
+
+@functools.cache
+def _pdl_available(device_index: int) -> bool:
+    try:
+        import triton.language.extra.cuda as cuda
+
+        return hasattr(cuda, "gdc_wait") and torch.cuda.get_device_capability(device_index)[0] >= 9
+    except ImportError:
+        return False
+
+
+def _pdl(t: torch.Tensor) -> dict:
+    """Launch settings: with PDL each kernel lets the next one launch (and wait on the device at its
+    start) while it runs, hiding the launch gap between the step's kernels, also inside a CUDA graph."""
+    return {"PDL": True, "launch_pdl": True} if PDL and t.is_cuda and _pdl_available(t.device.index) else {"PDL": False}
+
+
+def _launch(kernel, grid, t: torch.Tensor, *args, **kwargs) -> None:
+    """``kernel[grid](*args, **kwargs)`` with PDL where it runs; a Triton without it launches plainly."""
+    global PDL
+    pdl = _pdl(t)
+    try:
+        kernel[grid](*args, **kwargs, **pdl)
+    except Exception as err:
+        if not pdl["PDL"]:
+            raise
+        PDL = False  # this Triton cannot: plain launches from now on
+        warnings.warn(f"gptrain decode kernels: launching without PDL ({type(err).__name__}: {err})")
+        kernel[grid](*args, **kwargs, PDL=False)
 
 
 _buffers: dict[torch.device, list[tuple[torch.Tensor, torch.Tensor]]] = {}
@@ -240,8 +283,8 @@ def decode_attention(qkv: torch.Tensor, kv: torch.Tensor, positions: torch.Tenso
     if not _use_triton(qkv):
         return out.copy_(reference_decode_attention(qkv, kv, positions))
     assert qkv.is_contiguous() and kv.is_contiguous() and out.is_contiguous() and rows <= batch
-    _kernels()[1][(rows, heads)](qkv, kv, positions, out, heads, window, batch, dim ** -0.5, DIM=dim, BLOCK_T=64,
-                                 num_warps=4)
+    _launch(_kernels()[1], (rows, heads), qkv, qkv, kv, positions, out, heads, window, batch, dim ** -0.5, DIM=dim,
+            BLOCK_T=64, num_warps=4)
     return out
 
 

@@ -18,9 +18,7 @@ import torch
 
 from gptrain.inference.fast import AHEAD, Mode, decoder_for, graph_generate, length_bucket
 from gptrain.inference.generate import SamplingParams, generate
-from gptrain.inference import rows as rows_module
 from gptrain.inference.rows import fused_generate, row_decoder_for
-from gptrain.kernels import decode
 from gptrain.model.gpt import GPT, GPTConfig
 
 
@@ -161,6 +159,8 @@ def main() -> None:
     if args.tiles:
         import json
 
+        from gptrain.kernels import decode
+
         with open(args.tiles) as f:
             decode.TILES.update({tuple(shape): t for shape, t in json.load(f)})
         print("fused kernel tiles:", decode.TILES)
@@ -211,21 +211,14 @@ def main() -> None:
         begin = time.perf_counter()
         fused_generate(model, rows, params)
         first = time.perf_counter() - begin
-        variants = [("fused", {}, True)] + ([("fused, prompts prefilled together", {"together": True}, True)]
-                                            if b > 1 else []) + [("fused, plain launches (no PDL)", {}, False)]
-        for name, kw, pdl in variants:
-            if decode.PDL != pdl:  # new decoders, captured with or without PDL
-                decode.PDL = pdl
-                rows_module._decoders.clear()
-                fused_generate(model, rows, params, **kw)
+        variants = [("fused", {})] + ([("fused, prompts prefilled together", {"together": True})] if b > 1 else [])
+        for name, kw in variants:
             t_fused, fused = timed(lambda: fused_generate(model, rows, params, **kw), args.repeats)
             agree = [first_difference(g.generated, e.generated, n) for g, e in zip(fused, eager)]
             print(f"batch {b:3d}: gptrain ({name}) {b * n / t_fused:10.1f} tokens/s ({1e3 * t_fused / n:.3f} ms/step, "
                   f"prefill included; first call with Triton compiles and capture {first:.1f} s); greedy tokens "
                   f"identical to eager gptrain for the first {min(agree)} (mean {sum(agree) / len(agree):.0f}) of {n}",
                   flush=True)
-        decode.PDL = True
-        rows_module._decoders.clear()
         if args.profile:
             explain_fused(model, rows, args.profile_tokens)
         if args.compile:

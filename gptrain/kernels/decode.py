@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import functools
 import math
-import warnings
 
 import torch
 import torch.nn.functional as F
@@ -39,12 +38,8 @@ def _kernels():
     def ln_linear_kernel(x_ptr, ln_w_ptr, ln_b_ptr, w_ptr, bias_ptr, res_ptr, out_ptr, part_ptr, lock_ptr, M, N, K,
                          stride_out, eps, HAS_LN: tl.constexpr, HAS_BIAS: tl.constexpr, GELU: tl.constexpr,
                          RESIDUAL: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
-                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
-                         PDL: tl.constexpr):
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr):
         pid_n, pid_m, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-        if PDL:  # let the next kernel launch now; wait for the previous one's writes
-            tl.extra.cuda.gdc_launch_dependents()
-            tl.extra.cuda.gdc_wait()
         rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         row_ok, col_ok = rows < M, cols < N
@@ -110,11 +105,8 @@ def _kernels():
 
     @triton.jit
     def attention_kernel(qkv_ptr, kv_ptr, pos_ptr, out_ptr, heads, window, batch, scale,
-                         DIM: tl.constexpr, BLOCK_T: tl.constexpr, PDL: tl.constexpr):
+                         DIM: tl.constexpr, BLOCK_T: tl.constexpr):
         row, head = tl.program_id(0), tl.program_id(1)
-        if PDL:
-            tl.extra.cuda.gdc_launch_dependents()
-            tl.extra.cuda.gdc_wait()
         pos = tl.load(pos_ptr + row)
         d = tl.arange(0, DIM)
         src = qkv_ptr + row.to(tl.int64) * (3 * heads * DIM) + head * (3 * DIM)
@@ -191,45 +183,12 @@ def ln_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None =
     grid = (triton_cdiv(n, settings["BLOCK_N"]), triton_cdiv(m, ROWS), split)
     parts, locks = (x, x) if split == 1 else _split_buffers(x.device, grid[0] * grid[1],
                                                              split * ROWS * settings["BLOCK_N"])
-    _launch(kernel, grid, x, x, ln.weight if ln is not None else x, ln.bias if ln is not None else x, weight,
+    kernel[grid](x, ln.weight if ln is not None else x, ln.bias if ln is not None else x, weight,
                  bias if bias is not None else x, residual if residual is not None else out, out, parts, locks,
                  m, n, k, out.stride(0), ln.eps if ln is not None else 0.0, HAS_LN=ln is not None,
                  HAS_BIAS=bias is not None, GELU=gelu, RESIDUAL=residual is not None, IEEE=x.dtype == torch.float32,
                  BLOCK_M=ROWS, **settings)
     return out
-
-
-PDL = True  # programmatic dependent launch on Hopper and later (False: plain launches)
-
-
-@functools.cache
-def _pdl_available(device_index: int) -> bool:
-    try:
-        import triton.language.extra.cuda as cuda
-
-        return hasattr(cuda, "gdc_wait") and torch.cuda.get_device_capability(device_index)[0] >= 9
-    except ImportError:
-        return False
-
-
-def _pdl(t: torch.Tensor) -> dict:
-    """Launch settings: with PDL each kernel lets the next one launch (and wait on the device at its
-    start) while it runs, hiding the launch gap between the step's kernels, also inside a CUDA graph."""
-    return {"PDL": True, "launch_pdl": True} if PDL and t.is_cuda and _pdl_available(t.device.index) else {"PDL": False}
-
-
-def _launch(kernel, grid, t: torch.Tensor, *args, **kwargs) -> None:
-    """``kernel[grid](*args, **kwargs)`` with PDL where it runs; a Triton without it launches plainly."""
-    global PDL
-    pdl = _pdl(t)
-    try:
-        kernel[grid](*args, **kwargs, **pdl)
-    except Exception as err:
-        if not pdl["PDL"]:
-            raise
-        PDL = False  # this Triton cannot: plain launches from now on
-        warnings.warn(f"gptrain decode kernels: launching without PDL ({type(err).__name__}: {err})")
-        kernel[grid](*args, **kwargs, PDL=False)
 
 
 _buffers: dict[torch.device, list[tuple[torch.Tensor, torch.Tensor]]] = {}
@@ -283,8 +242,8 @@ def decode_attention(qkv: torch.Tensor, kv: torch.Tensor, positions: torch.Tenso
     if not _use_triton(qkv):
         return out.copy_(reference_decode_attention(qkv, kv, positions))
     assert qkv.is_contiguous() and kv.is_contiguous() and out.is_contiguous() and rows <= batch
-    _launch(_kernels()[1], (rows, heads), qkv, qkv, kv, positions, out, heads, window, batch, dim ** -0.5, DIM=dim,
-            BLOCK_T=64, num_warps=4)
+    _kernels()[1][(rows, heads)](qkv, kv, positions, out, heads, window, batch, dim ** -0.5, DIM=dim, BLOCK_T=64,
+                                 num_warps=4)
     return out
 
 

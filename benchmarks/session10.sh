@@ -6,9 +6,11 @@
 #      benchmarks/serve_load.py: 32 clients, then the same seeds alone.
 #   c: the GPU lane's fused tests, decode speed (fused with and without PDL) with --profile, and b's
 #      serving run.
-#   bash benchmarks/session10.sh a|b|c      (carry .whl: pytest, fastapi, uvicorn, tokenizer, zstandard)
+#   d: the whole GPU lane, decode speed with --profile, and `gptrain generate` (the fused loop) on a
+#      small checkpoint.
+#   bash benchmarks/session10.sh a|b|c|d      (carry .whl: pytest, fastapi, uvicorn, tokenizer, zstandard)
 set -uo pipefail
-part=${1:?a, b or c}
+part=${1:?a, b, c or d}
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:/tmp/site
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl >/dev/null 2>&1
 FINAL=${OUT:-/tmp/out}; L=/tmp/logs; mkdir -p "$FINAL" $L
@@ -16,7 +18,20 @@ pack() { tar czf "$FINAL/$part.tgz" -C $L .; }
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
   python3 -c "import torch, transformers, triton; print('torch', torch.__version__, 'transformers', transformers.__version__, 'triton', triton.__version__)"; } > $L/device.txt 2>&1
 cat $L/device.txt
-if [ "$part" = a ]; then
+if [ "$part" = d ]; then
+  timeout 200 python3 -m pytest -m gpu -q -rs -p no:cacheprovider --durations=5 tests/test_row_decode.py \
+    tests/test_fast_decode.py tests/test_gpu_kernels.py > $L/gpu_lane.txt 2>&1
+  echo "lane rc $?" >> $L/gpu_lane.txt; pack; tail -12 $L/gpu_lane.txt
+  timeout 200 python3 benchmarks/decode_speed.py --batch-sizes 1 32 --prompt-tokens 32 --new-tokens 256 --profile \
+    > $L/decode.txt 2>&1; echo "decode rc $?" >> $L/decode.txt; pack
+  grep -E "^batch|profile|graph|rc |^    " $L/decode.txt | cut -c1-300
+  TINY="--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 128 --max-position-embeddings 128"
+  timeout 100 python3 -m gptrain train $TINY --mock-data --micro-batch-size 2 --global-batch-size 2 --train-iters 2 \
+    --lr 1e-4 --bf16 --eval-iters 1 --save /tmp/tiny --save-interval 2 > $L/tiny.txt 2>&1; echo "train rc $?" >> $L/tiny.txt
+  timeout 100 python3 -m gptrain generate --load /tmp/tiny --prompt "The GPU says" --tokens-to-generate 24 --greedy \
+    > $L/generate.txt 2>&1; echo "generate rc $?" >> $L/generate.txt; pack
+  tail -2 $L/tiny.txt; cat $L/generate.txt
+elif [ "$part" = a ]; then
   timeout 200 python3 -m pytest -m gpu -q -rs -p no:cacheprovider --durations=8 tests/test_row_decode.py \
     ${LANE_MORE:-} > $L/gpu_lane.txt 2>&1
   echo "lane rc $?" >> $L/gpu_lane.txt; pack; tail -25 $L/gpu_lane.txt

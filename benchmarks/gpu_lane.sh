@@ -11,7 +11,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/device.txt"
 python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)" | tee -a "$OUT/device.txt"
-python3 -m pytest -m gpu -q -rs -p no:cacheprovider --durations=0 tests/test_gpu_kernels.py tests/test_fast_decode.py 2>&1 | tee "$OUT/gpu_lane.txt"
+python3 -m pytest -m gpu -q -rs -p no:cacheprovider --durations=0 tests/test_gpu_kernels.py tests/test_fast_decode.py tests/test_row_decode.py 2>&1 | tee "$OUT/gpu_lane.txt"
 lane=${PIPESTATUS[0]}
 ( time python3 -m gptrain demo --out /tmp/demo_out ) 2>&1 | tee "$OUT/demo.txt"
 cp /tmp/demo_out/loss_curve.png "$OUT/" 2>/dev/null

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 
 import torch
 import torch.nn.functional as F
@@ -36,24 +35,11 @@ def _kernels():
     import triton.language as tl
 
     @triton.jit
-    def prefetch_l2(ptr, nbytes, chunk, program, LANES: tl.constexpr):
-        """Asks the L2 cache for this program's share of ``nbytes`` at ``ptr``: ``LANES`` bulk
-        prefetches of ``chunk`` bytes (16-byte multiples), issued and not waited for."""
-        at = (program * LANES + tl.arange(0, LANES)).to(tl.int64) * chunk
-        size = tl.minimum(nbytes - at, chunk).to(tl.int32)
-        tl.inline_asm_elementwise(
-            "{ .reg .pred p; setp.gt.s32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-            "=r,l,r", [ptr.to(tl.pointer_type(tl.int8)) + at, size], dtype=tl.int32, is_pure=False, pack=1)
-
-    @triton.jit
     def ln_linear_kernel(x_ptr, ln_w_ptr, ln_b_ptr, w_ptr, bias_ptr, res_ptr, out_ptr, part_ptr, lock_ptr, M, N, K,
-                         stride_out, eps, pf_ptr, pf_bytes, pf_chunk, HAS_LN: tl.constexpr, HAS_BIAS: tl.constexpr,
-                         GELU: tl.constexpr, RESIDUAL: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
-                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, PF_LANES: tl.constexpr):
+                         stride_out, eps, HAS_LN: tl.constexpr, HAS_BIAS: tl.constexpr, GELU: tl.constexpr,
+                         RESIDUAL: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr):
         pid_n, pid_m, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-        if PF_LANES > 0:  # the next kernel's weight, on its way to L2 while this one reads its own
-            prefetch_l2(pf_ptr, pf_bytes, pf_chunk,
-                        (pid_k * tl.num_programs(1) + pid_m) * tl.num_programs(0) + pid_n, PF_LANES)
         rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         row_ok, col_ok = rows < M, cols < N
@@ -118,11 +104,9 @@ def _kernels():
         tl.store(out_ptr + out_at, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
     @triton.jit
-    def attention_kernel(qkv_ptr, kv_ptr, pos_ptr, out_ptr, heads, window, batch, scale, pf_ptr, pf_bytes, pf_chunk,
-                         DIM: tl.constexpr, BLOCK_T: tl.constexpr, PF_LANES: tl.constexpr):
+    def attention_kernel(qkv_ptr, kv_ptr, pos_ptr, out_ptr, heads, window, batch, scale,
+                         DIM: tl.constexpr, BLOCK_T: tl.constexpr):
         row, head = tl.program_id(0), tl.program_id(1)
-        if PF_LANES > 0:
-            prefetch_l2(pf_ptr, pf_bytes, pf_chunk, row * tl.num_programs(1) + head, PF_LANES)
         pos = tl.load(pos_ptr + row)
         d = tl.arange(0, DIM)
         src = qkv_ptr + row.to(tl.int64) * (3 * heads * DIM) + head * (3 * DIM)
@@ -176,32 +160,11 @@ def _use_triton(t: torch.Tensor) -> bool:
     return t.is_cuda
 
 
-PREFETCH_LANES = 128  # bulk prefetches a program issues: one per thread of its four warps
-PREFETCH_CHUNK = 16  # bytes: the unit a bulk prefetch's address and size come in
-
-
-def _prefetch_args(target: torch.Tensor | None, programs: int) -> tuple:
-    """(pointer, bytes, chunk, lanes) for the kernels' L2 prefetch of ``target`` spread over
-    ``programs`` programs; lanes 0 (off) without a target, in Triton's interpreter (no inline
-    assembly there) or for memory a bulk prefetch cannot take."""
-    if (target is None or not target.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
-            or not target.is_contiguous() or target.data_ptr() % PREFETCH_CHUNK):
-        return None, 0, 0, 0
-    nbytes = target.numel() * target.element_size()
-    if nbytes % PREFETCH_CHUNK:
-        return None, 0, 0, 0
-    per_lane = -(-nbytes // (programs * PREFETCH_LANES))
-    chunk = -(-per_lane // PREFETCH_CHUNK) * PREFETCH_CHUNK
-    return target, nbytes, chunk, PREFETCH_LANES
-
-
 def ln_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
               ln: torch.nn.LayerNorm | None = None, gelu: bool = False, residual: torch.Tensor | None = None,
-              out: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
-              prefetch: torch.Tensor | None = None) -> torch.Tensor:
+              out: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """``residual + gelu(ln(x) @ weight.T + bias)`` for x (rows, k), each part optional; into
-    ``out`` when given (it may be ``residual``). ``prefetch``: a tensor the next kernels read
-    (the next weight), asked into L2 while this one runs (a hint: no effect on the numbers)."""
+    ``out`` when given (it may be ``residual``)."""
     m, k = x.shape
     n = weight.shape[0]
     if out is None:
@@ -220,12 +183,11 @@ def ln_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None =
     grid = (triton_cdiv(n, settings["BLOCK_N"]), triton_cdiv(m, ROWS), split)
     parts, locks = (x, x) if split == 1 else _split_buffers(x.device, grid[0] * grid[1],
                                                              split * ROWS * settings["BLOCK_N"])
-    pf_ptr, pf_bytes, pf_chunk, pf_lanes = _prefetch_args(prefetch, grid[0] * grid[1] * grid[2])
     kernel[grid](x, ln.weight if ln is not None else x, ln.bias if ln is not None else x, weight,
                  bias if bias is not None else x, residual if residual is not None else out, out, parts, locks,
-                 m, n, k, out.stride(0), ln.eps if ln is not None else 0.0, x if pf_ptr is None else pf_ptr, pf_bytes,
-                 pf_chunk, HAS_LN=ln is not None, HAS_BIAS=bias is not None, GELU=gelu, RESIDUAL=residual is not None,
-                 IEEE=x.dtype == torch.float32, BLOCK_M=ROWS, PF_LANES=pf_lanes, **settings)
+                 m, n, k, out.stride(0), ln.eps if ln is not None else 0.0, HAS_LN=ln is not None,
+                 HAS_BIAS=bias is not None, GELU=gelu, RESIDUAL=residual is not None, IEEE=x.dtype == torch.float32,
+                 BLOCK_M=ROWS, **settings)
     return out
 
 
@@ -268,12 +230,11 @@ def reference_ln_linear(x, weight, bias=None, ln=None, gelu=False, residual=None
 
 
 def decode_attention(qkv: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor,
-                     out: torch.Tensor | None = None, prefetch: torch.Tensor | None = None) -> torch.Tensor:
+                     out: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of each row's new token over its own cache: ``qkv`` (rows, heads * 3 * dim) as the
     QKV projection lays it out (per head: query, key, value), ``kv`` (2, batch, heads, window, dim)
     one layer's cache, ``positions`` (rows,) each row's position. Writes the new key and value at
-    the row's position and attends over positions 0 .. position; returns (rows, heads * dim).
-    ``prefetch`` as ``ln_linear``'s."""
+    the row's position and attends over positions 0 .. position; returns (rows, heads * dim)."""
     rows = qkv.shape[0]
     _, batch, heads, window, dim = kv.shape
     if out is None:
@@ -281,10 +242,8 @@ def decode_attention(qkv: torch.Tensor, kv: torch.Tensor, positions: torch.Tenso
     if not _use_triton(qkv):
         return out.copy_(reference_decode_attention(qkv, kv, positions))
     assert qkv.is_contiguous() and kv.is_contiguous() and out.is_contiguous() and rows <= batch
-    pf_ptr, pf_bytes, pf_chunk, pf_lanes = _prefetch_args(prefetch, rows * heads)
-    _kernels()[1][(rows, heads)](qkv, kv, positions, out, heads, window, batch, dim ** -0.5,
-                                 qkv if pf_ptr is None else pf_ptr, pf_bytes, pf_chunk, DIM=dim, BLOCK_T=64,
-                                 PF_LANES=pf_lanes, num_warps=4)
+    _kernels()[1][(rows, heads)](qkv, kv, positions, out, heads, window, batch, dim ** -0.5, DIM=dim, BLOCK_T=64,
+                                 num_warps=4)
     return out
 
 

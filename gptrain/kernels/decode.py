@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 
 import torch
 import torch.nn.functional as F
@@ -32,9 +31,113 @@ SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 
 @functools.cache
 def _kernels():
-    from gptrain.kernels import decode_triton as k
+    import triton
+    import triton.language as tl
 
-    return k.ln_linear_kernel, k.attention_kernel, k.block_kernel
+    @triton.jit
+    def ln_linear_kernel(x_ptr, ln_w_ptr, ln_b_ptr, w_ptr, bias_ptr, res_ptr, out_ptr, part_ptr, lock_ptr, M, N, K,
+                         stride_out, eps, HAS_LN: tl.constexpr, HAS_BIAS: tl.constexpr, GELU: tl.constexpr,
+                         RESIDUAL: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr):
+        pid_n, pid_m, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        row_ok, col_ok = rows < M, cols < N
+        x_rows = x_ptr + rows.to(tl.int64)[:, None] * K
+        w_rows = w_ptr + cols.to(tl.int64)[:, None] * K
+        mean = tl.zeros([BLOCK_M], tl.float32)
+        rstd = tl.zeros([BLOCK_M], tl.float32)
+        if HAS_LN:  # the row's mean and 1/std, two passes in fp32 (x is small: L2 serves it)
+            total = tl.zeros([BLOCK_M], tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                ks = k0 + tl.arange(0, BLOCK_K)
+                x = tl.load(x_rows + ks[None, :], mask=row_ok[:, None] & (ks < K)[None, :], other=0.0)
+                total += tl.sum(x.to(tl.float32), axis=1)
+            mean = total / K
+            total = tl.zeros([BLOCK_M], tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                ks = k0 + tl.arange(0, BLOCK_K)
+                ok = row_ok[:, None] & (ks < K)[None, :]
+                x = tl.load(x_rows + ks[None, :], mask=ok, other=0.0).to(tl.float32)
+                d = tl.where(ok, x - mean[:, None], 0.0)
+                total += tl.sum(d * d, axis=1)
+            rstd = 1.0 / tl.sqrt(total / K + eps)
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        span = K // SPLIT  # this program's share of the input dimension (a multiple of BLOCK_K)
+        for k0 in range(pid_k * span, pid_k * span + span, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            k_ok = ks < K
+            a = tl.load(x_rows + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            if HAS_LN:
+                g = tl.load(ln_w_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)
+                b = tl.load(ln_b_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)
+                a = (a.to(tl.float32) - mean[:, None]) * rstd[:, None] * g[None, :] + b[None, :]
+                a = tl.where(row_ok[:, None], a, 0.0)
+            w = tl.load(w_rows + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+            a = a.to(w.dtype)
+            if IEEE:
+                acc += tl.dot(a, tl.trans(w), input_precision="ieee")
+            else:
+                acc += tl.dot(a, tl.trans(w))
+        if SPLIT > 1:  # the last program of a tile to finish adds the shares in their fixed order
+            tile = pid_m * tl.num_programs(0) + pid_n
+            inside = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+            parts = part_ptr + tile.to(tl.int64) * (SPLIT * BLOCK_M * BLOCK_N) + inside
+            tl.store(parts + pid_k * (BLOCK_M * BLOCK_N), acc, cache_modifier=".cg")
+            tl.debug_barrier()
+            if tl.atomic_add(lock_ptr + tile, 1, sem="acq_rel") != SPLIT - 1:
+                return
+            acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+            for part in range(SPLIT):
+                acc += tl.load(parts + part * (BLOCK_M * BLOCK_N), cache_modifier=".cg")
+            tl.atomic_xchg(lock_ptr + tile, 0)  # ready for the next launch
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        if GELU:  # tanh GELU, tanh(u) written as 1 - 2 / (1 + e^(2u)) (finite at both ends)
+            u = 0.7978845608028654 * (acc + 0.044715 * acc * acc * acc)
+            acc = 0.5 * acc * (2.0 - 2.0 / (1.0 + tl.exp(2.0 * u)))
+        ok = row_ok[:, None] & col_ok[None, :]
+        if RESIDUAL:  # the residual's rounding as eager's: the product in the model's dtype first
+            acc = acc.to(out_ptr.dtype.element_ty).to(tl.float32)
+            acc += tl.load(res_ptr + rows.to(tl.int64)[:, None] * N + cols[None, :], mask=ok, other=0.0).to(tl.float32)
+        out_at = rows.to(tl.int64)[:, None] * stride_out + cols[None, :]
+        tl.store(out_ptr + out_at, acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+    @triton.jit
+    def attention_kernel(qkv_ptr, kv_ptr, pos_ptr, out_ptr, heads, window, batch, scale,
+                         DIM: tl.constexpr, BLOCK_T: tl.constexpr):
+        row, head = tl.program_id(0), tl.program_id(1)
+        pos = tl.load(pos_ptr + row)
+        d = tl.arange(0, DIM)
+        src = qkv_ptr + row.to(tl.int64) * (3 * heads * DIM) + head * (3 * DIM)
+        q = tl.load(src + d).to(tl.float32)
+        k_new = tl.load(src + DIM + d)
+        v_new = tl.load(src + 2 * DIM + d)
+        # kv: (2, batch, heads, window, DIM); this row and head's keys, then its values
+        keys = kv_ptr + ((row.to(tl.int64) * heads + head) * window) * DIM
+        values = keys + batch * heads * window * DIM
+        tl.store(keys + pos * DIM + d, k_new)
+        tl.store(values + pos * DIM + d, v_new)
+        # online softmax: the new token first (from registers), then positions 0 .. pos-1 in order
+        m = tl.sum(q * k_new.to(tl.float32), axis=0) * scale
+        s = m * 0.0 + 1.0
+        acc = v_new.to(tl.float32)
+        for t0 in range(0, pos, BLOCK_T):
+            ts = t0 + tl.arange(0, BLOCK_T)
+            ok = ts < pos
+            k = tl.load(keys + ts[:, None] * DIM + d[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
+            scores = tl.where(ok, tl.sum(k * q[None, :], axis=1) * scale, float("-inf"))
+            m_new = tl.maximum(m, tl.max(scores, axis=0))
+            p = tl.exp(scores - m_new)
+            alpha = tl.exp(m - m_new)
+            v = tl.load(values + ts[:, None] * DIM + d[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
+            s = s * alpha + tl.sum(p, axis=0)
+            acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
+            m = m_new
+        dst = out_ptr + row.to(tl.int64) * (heads * DIM) + head * DIM
+        tl.store(dst + d, (acc / s).to(out_ptr.dtype.element_ty))
+
+    return ln_linear_kernel, attention_kernel
 
 
 @functools.cache
@@ -155,55 +258,3 @@ def reference_decode_attention(qkv: torch.Tensor, kv: torch.Tensor, positions: t
     y = F.scaled_dot_product_attention(q[:, :, None].float(), kv[0, :rows].float(), kv[1, :rows].float(),
                                        attn_mask=mask[:, None, None, :])
     return y.reshape(rows, heads * dim)
-
-
-BLOCK_TILES = {"BLOCK_K": 256, "BN_QKV": 32, "BN_PROJ": 16, "BN_FC1": 32, "BN_FC2": 16, "SPLIT_FC2": 2,
-               "PREFETCH": True, "WORK": 31, "num_warps": 4, "num_stages": 3}  # the whole-block kernel's tiles (never the batch's)
-_barriers: dict[torch.device, torch.Tensor] = {}
-
-
-def _multiprocessors(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-def decode_block(x: torch.Tensor, block, kv: torch.Tensor, positions: torch.Tensor,
-                 programs: int | None = None) -> torch.Tensor:
-    """One transformer block's decode step on ``x`` (rows, hidden), in place: as ``ln_linear`` and
-    ``decode_attention`` stage by stage (the same tiles' math), but on CUDA in one launch of
-    persistent programs, one per multiprocessor (``programs`` overrides), with a grid barrier
-    between stages. ``kv`` and ``positions`` as ``decode_attention``'s."""
-    attn, mlp = block.attn, block.mlp
-    if not _use_triton(x):
-        qkv = ln_linear(x, attn.qkv.weight, attn.qkv.bias, ln=block.ln1)
-        y = decode_attention(qkv, kv, positions)
-        ln_linear(y, attn.proj.weight, attn.proj.bias, residual=x, out=x)
-        h = ln_linear(x, mlp.fc1.weight, mlp.fc1.bias, ln=block.ln2, gelu=True)
-        return ln_linear(h, mlp.fc2.weight, mlp.fc2.bias, residual=x, out=x)
-    m, hidden = x.shape
-    ffn = mlp.fc1.weight.shape[0]
-    _, batch, heads, window, dim = kv.shape
-    assert x.is_contiguous() and kv.is_contiguous() and m <= batch and heads * dim == hidden
-    settings = dict(BLOCK_TILES)
-    if x.dtype == torch.float32:
-        settings.update(BLOCK_K=64, num_stages=2)
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        settings.update(PREFETCH=False)  # no inline assembly in Triton's interpreter
-    if hidden % settings["BLOCK_K"] or ffn % (settings["SPLIT_FC2"] * settings["BLOCK_K"]):
-        raise ValueError(f"hidden {hidden} / ffn {ffn} do not fit the block kernel's {settings['BLOCK_K']}-wide steps")
-    qkv = torch.empty(m, 3 * hidden, device=x.device, dtype=x.dtype)
-    y = torch.empty(m, hidden, device=x.device, dtype=x.dtype)
-    h = torch.empty(m, ffn, device=x.device, dtype=x.dtype)
-    fc2_tiles = triton_cdiv(m, ROWS) * triton_cdiv(hidden, settings["BN_FC2"])
-    parts, locks = _split_buffers(x.device, fc2_tiles, settings["SPLIT_FC2"] * ROWS * settings["BN_FC2"])
-    barrier = _barriers.get(x.device)
-    if barrier is None:
-        if x.is_cuda and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("the block kernel's barrier must be made before a graph capture")
-        barrier = _barriers[x.device] = torch.zeros(2, device=x.device, dtype=torch.int32)
-    grid = (programs or _multiprocessors(x.device),)
-    _kernels()[2][grid](x, qkv, y, h, kv, positions, block.ln1.weight, block.ln1.bias, attn.qkv.weight, attn.qkv.bias,
-                        attn.proj.weight, attn.proj.bias, block.ln2.weight, block.ln2.bias, mlp.fc1.weight,
-                        mlp.fc1.bias, mlp.fc2.weight, mlp.fc2.bias, parts, locks, barrier, m, heads, window, batch,
-                        dim ** -0.5, block.ln1.eps, block.ln2.eps, HIDDEN=hidden, FFN=ffn, DIM=dim,
-                        IEEE=x.dtype == torch.float32, BLOCK_M=ROWS, **settings)
-    return x

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from gptrain.inference.generate import EolIds, SamplingParams, generate
-from gptrain.inference.rows import RowDecoder, fused_generate, row_decoder_for
+from gptrain.inference.kv_cache import KVCache, forward_cached
+from gptrain.inference.rows import PrefillGraphs, RowDecoder, fused_generate, prefill_bucket, row_decoder_for
 from gptrain.kernels import decode as kernels
 from gptrain.model.gpt import GPT, GPTConfig
 from test_fast_decode import _compare, tiny_model
@@ -107,6 +108,28 @@ def test_prefill_together_equals_alone():
     ref = generate(model, prompts, params, logprobs=True)
     _compare(fused_generate(model, prompts, params, logprobs=True, together=True), ref)
     _compare(fused_generate(model, prompts, params, logprobs=True), ref)
+
+
+def test_padded_prefill_equals_exact_length():
+    """A prompt prefilled at its padded length (zeros after it, as the CUDA prompt graphs do) gives
+    the exact-length forward's keys, values, hidden states and last logits at its own positions."""
+    model = tiny_model(seed=4)
+    window = model.cfg.max_position_embeddings
+    graphs = PrefillGraphs(model, window, use_graph=False)
+    gen = torch.Generator().manual_seed(2)
+    assert [prefill_bucket(n, window) for n in (1, 16, 17, 33, window - 1, window)] == \
+        [16, 16, 32, 64, window, window]
+    for n in (1, 5, 16, 17, 100, window):
+        prompt = torch.randint(0, 300, (n,), generator=gen).tolist()
+        padded = graphs.run(prompt)
+        assert padded == prefill_bucket(n, window)
+        cache = KVCache(model, 1, window)
+        with torch.no_grad():
+            hidden = forward_cached(model, torch.tensor([prompt]), 0, cache)
+            logits = model.output_layer(hidden[:, -1]).float()
+        torch.testing.assert_close(graphs.cache.kv[:, :, :, :, :n], cache.kv[:, :, :, :, :n], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(graphs.hidden[:, :n], hidden, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(graphs.logits, logits, rtol=1e-5, atol=1e-5)
 
 
 def test_reference_kernels_math():

@@ -22,7 +22,7 @@ import torch
 from gptrain.inference.fast import AHEAD, Mode, bucket, plain_model
 from gptrain.inference.generate import (EolIds, Generation, SamplingParams, _prompt_logprobs, _stops,
                                         check_request)
-from gptrain.inference.kv_cache import forward_cached
+from gptrain.inference.kv_cache import KVCache, forward_cached
 from gptrain.inference.sampling import sample
 from gptrain.kernels.decode import decode_attention, ln_linear
 from gptrain.model.gpt import GPT
@@ -35,6 +35,62 @@ class RowCache:
         self.kv = kv[:, :, first:first + rows]
         self.k, self.v = self.kv[:, 0], self.kv[:, 1]
         self.max_len = kv.shape[-2]
+
+
+def prefill_bucket(length: int, window: int) -> int:
+    """The padded length a prompt is prefilled at on CUDA: a power of two from 16, at most the window."""
+    return min(window, max(16, 1 << (length - 1).bit_length()))
+
+
+class PrefillGraphs:
+    """One prompt's forward pass as a CUDA graph per padded length (``prefill_bucket``): the prompt's
+    tokens, zeros after them, through ``forward_cached`` into a one-row staging cache; the final
+    hidden states and the last prompt position's logits into static buffers. Padding after the
+    prompt changes nothing before it (attention is causal), and a prompt always takes the same
+    graph, so its numbers never depend on the batch; one replay replaces hundreds of launches."""
+
+    def __init__(self, model: GPT, window: int, use_graph: bool = True):
+        self.model, self.window = model, window
+        self.use_graph = use_graph and model.word_embeddings.weight.is_cuda
+        param = model.word_embeddings.weight
+        dev = param.device
+        self.cache = KVCache(model, 1, window)
+        self.tokens = torch.zeros(1, window, device=dev, dtype=torch.long)
+        self.last = torch.zeros(1, device=dev, dtype=torch.long)
+        self.hidden = torch.zeros(1, window, model.cfg.hidden_size, device=dev, dtype=param.dtype)
+        self.logits = torch.zeros(1, model.output_layer.vocab_size, device=dev)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.pool = None
+
+    def _forward(self, length: int) -> None:
+        hidden = forward_cached(self.model, self.tokens[:, :length], 0, self.cache)
+        self.hidden[:, :length].copy_(hidden)
+        self.logits.copy_(self.model.output_layer(hidden.index_select(1, self.last)[:, 0]).float())
+
+    def run(self, prompt: list[int]) -> int:
+        """Prefills ``prompt`` into the staging cache; returns its padded length."""
+        length = prefill_bucket(len(prompt), self.window)
+        padded = torch.zeros(length, dtype=torch.long)
+        padded[:len(prompt)] = torch.tensor(prompt)
+        self.tokens[0, :length].copy_(padded, non_blocking=True)
+        self.last.fill_(len(prompt) - 1)
+        if not self.use_graph:
+            self._forward(length)
+            return length
+        graph = self.graphs.get(length)
+        if graph is None:
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                self._forward(length)  # warm-up outside the graph (workspaces, autotuning)
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                self._forward(length)
+            self.pool = graph.pool()
+            self.graphs[length] = graph
+        graph.replay()
+        return length
 
 
 class RowDecoder:
@@ -69,6 +125,7 @@ class RowDecoder:
         self.top: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.graphs: dict[Mode, torch.cuda.CUDAGraph] = {}
         self.pool = None
+        self.prefill_graphs = prefill_graphs_for(model) if self.use_graph else None
         self.host = self.events = None
         if dev.type == "cuda":
             self.host = torch.zeros(AHEAD, batch, dtype=torch.long, pin_memory=True)
@@ -174,8 +231,20 @@ class RowDecoder:
     def prefill(self, prompts: list[list[int]], out: list[Generation], top_logprobs: int, want_lp: bool,
                 together: bool) -> None:
         """Each prompt's keys and values into its row of the cache and its last logits into
-        ``self.logits``; alone (``together`` False) or, for prompts of one length, in one call."""
+        ``self.logits``; alone (``together`` False: on CUDA through ``PrefillGraphs``) or, for prompts
+        of one length, in one call."""
         model, dev = self.model, self.logits.device
+        if self.prefill_graphs is not None and not together:
+            graphs = self.prefill_graphs
+            for row, prompt in enumerate(prompts):
+                length = graphs.run(prompt)
+                self.kv[:, :, row, :, :length].copy_(graphs.cache.kv[:, :, 0, :, :length])
+                self.logits[row].copy_(graphs.logits[0])
+                if want_lp and len(prompt) > 1:
+                    tokens = torch.tensor([prompt], device=dev)
+                    _prompt_logprobs(model, graphs.hidden[:, :len(prompt) - 1], tokens[:, 1:], out[row:row + 1],
+                                     top_logprobs)
+            return
         groups = [list(range(len(prompts)))] if together and len({len(p) for p in prompts}) == 1 else \
             [[i] for i in range(len(prompts))]
         for rows in groups:
@@ -280,6 +349,14 @@ class RowDecoder:
 
 
 _decoders: dict[tuple, RowDecoder] = {}
+_prefills: dict[int, PrefillGraphs] = {}
+
+
+def prefill_graphs_for(model: GPT) -> PrefillGraphs:
+    """The model's prompt graphs, shared by its decoders (a request's prompts go through one at a time)."""
+    if id(model) not in _prefills:
+        _prefills[id(model)] = PrefillGraphs(model, model.cfg.max_position_embeddings)
+    return _prefills[id(model)]
 
 
 def row_decoder_for(model: GPT, rows: int, use_graph: bool = True) -> RowDecoder:

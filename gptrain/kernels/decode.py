@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 
 import torch
 import torch.nn.functional as F
@@ -39,8 +38,7 @@ def _kernels():
     def ln_linear_kernel(x_ptr, ln_w_ptr, ln_b_ptr, w_ptr, bias_ptr, res_ptr, out_ptr, part_ptr, lock_ptr, M, N, K,
                          stride_out, eps, HAS_LN: tl.constexpr, HAS_BIAS: tl.constexpr, GELU: tl.constexpr,
                          RESIDUAL: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
-                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
-                         PDL: tl.constexpr, PRELOAD: tl.constexpr):
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr):
         pid_n, pid_m, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -49,62 +47,7 @@ def _kernels():
         w_rows = w_ptr + cols.to(tl.int64)[:, None] * K
         mean = tl.zeros([BLOCK_M], tl.float32)
         rstd = tl.zeros([BLOCK_M], tl.float32)
-        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        span = K // SPLIT  # this program's share of the input dimension (a multiple of BLOCK_K)
-        if PRELOAD:  # the share is four steps: its weights (and LayerNorm's) into registers before the wait
-            k0 = pid_k * span
-            kk = tl.arange(0, BLOCK_K)
-            w0 = tl.load(w_rows + (k0 + kk)[None, :], mask=col_ok[:, None], other=0.0)
-            w1 = tl.load(w_rows + (k0 + BLOCK_K + kk)[None, :], mask=col_ok[:, None], other=0.0)
-            w2 = tl.load(w_rows + (k0 + 2 * BLOCK_K + kk)[None, :], mask=col_ok[:, None], other=0.0)
-            w3 = tl.load(w_rows + (k0 + 3 * BLOCK_K + kk)[None, :], mask=col_ok[:, None], other=0.0)
-            if HAS_LN:
-                g0 = tl.load(ln_w_ptr + kk).to(tl.float32)
-                g1 = tl.load(ln_w_ptr + BLOCK_K + kk).to(tl.float32)
-                g2 = tl.load(ln_w_ptr + 2 * BLOCK_K + kk).to(tl.float32)
-                g3 = tl.load(ln_w_ptr + 3 * BLOCK_K + kk).to(tl.float32)
-                b0 = tl.load(ln_b_ptr + kk).to(tl.float32)
-                b1 = tl.load(ln_b_ptr + BLOCK_K + kk).to(tl.float32)
-                b2 = tl.load(ln_b_ptr + 2 * BLOCK_K + kk).to(tl.float32)
-                b3 = tl.load(ln_b_ptr + 3 * BLOCK_K + kk).to(tl.float32)
-        if PDL:  # the previous kernel's writes (x) are needed from here on; then the next kernel may start
-            tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()
-        if PRELOAD:  # the same math as the loop below, step by step in the same order
-            x0 = tl.load(x_rows + (k0 + kk)[None, :], mask=row_ok[:, None], other=0.0)
-            x1 = tl.load(x_rows + (k0 + BLOCK_K + kk)[None, :], mask=row_ok[:, None], other=0.0)
-            x2 = tl.load(x_rows + (k0 + 2 * BLOCK_K + kk)[None, :], mask=row_ok[:, None], other=0.0)
-            x3 = tl.load(x_rows + (k0 + 3 * BLOCK_K + kk)[None, :], mask=row_ok[:, None], other=0.0)
-            if HAS_LN:  # (SPLIT is 1 here: the four steps are the whole row)
-                total = tl.zeros([BLOCK_M], tl.float32)
-                total += tl.sum(x0.to(tl.float32), axis=1)
-                total += tl.sum(x1.to(tl.float32), axis=1)
-                total += tl.sum(x2.to(tl.float32), axis=1)
-                total += tl.sum(x3.to(tl.float32), axis=1)
-                mean = total / K
-                total = tl.zeros([BLOCK_M], tl.float32)
-                d = tl.where(row_ok[:, None], x0.to(tl.float32) - mean[:, None], 0.0)
-                total += tl.sum(d * d, axis=1)
-                d = tl.where(row_ok[:, None], x1.to(tl.float32) - mean[:, None], 0.0)
-                total += tl.sum(d * d, axis=1)
-                d = tl.where(row_ok[:, None], x2.to(tl.float32) - mean[:, None], 0.0)
-                total += tl.sum(d * d, axis=1)
-                d = tl.where(row_ok[:, None], x3.to(tl.float32) - mean[:, None], 0.0)
-                total += tl.sum(d * d, axis=1)
-                rstd = 1.0 / tl.sqrt(total / K + eps)
-                x0 = tl.where(row_ok[:, None], (x0.to(tl.float32) - mean[:, None]) * rstd[:, None] * g0[None, :]
-                              + b0[None, :], 0.0)
-                x1 = tl.where(row_ok[:, None], (x1.to(tl.float32) - mean[:, None]) * rstd[:, None] * g1[None, :]
-                              + b1[None, :], 0.0)
-                x2 = tl.where(row_ok[:, None], (x2.to(tl.float32) - mean[:, None]) * rstd[:, None] * g2[None, :]
-                              + b2[None, :], 0.0)
-                x3 = tl.where(row_ok[:, None], (x3.to(tl.float32) - mean[:, None]) * rstd[:, None] * g3[None, :]
-                              + b3[None, :], 0.0)
-            acc += tl.dot(x0.to(w0.dtype), tl.trans(w0))
-            acc += tl.dot(x1.to(w1.dtype), tl.trans(w1))
-            acc += tl.dot(x2.to(w2.dtype), tl.trans(w2))
-            acc += tl.dot(x3.to(w3.dtype), tl.trans(w3))
-        if HAS_LN and not PRELOAD:  # the row's mean and 1/std, two passes in fp32 (x is small: L2 serves it)
+        if HAS_LN:  # the row's mean and 1/std, two passes in fp32 (x is small: L2 serves it)
             total = tl.zeros([BLOCK_M], tl.float32)
             for k0 in range(0, K, BLOCK_K):
                 ks = k0 + tl.arange(0, BLOCK_K)
@@ -119,22 +62,23 @@ def _kernels():
                 d = tl.where(ok, x - mean[:, None], 0.0)
                 total += tl.sum(d * d, axis=1)
             rstd = 1.0 / tl.sqrt(total / K + eps)
-        if not PRELOAD:  # step by step through the share, the weights pipelined
-            for k0 in range(pid_k * span, pid_k * span + span, BLOCK_K):
-                ks = k0 + tl.arange(0, BLOCK_K)
-                k_ok = ks < K
-                a = tl.load(x_rows + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-                if HAS_LN:
-                    g = tl.load(ln_w_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)
-                    b = tl.load(ln_b_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)
-                    a = (a.to(tl.float32) - mean[:, None]) * rstd[:, None] * g[None, :] + b[None, :]
-                    a = tl.where(row_ok[:, None], a, 0.0)
-                w = tl.load(w_rows + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
-                a = a.to(w.dtype)
-                if IEEE:
-                    acc += tl.dot(a, tl.trans(w), input_precision="ieee")
-                else:
-                    acc += tl.dot(a, tl.trans(w))
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        span = K // SPLIT  # this program's share of the input dimension (a multiple of BLOCK_K)
+        for k0 in range(pid_k * span, pid_k * span + span, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            k_ok = ks < K
+            a = tl.load(x_rows + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            if HAS_LN:
+                g = tl.load(ln_w_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)
+                b = tl.load(ln_b_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)
+                a = (a.to(tl.float32) - mean[:, None]) * rstd[:, None] * g[None, :] + b[None, :]
+                a = tl.where(row_ok[:, None], a, 0.0)
+            w = tl.load(w_rows + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+            a = a.to(w.dtype)
+            if IEEE:
+                acc += tl.dot(a, tl.trans(w), input_precision="ieee")
+            else:
+                acc += tl.dot(a, tl.trans(w))
         if SPLIT > 1:  # the last program of a tile to finish adds the shares in their fixed order
             tile = pid_m * tl.num_programs(0) + pid_n
             inside = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
@@ -161,10 +105,7 @@ def _kernels():
 
     @triton.jit
     def attention_kernel(qkv_ptr, kv_ptr, pos_ptr, out_ptr, heads, window, batch, scale,
-                         DIM: tl.constexpr, BLOCK_T: tl.constexpr, PDL: tl.constexpr):
-        if PDL:
-            tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()
+                         DIM: tl.constexpr, BLOCK_T: tl.constexpr):
         row, head = tl.program_id(0), tl.program_id(1)
         pos = tl.load(pos_ptr + row)
         d = tl.arange(0, DIM)
@@ -219,33 +160,6 @@ def _use_triton(t: torch.Tensor) -> bool:
     return t.is_cuda
 
 
-# on Hopper and later: programmatic dependent launch, each kernel's weights read before it waits on
-# the previous one (GPTRAIN_DECODE_PRELOAD=0 launches plainly)
-PRELOAD = os.environ.get("GPTRAIN_DECODE_PRELOAD", "1") != "0"
-
-
-@functools.cache
-def _pdl_available(device_index: int) -> bool:
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        return False
-    try:
-        import triton.language.extra.cuda as cuda
-    except ImportError:
-        return False
-    return hasattr(cuda, "gdc_wait") and torch.cuda.get_device_capability(device_index)[0] >= 9
-
-
-def _preload(x: torch.Tensor, n: int, k: int) -> dict | None:
-    """Tiles for the preloading kernel where it applies (16-bit weights whose input dimension, or
-    its shares, is four 256-wide steps; not the output layer, whose many tiles gain nothing): each
-    program holds its 16 x 1024 weights in registers, loaded before it waits on the previous
-    kernel (programmatic dependent launch), so the next weights stream in while a kernel runs."""
-    if not (PRELOAD and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and n <= 16384
-            and k % 1024 == 0 and k <= 4096 and _pdl_available(x.device.index)):
-        return None
-    return {"BLOCK_N": 16, "BLOCK_K": 256, "num_warps": 4, "num_stages": 1, "SPLIT": k // 1024}
-
-
 def ln_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
               ln: torch.nn.LayerNorm | None = None, gelu: bool = False, residual: torch.Tensor | None = None,
               out: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -260,12 +174,9 @@ def ln_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None =
     assert x.is_contiguous() and weight.stride() == (k, 1) and out.stride(1) == 1 and out.shape == (m, n)
     assert residual is None or residual.is_contiguous()
     kernel = _kernels()[0]
-    preload = _preload(x, n, k) if ln is None or k == 1024 else None
-    settings = preload or {"SPLIT": 1, **(TILES.get((n, k)) or tiles(n, k))}
+    settings = {"SPLIT": 1, **(TILES.get((n, k)) or tiles(n, k))}
     if x.dtype == torch.float32:  # fp32 tiles take twice the shared memory
         settings.update(BLOCK_K=min(settings["BLOCK_K"], 64), num_stages=2)
-    pdl = x.is_cuda and PRELOAD and _pdl_available(x.device.index)
-    settings.update(PDL=pdl, PRELOAD=preload is not None, **({"launch_pdl": True} if pdl else {}))
     split = settings["SPLIT"]
     if split > 1 and k % (split * settings["BLOCK_K"]):
         raise ValueError(f"{k} inputs do not split into {split} shares of {settings['BLOCK_K']}-wide steps")
@@ -331,9 +242,8 @@ def decode_attention(qkv: torch.Tensor, kv: torch.Tensor, positions: torch.Tenso
     if not _use_triton(qkv):
         return out.copy_(reference_decode_attention(qkv, kv, positions))
     assert qkv.is_contiguous() and kv.is_contiguous() and out.is_contiguous() and rows <= batch
-    pdl = {"PDL": True, "launch_pdl": True} if PRELOAD and _pdl_available(qkv.device.index) else {"PDL": False}
     _kernels()[1][(rows, heads)](qkv, kv, positions, out, heads, window, batch, dim ** -0.5, DIM=dim, BLOCK_T=64,
-                                 num_warps=4, **pdl)
+                                 num_warps=4)
     return out
 
 

@@ -21,14 +21,14 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from gptrain.inference.generate import (EolIds, Generation, SamplingParams, _prompt_logprobs, _stops,
-                                        check_request)
+from gptrain.inference.generate import (EolIds, Generation, SamplingParams, _prompt_logprobs, check_request,
+                                        row_done)
+from gptrain.inference.host_loop import AHEAD, StepReader, capture
 from gptrain.inference.kv_cache import KVCache, forward_cached
 from gptrain.inference.sampling import sample
 from gptrain.model.gpt import GPT
 
 MIN_LENGTH = 64  # the shortest attention bucket
-AHEAD = 4  # steps the host queues before it reads a step's ids back
 
 
 def bucket(n: int) -> int:
@@ -191,13 +191,10 @@ class Decoder:
             keys[None, :] > keys[:, None], float("-inf"))
         self.graphs: dict[tuple[Mode, int], torch.cuda.CUDAGraph] = {}
         self.pool = None
-        self.host = self.events = None
-        if dev.type == "cuda":
-            self.host = torch.zeros(AHEAD, batch, dtype=torch.long, pin_memory=True)
-            self.events = [torch.cuda.Event() for _ in range(AHEAD)]
         # counters and seconds on the host (the decode benchmark's --profile reads them)
         self.stats = {"steps": 0, "replays": 0, "host_waits": 0, "graphs": 0, "requests": 0,
                       "capture_s": 0.0, "prefill_s": 0.0, "loop_s": 0.0, "wait_s": 0.0}
+        self.reader = StepReader(self.tokens, self.stats)
 
     # ---- one step, on the device
     @torch.no_grad()
@@ -278,20 +275,9 @@ class Decoder:
         warm-up steps write to the buffers)."""
         graph = self.graphs.get((mode, length))
         if graph is None:
-            self.position.fill_(1)
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                for _ in range(2):  # warm-up outside the graph (cuBLAS workspaces, lazy inits)
-                    self.position.fill_(1)
-                    self.step(mode, length)
-            torch.cuda.current_stream().wait_stream(stream)
-            self.position.fill_(1)
-            graph = torch.cuda.CUDAGraph()
             # the graphs never run at once and keep nothing between replays outside the static
             # buffers: they share one memory pool
-            with torch.cuda.graph(graph, pool=self.pool):
-                self.step(mode, length)
+            graph = capture(lambda: self.step(mode, length), lambda: self.position.fill_(1), self.pool)
             self.pool = graph.pool()
             self.graphs[(mode, length)] = graph
             self.stats["graphs"] += 1
@@ -305,20 +291,7 @@ class Decoder:
         else:
             self.step(mode, length)
         self.stats["steps"] += 1
-        if self.host is not None:
-            slot = t % AHEAD
-            self.host[slot].copy_(self.tokens[t], non_blocking=True)
-            self.events[slot].record()
-
-    def _read(self, t: int) -> list[int]:
-        if self.host is None:
-            return self.tokens[t].tolist()
-        slot = t % AHEAD
-        begin = time.perf_counter()
-        self.events[slot].synchronize()
-        self.stats["wait_s"] += time.perf_counter() - begin
-        self.stats["host_waits"] += 1
-        return self.host[slot].tolist()
+        self.reader.issued(t)
 
     # ---- one request, on the host
     @torch.no_grad()
@@ -391,7 +364,7 @@ class Decoder:
             while issued < total and issued - t < AHEAD:
                 self._issue(mode, issued)
                 issued += 1
-            ids = self._read(t)
+            ids = self.reader.read(t)
             for i in range(n):
                 if t < lengths[i]:  # a prompt token: only scored
                     last[i] = t
@@ -402,13 +375,7 @@ class Decoder:
                 out[i].tokens.append(token)
                 last[i] = t
                 count[i] += 1
-                stop = _stops(params[i], token, out[i].tokens[-2], eol)
-                if on_token is not None and on_token(i, token):
-                    stop = True
-                if stop:
-                    out[i].finish_reason, done[i] = "stop", True
-                elif count[i] >= params[i].max_new_tokens:
-                    done[i] = True
+                done[i] = row_done(out[i], i, token, count[i], params[i], eol, on_token)
             go_on = t + 1 < total and pending(t + 1)
             t += 1
         self.stats["loop_s"] += time.perf_counter() - loop

@@ -66,6 +66,20 @@ def _stops(params: SamplingParams, token: int, previous: int, eol: EolIds) -> bo
     return False
 
 
+def row_done(g: Generation, row: int, token: int, made: int, params: SamplingParams, eol: EolIds,
+             on_token=None) -> bool:
+    """After row ``row``'s ``made``-th new token (already in ``g.tokens``): whether the row is done.
+    A stop rule or the stream hook (``on_token(row, token)`` returning true) ends it with
+    ``finish_reason`` "stop"; reaching ``max_new_tokens`` ends it as it is."""
+    stop = _stops(params, token, g.tokens[-2], eol)
+    if on_token is not None and on_token(row, token):
+        stop = True
+    if stop:
+        g.finish_reason = "stop"
+        return True
+    return made >= params.max_new_tokens
+
+
 def check_request(prompts: list[list[int]], params: list[SamplingParams], window: int) -> list[int]:
     """Each row's end (prompt + new tokens); a ValueError names a row that does not fit."""
     lengths = [len(p) for p in prompts]
@@ -169,13 +183,7 @@ def generate(model: GPT, prompts: list[list[int]], params: list[SamplingParams] 
             if want_lp:
                 _record(out[i], host, i, top_logprobs)
             count[i] += 1
-            stop = _stops(params[i], token, out[i].tokens[-2], eol)
-            if on_token is not None and on_token(i, token):
-                stop = True
-            if stop:
-                out[i].finish_reason, done[i] = "stop", True
-            elif count[i] >= params[i].max_new_tokens:
-                done[i] = True
+            done[i] = row_done(out[i], i, token, count[i], params[i], eol, on_token)
         go_on = t + 1 < total and pending(t + 1)
         if sync is not None:
             chosen, go_on = sync(chosen, go_on)

@@ -19,9 +19,10 @@ import time
 
 import torch
 
-from gptrain.inference.fast import AHEAD, Mode, bucket, plain_model
-from gptrain.inference.generate import (EolIds, Generation, SamplingParams, _prompt_logprobs, _stops,
-                                        check_request)
+from gptrain.inference.fast import Mode, bucket, plain_model
+from gptrain.inference.generate import (EolIds, Generation, SamplingParams, _prompt_logprobs, check_request,
+                                        row_done)
+from gptrain.inference.host_loop import AHEAD, StepReader, capture
 from gptrain.inference.kv_cache import KVCache, forward_cached
 from gptrain.inference.sampling import sample
 from gptrain.kernels.decode import decode_attention, ln_linear
@@ -79,14 +80,7 @@ class PrefillGraphs:
             return length
         graph = self.graphs.get(length)
         if graph is None:
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                self._forward(length)  # warm-up outside the graph (workspaces, autotuning)
-            torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
-                self._forward(length)
+            graph = capture(lambda: self._forward(length), lambda: None, self.pool, warmups=1)
             self.pool = graph.pool()
             self.graphs[length] = graph
         graph.replay()
@@ -126,12 +120,9 @@ class RowDecoder:
         self.graphs: dict[Mode, torch.cuda.CUDAGraph] = {}
         self.pool = None
         self.prefill_graphs = prefill_graphs_for(model) if self.use_graph else None
-        self.host = self.events = None
-        if dev.type == "cuda":
-            self.host = torch.zeros(AHEAD, batch, dtype=torch.long, pin_memory=True)
-            self.events = [torch.cuda.Event() for _ in range(AHEAD)]
         self.stats = {"steps": 0, "replays": 0, "host_waits": 0, "graphs": 0, "requests": 0,
                       "capture_s": 0.0, "prefill_s": 0.0, "loop_s": 0.0, "wait_s": 0.0}
+        self.reader = StepReader(self.out, self.stats)
 
     # ---- one step, on the device
     @torch.no_grad()
@@ -188,17 +179,7 @@ class RowDecoder:
         buffers and the cache)."""
         graph = self.graphs.get(mode)
         if graph is None:
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                for _ in range(2):  # warm-up outside the graph (Triton compiles, lazy inits)
-                    self.step_index.zero_()
-                    self.step(mode)
-            torch.cuda.current_stream().wait_stream(stream)
-            self.step_index.zero_()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
-                self.step(mode)
+            graph = capture(lambda: self.step(mode), self.step_index.zero_, self.pool)
             self.pool = graph.pool()
             self.graphs[mode] = graph
             self.stats["graphs"] += 1
@@ -211,20 +192,7 @@ class RowDecoder:
         else:
             self.step(mode)
         self.stats["steps"] += 1
-        if self.host is not None:
-            slot = s % AHEAD
-            self.host[slot].copy_(self.out[s], non_blocking=True)
-            self.events[slot].record()
-
-    def _read(self, s: int) -> list[int]:
-        if self.host is None:
-            return self.out[s].tolist()
-        slot = s % AHEAD
-        begin = time.perf_counter()
-        self.events[slot].synchronize()
-        self.stats["wait_s"] += time.perf_counter() - begin
-        self.stats["host_waits"] += 1
-        return self.host[slot].tolist()
+        self.reader.issued(s)
 
     # ---- one request, on the host
     @torch.no_grad()
@@ -314,20 +282,14 @@ class RowDecoder:
             while issued < total and issued - s < AHEAD:
                 self._issue(mode, issued)
                 issued += 1
-            ids = self._read(s)
+            ids = self.reader.read(s)
             for i in range(n):
                 if done[i]:
                     continue
                 token = ids[i]
                 out[i].tokens.append(token)
                 count[i] += 1
-                stop = _stops(params[i], token, out[i].tokens[-2], eol)
-                if on_token is not None and on_token(i, token):
-                    stop = True
-                if stop:
-                    out[i].finish_reason, done[i] = "stop", True
-                elif count[i] >= params[i].max_new_tokens:
-                    done[i] = True
+                done[i] = row_done(out[i], i, token, count[i], params[i], eol, on_token)
             s += 1
         self.stats["loop_s"] += time.perf_counter() - loop
         if want_lp and s:

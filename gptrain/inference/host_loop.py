@@ -1,0 +1,61 @@
+"""What the decode loops (``fast.py``'s ``Decoder``, ``rows.py``'s ``RowDecoder``) share on the host:
+capturing a step as a CUDA graph, and reading each step's chosen ids back without stalling the
+device (the host queues ``AHEAD`` steps before it waits for the oldest one)."""
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import torch
+
+AHEAD = 4  # steps the host queues before it reads a step's ids back
+
+
+def capture(step: Callable[[], None], reset: Callable[[], None], pool=None,
+            warmups: int = 2) -> torch.cuda.CUDAGraph:
+    """``step`` captured as a CUDA graph in ``pool``, after ``warmups`` eager runs on a side stream
+    (compiles, cuBLAS workspaces, lazy inits); ``reset`` runs before each (the warm-ups write to the
+    step's buffers, so a graph is captured before a request's state goes in)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(warmups):
+            reset()
+            step()
+    torch.cuda.current_stream().wait_stream(stream)
+    reset()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        step()
+    return graph
+
+
+class StepReader:
+    """Each step's ids (a row of the device tensor ``ids``, step-major) to the host: on CUDA a
+    pinned slot and an event per step in flight, copied when the step is issued and read once the
+    event has passed; elsewhere read directly. Counts its waits in ``stats``."""
+
+    def __init__(self, ids: torch.Tensor, stats: dict):
+        self.ids, self.stats = ids, stats
+        self.host = self.events = None
+        if ids.is_cuda:
+            self.host = torch.zeros(AHEAD, ids.shape[1], dtype=ids.dtype, pin_memory=True)
+            self.events = [torch.cuda.Event() for _ in range(AHEAD)]
+
+    def issued(self, t: int) -> None:
+        """Step ``t`` is queued: its ids' copy goes in behind it."""
+        if self.host is not None:
+            slot = t % AHEAD
+            self.host[slot].copy_(self.ids[t], non_blocking=True)
+            self.events[slot].record()
+
+    def read(self, t: int) -> list[int]:
+        """Step ``t``'s ids (steps are read in order, and at most ``AHEAD`` are queued unread)."""
+        if self.host is None:
+            return self.ids[t].tolist()
+        slot = t % AHEAD
+        begin = time.perf_counter()
+        self.events[slot].synchronize()
+        self.stats["wait_s"] += time.perf_counter() - begin
+        self.stats["host_waits"] += 1
+        return self.host[slot].tolist()

@@ -9,6 +9,7 @@ import torch
 
 from gptrain.inference.fast import Decoder, bucket, decoder_for, graph_generate, length_bucket
 from gptrain.inference.generate import EolIds, SamplingParams, generate
+from gptrain.inference.rows import fused_generate
 from gptrain.model.gpt import GPT, GPTConfig
 
 
@@ -97,10 +98,16 @@ def _compare(ours, ref, lp_tol=1e-4):
             assert list(x.values()) == pytest.approx(list(y.values()), abs=lp_tol)
 
 
-def test_every_feature_equals_generate():
+# both GPU decode loops, run on CPU as the tests' path: the CUDA-graph loop (attention buckets) and
+# the fused loop (rows at their own positions, kernels/decode.py's references)
+LOOPS = pytest.mark.parametrize("loop", [graph_generate, fused_generate], ids=["graph", "fused"])
+
+
+@LOOPS
+def test_every_feature_equals_generate(loop):
     """Greedy, temperature, top-k, top-p with decay, seeds, stop ids, the eol rules, no eol after a
     colon, a stream hook that ends a row, prompt and top log-probabilities; prompts of different
-    lengths decoded across attention buckets; 3 rows padded to 4."""
+    lengths (across attention buckets; each row at its own position); 3 rows padded to 4."""
     model = tiny_model(seed=2)
     gen = torch.Generator().manual_seed(5)
     prompts = [torch.randint(0, 300, (n,), generator=gen).tolist() for n in (40, 3, 70)]
@@ -126,20 +133,22 @@ def test_every_feature_equals_generate():
     ]
     for params, kw in cases:
         ref = generate(model, prompts, params, **kw)
-        ours = graph_generate(model, prompts, params, **kw)
+        ours = loop(model, prompts, params, **kw)
         _compare(ours, ref)
     assert ref[2].generated == [] and len(ref[2].logprobs) == 70  # score only
+    assert ours[2].generated == [] and len(ours[2].logprobs) == 70
     # a stream hook ending row 0 after 5 tokens; the hook sees every kept token in order
     seen, seen_ref = [], []
     hook = lambda store: (lambda row, tok: store.append((row, tok)) or (row == 0 and sum(r == 0 for r, _ in store) >= 5))  # noqa: E731
     ref = generate(model, prompts, greedy, on_token=hook(seen_ref))
-    ours = graph_generate(model, prompts, greedy, on_token=hook(seen))
+    ours = loop(model, prompts, greedy, on_token=hook(seen))
     _compare(ours, ref)
     assert ours[0].finish_reason == "stop" and len(ours[0].generated) == 5
     assert sorted(seen) == sorted(seen_ref) and [x for x in seen if x[0] == 1] == [x for x in seen_ref if x[0] == 1]
 
 
-def test_greedy_equals_transformers_generate():
+@LOOPS
+def test_greedy_equals_transformers_generate(loop):
     transformers = pytest.importorskip("transformers")
     from gptrain.interop.hf import hf_config_kwargs, to_hf_state_dict
 
@@ -150,15 +159,12 @@ def test_greedy_equals_transformers_generate():
     hf.generation_config.pad_token_id = 0
     gen = torch.Generator().manual_seed(4)
     prompts = [torch.randint(0, 300, (n,), generator=gen).tolist() for n in (50, 20)]
-    ours = graph_generate(model, prompts, SamplingParams(max_new_tokens=100, temperature=0.0))
-    with torch.no_grad():
-        theirs = hf.generate(torch.tensor([prompts[0]]), max_new_tokens=100, do_sample=False,
-                             attention_mask=torch.ones(1, 50, dtype=torch.long))
-    assert ours[0].tokens == theirs[0].tolist()  # 150 positions: crosses the 64 and 128 buckets
-    with torch.no_grad():
-        theirs = hf.generate(torch.tensor([prompts[1]]), max_new_tokens=100, do_sample=False,
-                             attention_mask=torch.ones(1, 20, dtype=torch.long))
-    assert ours[1].tokens == theirs[0].tolist()
+    ours = loop(model, prompts, SamplingParams(max_new_tokens=100, temperature=0.0))
+    for prompt, got in zip(prompts, ours):  # 150 positions: the graph loop crosses the 64 and 128 buckets
+        with torch.no_grad():
+            theirs = hf.generate(torch.tensor([prompt]), max_new_tokens=100, do_sample=False,
+                                 attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
+        assert got.tokens == theirs[0].tolist()
 
 
 def test_decoder_reused_across_requests():

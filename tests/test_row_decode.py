@@ -1,6 +1,7 @@
 """The fused decode loop (inference/rows.py) and its kernels (kernels/decode.py): on CPU the loop
-with the kernels' PyTorch references against ``generate`` and transformers (every sampling and stop
-feature, log-probabilities, rows at their own positions, padding, reuse); on a GPU (the GPU lane)
+with the kernels' PyTorch references (every feature against ``generate`` and greedy against
+transformers run in test_fast_decode.py over both loops; here rows at their own positions, padded
+prefill, reuse); on a GPU (the GPU lane)
 the Triton kernels against their references, their batch invariance bit for bit, and the captured
 loop against ``generate``."""
 from __future__ import annotations
@@ -8,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gptrain.inference.generate import EolIds, SamplingParams, generate
+from gptrain.inference.generate import SamplingParams, generate
 from gptrain.inference.kv_cache import KVCache, forward_cached
 from gptrain.inference.rows import PrefillGraphs, RowDecoder, fused_generate, prefill_bucket, row_decoder_for
 from gptrain.kernels import decode as kernels
@@ -16,64 +17,13 @@ from gptrain.model.gpt import GPT, GPTConfig
 from test_fast_decode import _compare, tiny_model
 
 
-def test_every_feature_equals_generate():
-    """Greedy, temperature, top-k, top-p with decay, seeds, stop ids, the eol rules, no eol after a
-    colon, a stream hook that ends a row, prompt and top log-probabilities; prompts of different
-    lengths, each decoded from its own position; 3 rows padded to 4."""
+def test_a_bucket_of_rows_per_request_size():
+    """3 prompts decode in a decoder of 4 rows (the every-feature and transformers cases run over both
+    loops in test_fast_decode.py); the decoder is kept for the next request of that size."""
     model = tiny_model(seed=2)
-    gen = torch.Generator().manual_seed(5)
-    prompts = [torch.randint(0, 300, (n,), generator=gen).tolist() for n in (40, 3, 70)]
-    greedy = SamplingParams(max_new_tokens=90, temperature=0.0)
-    plain = generate(model, prompts, greedy)
-    stop_id = plain[1].generated[30]
-    colon, after = plain[0].generated[10], plain[0].generated[11]
-    eol = EolIds(eol=after, double_eol=299, colon=colon)
-    cases = [
-        ([greedy, greedy, greedy], {}),
-        ([SamplingParams(max_new_tokens=90, temperature=0.0, stop_ids=(stop_id,)),
-          SamplingParams(max_new_tokens=90, temperature=0.0, stop_ids=(stop_id,)),
-          SamplingParams(max_new_tokens=20, temperature=0.0, stop_on_eol=True)],
-         {"eol": eol, "logprobs": True}),
-        ([SamplingParams(max_new_tokens=90, temperature=0.0), SamplingParams(max_new_tokens=60, temperature=0.7, seed=3),
-          SamplingParams(max_new_tokens=80, top_k=5, seed=4)],
-         {"eol": eol, "no_newline_after_colon": [True, False, True], "top_logprobs": 3}),
-        ([SamplingParams(max_new_tokens=50, top_p=0.9, top_p_decay=0.9, top_p_bound=0.3, seed=7),
-          SamplingParams(max_new_tokens=90, temperature=1.3, seed=8, stop_on_double_eol=True),
-          SamplingParams(max_new_tokens=0)],
-         {"logprobs": True, "eol": eol}),
-    ]
-    for params, kw in cases:
-        ref = generate(model, prompts, params, **kw)
-        ours = fused_generate(model, prompts, params, **kw)
-        _compare(ours, ref)
-    assert ours[2].generated == [] and len(ours[2].logprobs) == 70  # score only
-    assert row_decoder_for(model, 3).batch == 4
-    seen, seen_ref = [], []
-    hook = lambda store: (lambda row, tok: store.append((row, tok)) or (row == 0 and sum(r == 0 for r, _ in store) >= 5))  # noqa: E731
-    ref = generate(model, prompts, greedy, on_token=hook(seen_ref))
-    ours = fused_generate(model, prompts, greedy, on_token=hook(seen))
-    _compare(ours, ref)
-    assert ours[0].finish_reason == "stop" and len(ours[0].generated) == 5
-    assert sorted(seen) == sorted(seen_ref)
-
-
-def test_greedy_equals_transformers_generate():
-    transformers = pytest.importorskip("transformers")
-    from gptrain.interop.hf import hf_config_kwargs, to_hf_state_dict
-
-    model = tiny_model(seed=3)
-    hf = transformers.GPT2LMHeadModel(transformers.GPT2Config(**hf_config_kwargs(model.cfg))).eval()
-    hf.load_state_dict(to_hf_state_dict(model), strict=False)
-    hf.generation_config.eos_token_id = None
-    hf.generation_config.pad_token_id = 0
-    gen = torch.Generator().manual_seed(4)
-    prompts = [torch.randint(0, 300, (n,), generator=gen).tolist() for n in (50, 20)]
-    ours = fused_generate(model, prompts, SamplingParams(max_new_tokens=100, temperature=0.0))
-    for prompt, got in zip(prompts, ours):
-        with torch.no_grad():
-            theirs = hf.generate(torch.tensor([prompt]), max_new_tokens=100, do_sample=False,
-                                 attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
-        assert got.tokens == theirs[0].tolist()
+    fused_generate(model, [[1, 2], [3], [4, 5, 6]], SamplingParams(max_new_tokens=3, temperature=0.0))
+    decoder = row_decoder_for(model, 3)
+    assert decoder.batch == 4 and decoder is row_decoder_for(model, 4)
 
 
 def test_rows_are_independent_and_decoder_reused():

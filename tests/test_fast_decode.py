@@ -117,12 +117,13 @@ def test_every_feature_equals_generate(loop):
     stop_id = plain[1].generated[30]
     colon, after = plain[0].generated[10], plain[0].generated[11]
     eol = EolIds(eol=after, double_eol=299, colon=colon)
+    eol_in_row2 = EolIds(eol=plain[2].generated[5], double_eol=299, colon=colon)
     cases = [
         ([greedy, greedy, greedy], {}),
         ([SamplingParams(max_new_tokens=90, temperature=0.0, stop_ids=(stop_id,)),
           SamplingParams(max_new_tokens=90, temperature=0.0, stop_ids=(stop_id,)),
           SamplingParams(max_new_tokens=20, temperature=0.0, stop_on_eol=True)],
-         {"eol": eol, "logprobs": True}),
+         {"eol": eol_in_row2, "logprobs": True}),
         ([SamplingParams(max_new_tokens=90, temperature=0.0), SamplingParams(max_new_tokens=60, temperature=0.7, seed=3),
           SamplingParams(max_new_tokens=80, top_k=5, seed=4)],
          {"eol": eol, "no_newline_after_colon": [True, False, True], "top_logprobs": 3}),
@@ -131,10 +132,16 @@ def test_every_feature_equals_generate(loop):
           SamplingParams(max_new_tokens=0)],
          {"logprobs": True, "eol": eol}),
     ]
+    refs = []
     for params, kw in cases:
         ref = generate(model, prompts, params, **kw)
         ours = loop(model, prompts, params, **kw)
         _compare(ours, ref)
+        refs.append(ref)
+    # the rules met the text: the stop id, the eol stop, and the colon rule changed row 0's greedy text
+    assert refs[1][1].generated == plain[1].generated[:plain[1].generated.index(stop_id) + 1]
+    assert refs[1][2].generated == plain[2].generated[:6]
+    assert refs[2][0].generated[:11] == plain[0].generated[:11] and refs[2][0].generated[11] != after
     assert ref[2].generated == [] and len(ref[2].logprobs) == 70  # score only
     assert ours[2].generated == [] and len(ours[2].logprobs) == 70
     # a stream hook ending row 0 after 5 tokens; the hook sees every kept token in order
@@ -145,6 +152,20 @@ def test_every_feature_equals_generate(loop):
     _compare(ours, ref)
     assert ours[0].finish_reason == "stop" and len(ours[0].generated) == 5
     assert sorted(seen) == sorted(seen_ref) and [x for x in seen if x[0] == 1] == [x for x in seen_ref if x[0] == 1]
+
+
+@pytest.mark.parametrize("loop", [generate, graph_generate, fused_generate], ids=["generate", "graph", "fused"])
+def test_newline_after_colon_inside_a_prompt_is_scored_not_banned(loop):
+    """The no-newline-after-colon rule constrains generated tokens only: a prompt's own newline
+    after a colon keeps its log-probability (a longer prompt beside a shorter one in the batch)."""
+    model = tiny_model(seed=11, positions=64)
+    prompts = [[5], [7, 25, 198, 9]]
+    params = SamplingParams(max_new_tokens=3, temperature=0.0)
+    eol = EolIds(eol=198, double_eol=299, colon=25)
+    ruled = loop(model, prompts, params, eol=eol, logprobs=True, no_newline_after_colon=[True, True])
+    free = loop(model, prompts, params, eol=eol, logprobs=True)
+    assert ruled[1].logprobs[:4] == pytest.approx(free[1].logprobs[:4], abs=1e-5)
+    assert ruled[1].logprobs[2] > -50
 
 
 @LOOPS

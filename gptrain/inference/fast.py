@@ -209,7 +209,8 @@ class Decoder:
         logits = self.logits
         if mode.colon is not None:
             colon, eol = mode.colon
-            banned = self.colon_rows & (self.tokens.index_select(0, at - 1)[0] == colon)
+            # generated tokens only: a prompt's own newline after a colon is scored as it is
+            banned = self.colon_rows & (self.tokens.index_select(0, at - 1)[0] == colon) & (t >= self.prompt_len)
             logits[:, eol] = logits[:, eol].masked_fill(banned, float("-inf"))
         if mode.greedy:
             chosen = logits.argmax(dim=-1)

@@ -150,7 +150,8 @@ def generate(model: GPT, prompts: list[list[int]], params: list[SamplingParams] 
     go_on = t < total and pending(t)  # the same on every rank: no stream hook has run yet
     while go_on:
         if colon_rows is not None:
-            banned = colon_rows & (tokens_dev[:, t - 1] == eol.colon)
+            # only a generated token is constrained: a prompt's newline after a colon is scored as it is
+            banned = colon_rows & (tokens_dev[:, t - 1] == eol.colon) & (t >= prompt_len)
             logits[:, eol.eol] = logits[:, eol.eol].masked_fill(banned, float("-inf"))
         if all_greedy:
             chosen = logits.argmax(dim=-1)

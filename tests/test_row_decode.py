@@ -11,7 +11,9 @@ import torch
 
 from gptrain.inference.generate import SamplingParams, generate
 from gptrain.inference.kv_cache import KVCache, forward_cached
-from gptrain.inference.rows import PrefillGraphs, RowDecoder, fused_generate, prefill_bucket, row_decoder_for
+from gptrain.inference import rows as rows_module
+from gptrain.inference.rows import (PrefillGraphs, RowDecoder, fused_generate, prefill_bucket, row_decoder_for,
+                                   warm_up)
 from gptrain.kernels import decode as kernels
 from gptrain.model.gpt import GPT, GPTConfig
 from test_fast_decode import _compare, tiny_model
@@ -24,6 +26,18 @@ def test_a_bucket_of_rows_per_request_size():
     fused_generate(model, [[1, 2], [3], [4, 5, 6]], SamplingParams(max_new_tokens=3, temperature=0.0))
     decoder = row_decoder_for(model, 3)
     assert decoder.batch == 4 and decoder is row_decoder_for(model, 4)
+
+
+def test_warm_up_makes_each_bucket_and_changes_no_text():
+    """The server's warm-up builds the decoder of every batch bucket up to its largest batch (and,
+    on a GPU, their graphs and the prompt graphs); a request afterwards gives the same text."""
+    model = tiny_model(seed=4, positions=64)
+    params = SamplingParams(max_new_tokens=12, temperature=0.8, seed=5)
+    before = fused_generate(model, [[3, 4, 5]], params)[0].tokens
+    assert warm_up(model, 3) == 4
+    assert all((id(model), rows, True) in rows_module._decoders for rows in (1, 2, 4))
+    assert (id(model), 8, True) not in rows_module._decoders
+    assert fused_generate(model, [[3, 4, 5]], params)[0].tokens == before
 
 
 def test_rows_are_independent_and_decoder_reused():
@@ -159,11 +173,32 @@ def test_kernels_equal_references_and_are_batch_invariant(dtype):
 
 @pytest.mark.gpu
 @gpu
-def test_captured_loop_equals_generate():
+def test_row_argmax_equals_torch_and_is_batch_invariant():
+    """The greedy choice's kernel: torch.argmax's index on rows of a padded buffer (ties take the
+    lowest index, across chunk boundaries too; a row of -inf gives 0), the same for a row alone."""
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    vocab = 50257
+    padded = torch.full((33, vocab + 47), float("-inf"), device="cuda")
+    logits = padded[:, :vocab]
+    logits.copy_(torch.randn(33, vocab, device="cuda", generator=gen))
+    logits[1, 7] = logits[1, 40000] = 1e4
+    edge = kernels.ARGMAX_BLOCK
+    logits[2, edge - 1] = logits[2, edge] = 1e4
+    logits[3] = float("-inf")
+    logits[4, vocab - 1] = 1e4
+    got = kernels.row_argmax(logits)
+    assert torch.equal(got, logits.argmax(dim=-1)) and got[1] == 7 and got[2] == edge - 1 and got[4] == vocab - 1
+    for rows in (1, 5):
+        assert torch.equal(kernels.row_argmax(logits[:rows]), got[:rows])
+
+
+@pytest.mark.gpu
+@gpu
+def test_captured_loop_equals_generate(monkeypatch):
     """fp32 on a GPU: the captured graphs (one per mode, every length) give generate's tokens and
     log-probabilities, sampled and greedy."""
     model = tiny_model(seed=5).cuda()
-    torch.backends.cuda.matmul.allow_tf32 = False
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
     gen = torch.Generator().manual_seed(7)
     prompts = [torch.randint(0, 300, (n,), generator=gen).tolist() for n in (40, 3, 70, 9, 9)]
     params = [SamplingParams(max_new_tokens=150, temperature=0.0), SamplingParams(max_new_tokens=90, seed=3),

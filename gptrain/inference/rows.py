@@ -25,7 +25,7 @@ from gptrain.inference.generate import (EolIds, Generation, SamplingParams, _pro
 from gptrain.inference.host_loop import AHEAD, StepReader, capture
 from gptrain.inference.kv_cache import KVCache, forward_cached
 from gptrain.inference.sampling import sample
-from gptrain.kernels.decode import decode_attention, ln_linear
+from gptrain.kernels.decode import decode_attention, embed_rows, ln_linear, row_argmax
 from gptrain.model.gpt import GPT
 
 
@@ -116,6 +116,8 @@ class RowDecoder:
         self.top_k, self.seeds = zeros(batch), zeros(batch)
         self.colon_rows = zeros(batch, dtype=torch.bool)
         self.chosen_lp = zeros(window, batch, dtype=torch.float32)
+        self.chosen, self.positions = zeros(batch), zeros(batch)  # a step's ids, and where each row feeds them
+        self.x = zeros(batch, cfg.hidden_size, dtype=dtype)  # the residual stream of a step
         self.top: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.graphs: dict[Mode, torch.cuda.CUDAGraph] = {}
         self.pool = None
@@ -139,14 +141,13 @@ class RowDecoder:
             banned = self.colon_rows & (self.current == colon)
             logits[:, eol] = logits[:, eol].masked_fill(banned, float("-inf"))
         if mode.greedy:
-            chosen = logits.argmax(dim=-1)
+            chosen = row_argmax(self.logits, out=self.chosen)
         else:
             chosen = sample(logits, self.temperature, self.top_k, self.top_p, self.seeds,
                             self.start + self.step_index)
         if mode.decay:
             decayed = torch.maximum(self.top_p * self.decay, self.bound)
             self.top_p.copy_(torch.where((self.decay > 0) & (self.top_p > 0), decayed, self.top_p))
-        self.out.index_copy_(0, at, chosen[None])
         if mode.logprobs or mode.top_n:
             lp = torch.log_softmax(logits, dim=-1)
             self.chosen_lp.index_copy_(0, at, lp.gather(1, chosen[:, None]).T)
@@ -155,15 +156,16 @@ class RowDecoder:
                 top = lp.topk(mode.top_n, dim=-1)
                 values.index_copy_(0, at, top.values[None])
                 indices.index_copy_(0, at, top.indices[None])
-        self.current.copy_(chosen)
         return chosen
 
     def forward(self, chosen: torch.Tensor) -> None:
-        """Logits (into ``self.logits``) of ``chosen`` (batch,), each fed at its row's position (a
-        row past the window, already finished, repeats the last position)."""
+        """Records ``chosen`` (batch,) as this step's ids and puts its logits into ``self.logits``,
+        each fed at its row's position (a row past the window, already finished, repeats the last
+        position)."""
         model = self.model
-        positions = (self.start + self.step_index).clamp_(max=self.window - 1)
-        x = model.word_embeddings(chosen) + model.position_embeddings(positions)
+        x, positions = self.x, self.positions
+        embed_rows(chosen, self.start, self.step_index, model.word_embeddings.weight,
+                   model.position_embeddings.weight, x, positions, self.out, self.current)
         for i, block in enumerate(model.layers.values()):
             attn, mlp = block.attn, block.mlp
             qkv = ln_linear(x, attn.qkv.weight, attn.qkv.bias, ln=block.ln1)
@@ -341,3 +343,25 @@ def fused_generate(model: GPT, prompts: list[list[int]], params, **kw) -> list[G
         params = [params] * len(prompts)
     decoder = row_decoder_for(model, len(prompts), kw.pop("use_graph", True))
     return decoder.run(list(prompts), list(params), **kw)
+
+
+def warm_up(model: GPT, max_rows: int) -> int:
+    """Compiles the kernels and captures the graphs that a server's first requests would otherwise
+    wait for: the prompt graph of every padded length, and the greedy and the sampled step of each
+    batch bucket up to ``max_rows``. Returns the largest bucket warmed: it stops at the first that
+    does not fit in the GPU's memory (larger batches then fail as they would have anyway)."""
+    window = model.cfg.max_position_embeddings
+    greedy = SamplingParams(max_new_tokens=1, temperature=0.0)
+    sampled = SamplingParams(max_new_tokens=1, temperature=1.0, seed=0)
+    lengths = sorted({min(prefill_bucket(n, window), window - 1) for n in range(1, window)})
+    warmed, rows = 0, 1
+    try:
+        for length in lengths:
+            fused_generate(model, [[0] * length], greedy)
+        while rows <= bucket(max_rows):
+            fused_generate(model, [[0]] * rows, greedy)
+            fused_generate(model, [[0]] * rows, [sampled] * rows)
+            warmed, rows = rows, rows * 2
+    except torch.cuda.OutOfMemoryError:
+        torch.cuda.empty_cache()
+    return warmed

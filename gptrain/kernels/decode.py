@@ -5,7 +5,10 @@ cached keys, with the new key and value written into the cache by the same kerne
 A 345M step at batch 1 reads 0.7 GB of weights, about 0.2 ms at an H100's memory speed, but as
 PyTorch ops (or Inductor's fusions around cuBLAS) it is 300-odd kernels, and their launch gaps
 cost more than the reads. Here a block is five kernels: LayerNorm + QKV; attention; output
-projection + bias + residual; LayerNorm + FC1 + bias + GELU; FC2 + bias + residual.
+projection + bias + residual; LayerNorm + FC1 + bias + GELU; FC2 + bias + residual. A LayerNorm
+is folded into the product that follows it (its statistics accumulate beside the product), so no
+kernel reads its input before the weights start streaming. Around them: one kernel for a step's
+input (token and position embeddings) and one for the greedy choice (a row's argmax).
 
 Every kernel computes a row of the batch the same way whatever the other rows hold and however
 many there are: fixed tiles (16 rows a program, masked), a fixed order of the reduction over the
@@ -45,40 +48,47 @@ def _kernels():
         row_ok, col_ok = rows < M, cols < N
         x_rows = x_ptr + rows.to(tl.int64)[:, None] * K
         w_rows = w_ptr + cols.to(tl.int64)[:, None] * K
-        mean = tl.zeros([BLOCK_M], tl.float32)
-        rstd = tl.zeros([BLOCK_M], tl.float32)
-        if HAS_LN:  # the row's mean and 1/std, two passes in fp32 (x is small: L2 serves it)
-            total = tl.zeros([BLOCK_M], tl.float32)
-            for k0 in range(0, K, BLOCK_K):
-                ks = k0 + tl.arange(0, BLOCK_K)
-                x = tl.load(x_rows + ks[None, :], mask=row_ok[:, None] & (ks < K)[None, :], other=0.0)
-                total += tl.sum(x.to(tl.float32), axis=1)
-            mean = total / K
-            total = tl.zeros([BLOCK_M], tl.float32)
-            for k0 in range(0, K, BLOCK_K):
-                ks = k0 + tl.arange(0, BLOCK_K)
-                ok = row_ok[:, None] & (ks < K)[None, :]
-                x = tl.load(x_rows + ks[None, :], mask=ok, other=0.0).to(tl.float32)
-                d = tl.where(ok, x - mean[:, None], 0.0)
-                total += tl.sum(d * d, axis=1)
-            rstd = 1.0 / tl.sqrt(total / K + eps)
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        if HAS_LN:
+            # LayerNorm folded into the product, so the weights stream from the first instruction (no
+            # pass over x before them): with x shifted by its first element x0 (for precision),
+            # ln(x) @ w.T = rstd * ((g * (x - x0)) @ w.T - (mean - x0) * (g @ w.T)) + b @ w.T, and
+            # sum(x - x0), sum((x - x0)^2), g @ w.T and b @ w.T accumulate in the same loop
+            shift = tl.load(x_rows, mask=row_ok[:, None], other=0.0).to(tl.float32)  # (BLOCK_M, 1)
+            sums = tl.zeros([BLOCK_M], tl.float32)
+            squares = tl.zeros([BLOCK_M], tl.float32)
+            gb = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)  # row 0: g @ w.T, row 1: b @ w.T
+            which = tl.arange(0, BLOCK_M)[:, None]
         span = K // SPLIT  # this program's share of the input dimension (a multiple of BLOCK_K)
         for k0 in range(pid_k * span, pid_k * span + span, BLOCK_K):
             ks = k0 + tl.arange(0, BLOCK_K)
             k_ok = ks < K
-            a = tl.load(x_rows + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            ok = row_ok[:, None] & k_ok[None, :]
+            a = tl.load(x_rows + ks[None, :], mask=ok, other=0.0)
+            w = tl.load(w_rows + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
             if HAS_LN:
                 g = tl.load(ln_w_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)
                 b = tl.load(ln_b_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)
-                a = (a.to(tl.float32) - mean[:, None]) * rstd[:, None] * g[None, :] + b[None, :]
-                a = tl.where(row_ok[:, None], a, 0.0)
-            w = tl.load(w_rows + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+                d = tl.where(ok, a.to(tl.float32) - shift, 0.0)
+                sums += tl.sum(d, axis=1)
+                squares += tl.sum(d * d, axis=1)
+                a = d * g[None, :]
+                consts = tl.where(which == 0, g[None, :], tl.where(which == 1, b[None, :], 0.0)).to(w.dtype)
+                if IEEE:
+                    gb += tl.dot(consts, tl.trans(w), input_precision="ieee")
+                else:
+                    gb += tl.dot(consts, tl.trans(w))
             a = a.to(w.dtype)
             if IEEE:
                 acc += tl.dot(a, tl.trans(w), input_precision="ieee")
             else:
                 acc += tl.dot(a, tl.trans(w))
+        if HAS_LN:
+            mean = sums / K  # of x - x0
+            rstd = 1.0 / tl.sqrt(tl.maximum(squares / K - mean * mean, 0.0) + eps)
+            gw = tl.sum(tl.where(which == 0, gb, 0.0), axis=0)
+            bw = tl.sum(tl.where(which == 1, gb, 0.0), axis=0)
+            acc = (acc - mean[:, None] * gw[None, :]) * rstd[:, None] + bw[None, :]
         if SPLIT > 1:  # the last program of a tile to finish adds the shares in their fixed order
             tile = pid_m * tl.num_programs(0) + pid_n
             inside = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
@@ -104,7 +114,7 @@ def _kernels():
         tl.store(out_ptr + out_at, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
     @triton.jit
-    def attention_kernel(qkv_ptr, kv_ptr, pos_ptr, out_ptr, heads, window, batch, scale,
+    def attention_kernel(qkv_ptr, kv_ptr, pos_ptr, out_ptr, heads, window, values_at, scale,
                          DIM: tl.constexpr, BLOCK_T: tl.constexpr):
         row, head = tl.program_id(0), tl.program_id(1)
         pos = tl.load(pos_ptr + row)
@@ -115,7 +125,7 @@ def _kernels():
         v_new = tl.load(src + 2 * DIM + d)
         # kv: (2, batch, heads, window, DIM); this row and head's keys, then its values
         keys = kv_ptr + ((row.to(tl.int64) * heads + head) * window) * DIM
-        values = keys + batch * heads * window * DIM
+        values = keys + values_at  # (an int64 when the cache's keys pass 2^31 elements)
         tl.store(keys + pos * DIM + d, k_new)
         tl.store(values + pos * DIM + d, v_new)
         # online softmax: the new token first (from registers), then positions 0 .. pos-1 in order
@@ -137,7 +147,43 @@ def _kernels():
         dst = out_ptr + row.to(tl.int64) * (heads * DIM) + head * DIM
         tl.store(dst + d, (acc / s).to(out_ptr.dtype.element_ty))
 
-    return ln_linear_kernel, attention_kernel
+    @triton.jit
+    def argmax_kernel(logits_ptr, stride, N, part_ptr, lock_ptr, out_ptr, BLOCK: tl.constexpr, CHUNKS: tl.constexpr,
+                      CHUNKS_P2: tl.constexpr):
+        row, chunk = tl.program_id(0), tl.program_id(1)
+        cols = chunk * BLOCK + tl.arange(0, BLOCK)
+        v = tl.load(logits_ptr + row.to(tl.int64) * stride + cols, mask=cols < N, other=float("-inf"))
+        best = tl.max(v, axis=0)
+        first = tl.min(tl.where(v == best, cols, N), axis=0)  # the lowest index of the maximum, as torch's
+        parts = part_ptr + row.to(tl.int64) * (2 * CHUNKS_P2)
+        tl.store(parts + chunk, best, cache_modifier=".cg")
+        tl.store(parts + CHUNKS_P2 + chunk, first.to(tl.float32), cache_modifier=".cg")  # exact below 2^24
+        tl.debug_barrier()
+        if tl.atomic_add(lock_ptr + row, 1, sem="acq_rel") != CHUNKS - 1:
+            return
+        c = tl.arange(0, CHUNKS_P2)
+        values = tl.load(parts + c, mask=c < CHUNKS, other=float("-inf"), cache_modifier=".cg")
+        at = tl.load(parts + CHUNKS_P2 + c, mask=c < CHUNKS, other=N, cache_modifier=".cg")
+        best = tl.max(values, axis=0)
+        tl.store(out_ptr + row, tl.min(tl.where(values == best, at, N), axis=0).to(tl.int64))
+        tl.atomic_xchg(lock_ptr + row, 0)  # ready for the next launch
+
+    @triton.jit
+    def embed_kernel(ids_ptr, start_ptr, step_ptr, word_ptr, pos_emb_ptr, x_ptr, positions_ptr, out_ids_ptr,
+                     current_ptr, batch, last_position, H, BLOCK_H: tl.constexpr):
+        row = tl.program_id(0)
+        token = tl.load(ids_ptr + row)
+        step = tl.load(step_ptr)
+        position = tl.minimum(tl.load(start_ptr + row) + step, last_position)
+        h = tl.arange(0, BLOCK_H)
+        e = tl.load(word_ptr + token * H + h, mask=h < H, other=0.0).to(tl.float32) + \
+            tl.load(pos_emb_ptr + position * H + h, mask=h < H, other=0.0).to(tl.float32)
+        tl.store(x_ptr + row.to(tl.int64) * H + h, e.to(x_ptr.dtype.element_ty), mask=h < H)
+        tl.store(positions_ptr + row, position)
+        tl.store(out_ids_ptr + step * batch + row, token)
+        tl.store(current_ptr + row, token)
+
+    return ln_linear_kernel, attention_kernel, argmax_kernel, embed_kernel
 
 
 @functools.cache
@@ -178,6 +224,8 @@ def ln_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None =
     if x.dtype == torch.float32:  # fp32 tiles take twice the shared memory
         settings.update(BLOCK_K=min(settings["BLOCK_K"], 64), num_stages=2)
     split = settings["SPLIT"]
+    if split > 1 and ln is not None:
+        raise ValueError("a LayerNorm's statistics need the whole input: no SPLIT with ln")
     if split > 1 and k % (split * settings["BLOCK_K"]):
         raise ValueError(f"{k} inputs do not split into {split} shares of {settings['BLOCK_K']}-wide steps")
     grid = (triton_cdiv(n, settings["BLOCK_N"]), triton_cdiv(m, ROWS), split)
@@ -210,14 +258,54 @@ def _split_buffers(device: torch.device, tiles: int, tile_floats: int) -> tuple[
     return sets[-1]
 
 
+ARGMAX_BLOCK = 2048  # logits a program scans
+
+
+def row_argmax(logits: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Each row's index of its largest value (the lowest such index, as ``torch.argmax``): chunks of
+    a row in parallel, then the chunk that finishes last picks among them in a fixed order (a row's
+    answer depends only on the row). ``logits`` (rows, n) fp32 with unit column stride."""
+    rows, n = logits.shape
+    if out is None:
+        out = torch.empty(rows, device=logits.device, dtype=torch.long)
+    if not _use_triton(logits):
+        return out.copy_(logits.argmax(dim=-1))
+    assert logits.stride(1) == 1 and logits.dtype == torch.float32 and out.is_contiguous()
+    chunks = triton_cdiv(n, ARGMAX_BLOCK)
+    p2 = 1 << (chunks - 1).bit_length()
+    parts, locks = _split_buffers(logits.device, rows, 2 * p2)
+    _kernels()[2][(rows, chunks)](logits, logits.stride(0), n, parts, locks, out, BLOCK=ARGMAX_BLOCK, CHUNKS=chunks,
+                                  CHUNKS_P2=p2, num_warps=4)
+    return out
+
+
+def embed_rows(ids: torch.Tensor, start: torch.Tensor, step: torch.Tensor, word: torch.Tensor, pos_emb: torch.Tensor,
+               x: torch.Tensor, positions: torch.Tensor, out_ids: torch.Tensor, current: torch.Tensor) -> None:
+    """One decode step's input, in one kernel: each row's position ``min(start + step, window - 1)``
+    into ``positions``, its token's and position's embeddings summed (in the model's dtype, as
+    eager) into ``x``, and the token recorded at ``out_ids[step]`` and in ``current``."""
+    rows, hidden = x.shape
+    if not _use_triton(x):
+        positions.copy_((start[:rows] + step).clamp_(max=pos_emb.shape[0] - 1))
+        x.copy_(F.embedding(ids, word) + F.embedding(positions, pos_emb))
+        out_ids.index_copy_(0, step.view(1), ids[None])
+        current.copy_(ids)
+        return
+    assert x.is_contiguous() and word.is_contiguous() and pos_emb.is_contiguous() and out_ids.shape[1] == rows
+    _kernels()[3][(rows,)](ids, start, step, word, pos_emb, x, positions, out_ids, current, rows,
+                           pos_emb.shape[0] - 1, hidden, BLOCK_H=1 << (hidden - 1).bit_length(), num_warps=4)
+
+
 def triton_cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
 def reference_ln_linear(x, weight, bias=None, ln=None, gelu=False, residual=None) -> torch.Tensor:
-    """The same math as PyTorch ops, with the kernel's roundings: LayerNorm in fp32, its output in
-    the weight's dtype; the product accumulated in fp32; bias and GELU in fp32; the product
-    rounded to the output dtype before the residual add."""
+    """The same math as PyTorch ops, with eager's roundings: LayerNorm in fp32, its output in the
+    weight's dtype; the product accumulated in fp32; bias and GELU in fp32; the product rounded to
+    the output dtype before the residual add. (The kernel folds the LayerNorm into the product, so
+    in half precision it rounds g * (x - x0) instead of the LayerNorm's output: equal in fp32 up to
+    the order of the sums, within half-precision rounding otherwise.)"""
     a = x.float()
     if ln is not None:
         a = F.layer_norm(a, a.shape[-1:], ln.weight.float(), ln.bias.float(), ln.eps)
@@ -242,7 +330,8 @@ def decode_attention(qkv: torch.Tensor, kv: torch.Tensor, positions: torch.Tenso
     if not _use_triton(qkv):
         return out.copy_(reference_decode_attention(qkv, kv, positions))
     assert qkv.is_contiguous() and kv.is_contiguous() and out.is_contiguous() and rows <= batch
-    _kernels()[1][(rows, heads)](qkv, kv, positions, out, heads, window, batch, dim ** -0.5, DIM=dim, BLOCK_T=64,
+    _kernels()[1][(rows, heads)](qkv, kv, positions, out, heads, window, batch * heads * window * dim, dim ** -0.5,
+                                 DIM=dim, BLOCK_T=64,
                                  num_warps=4)
     return out
 

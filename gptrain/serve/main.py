@@ -18,6 +18,8 @@ def serve_main(argv: list[str]) -> int:
     p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger requests get 413")
     p.add_argument("--model-name", default=None, help="the id /v1/models reports (default: the folder's name)")
     p.add_argument("--no-cuda-graph", action="store_true", help="eager decode steps on a GPU")
+    p.add_argument("--no-warmup", action="store_true",
+                   help="skip compiling and capturing the decode graphs before serving (first requests wait)")
     args = p.parse_args(argv)
     if not 0 <= args.port < 65536:
         return _fail(f"--port {args.port}: not a port")
@@ -70,6 +72,8 @@ def _serve(args, loaded, uvicorn, build_app, channel=None) -> int:
 
         if plain_model(model):  # one graph per batch bucket; a request's text does not depend on its batch
             generate_fn, how = fused_generate, "fused CUDA-graph decode (batch invariant)"
+            if not args.no_warmup:
+                _warm_up(model, args.max_batch)
         else:
             generate_fn, how = graph_generate, "CUDA-graph decode"
     engine = Engine(model, loaded.tokenizer, max_batch=args.max_batch, max_queue=args.max_queue,
@@ -87,6 +91,19 @@ def _serve(args, loaded, uvicorn, build_app, channel=None) -> int:
             channel.stop()
     print("gptrain serve: stopped", flush=True)
     return 0
+
+
+def _warm_up(model, max_batch: int) -> None:
+    import time
+
+    from gptrain.inference.rows import warm_up
+
+    print(f"gptrain serve: compiling and capturing the decode graphs (prompt lengths, batches up to {max_batch}) ...",
+          flush=True)
+    begin = time.perf_counter()
+    warmed = warm_up(model, max_batch)
+    note = "" if warmed >= max_batch else f"; batches above {warmed} did not fit in GPU memory: lower --max-batch"
+    print(f"gptrain serve: warm-up done in {time.perf_counter() - begin:.1f} s{note}", flush=True)
 
 
 def _hold_signals() -> None:

@@ -50,3 +50,14 @@ def corpus(tmp_path):
     rng = random.Random(0)
     texts = [random_text(rng, rng.choice([0, 1, 5, 30, 200, 800])) for _ in range(300)]
     return write_jsonl(tmp_path / "corpus.jsonl", texts), texts
+
+
+@pytest.fixture
+def no_tf32():
+    """fp32 products in fp32 (no TF32) for one test, restored after it."""
+    import torch
+
+    before = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32 = before

@@ -212,11 +212,10 @@ gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU
 
 @pytest.mark.gpu
 @gpu
-def test_cuda_graphs_equal_eager_steps_and_generate(monkeypatch):
+def test_cuda_graphs_equal_eager_steps_and_generate(no_tf32):
     """On a GPU in fp32: the captured graphs (one per mode and attention bucket, replayed ahead of
     the host) give the eager steps' and generate's tokens, sampled and greedy, with log-probabilities."""
     model = tiny_model(seed=5).cuda()
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
     gen = torch.Generator().manual_seed(7)
     prompts = [torch.randint(0, 300, (n,), generator=gen).tolist() for n in (40, 3, 70, 9, 9)]
     params = [SamplingParams(max_new_tokens=150, temperature=0.0), SamplingParams(max_new_tokens=90, seed=3),
@@ -243,9 +242,8 @@ def test_cuda_graphs_equal_eager_steps_and_generate(monkeypatch):
 
 @pytest.mark.gpu
 @gpu
-def test_cuda_graphs_with_compiled_tails_equal_generate(monkeypatch):
+def test_cuda_graphs_with_compiled_tails_equal_generate(no_tf32):
     model = tiny_model(seed=6).cuda()
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
     gen = torch.Generator().manual_seed(8)
     prompts = [torch.randint(0, 300, (n,), generator=gen).tolist() for n in (30, 12)]
     params = [SamplingParams(max_new_tokens=120, temperature=0.0), SamplingParams(max_new_tokens=100, seed=2)]

@@ -194,11 +194,10 @@ def test_row_argmax_equals_torch_and_is_batch_invariant():
 
 @pytest.mark.gpu
 @gpu
-def test_captured_loop_equals_generate(monkeypatch):
+def test_captured_loop_equals_generate(no_tf32):
     """fp32 on a GPU: the captured graphs (one per mode, every length) give generate's tokens and
     log-probabilities, sampled and greedy."""
     model = tiny_model(seed=5).cuda()
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
     gen = torch.Generator().manual_seed(7)
     prompts = [torch.randint(0, 300, (n,), generator=gen).tolist() for n in (40, 3, 70, 9, 9)]
     params = [SamplingParams(max_new_tokens=150, temperature=0.0), SamplingParams(max_new_tokens=90, seed=3),

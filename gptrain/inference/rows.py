@@ -25,7 +25,7 @@ from gptrain.inference.generate import (EolIds, Generation, SamplingParams, _pro
 from gptrain.inference.host_loop import AHEAD, StepReader, capture
 from gptrain.inference.kv_cache import KVCache, forward_cached
 from gptrain.inference.sampling import sample
-from gptrain.kernels.decode import decode_attention, embed_rows, ln_linear, row_argmax
+from gptrain.kernels.decode import decode_attention, embed_rows, ln_linear, refresh_ln_constants, row_argmax
 from gptrain.model.gpt import GPT
 
 
@@ -250,6 +250,7 @@ class RowDecoder:
         begin = time.perf_counter()
         if self.use_graph:
             self._graph(mode)
+            refresh_ln_constants()  # weights changed in place since the last request
         self.stats["capture_s"] += time.perf_counter() - begin
         self.stats["requests"] += 1
         begin = time.perf_counter()

@@ -38,10 +38,12 @@ def _kernels():
     import triton.language as tl
 
     @triton.jit
-    def ln_linear_kernel(x_ptr, ln_w_ptr, ln_b_ptr, w_ptr, bias_ptr, res_ptr, out_ptr, part_ptr, lock_ptr, M, N, K,
-                         stride_out, eps, HAS_LN: tl.constexpr, HAS_BIAS: tl.constexpr, GELU: tl.constexpr,
+    def ln_linear_kernel(x_ptr, ln_w_ptr, ln_b_ptr, consts_ptr, w_ptr, bias_ptr, res_ptr, out_ptr, part_ptr, lock_ptr,
+                         M, N, K, stride_out, eps, LN: tl.constexpr, HAS_BIAS: tl.constexpr, GELU: tl.constexpr,
                          RESIDUAL: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr):
+        # LN: 0 none; 1 the row's statistics in two passes over x first; 2 folded, g @ w.T and b @ w.T
+        # by a second product in the loop; 3 folded, g @ w.T and b @ w.T given (``consts_ptr``)
         pid_n, pid_m, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -49,15 +51,32 @@ def _kernels():
         x_rows = x_ptr + rows.to(tl.int64)[:, None] * K
         w_rows = w_ptr + cols.to(tl.int64)[:, None] * K
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        if HAS_LN:
+        mean = tl.zeros([BLOCK_M], tl.float32)
+        rstd = tl.zeros([BLOCK_M], tl.float32)
+        if LN == 1:  # the row's mean and 1/std, two passes in fp32 (x is small: L2 serves it)
+            total = tl.zeros([BLOCK_M], tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                ks = k0 + tl.arange(0, BLOCK_K)
+                x = tl.load(x_rows + ks[None, :], mask=row_ok[:, None] & (ks < K)[None, :], other=0.0)
+                total += tl.sum(x.to(tl.float32), axis=1)
+            mean = total / K
+            total = tl.zeros([BLOCK_M], tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                ks = k0 + tl.arange(0, BLOCK_K)
+                ok = row_ok[:, None] & (ks < K)[None, :]
+                x = tl.load(x_rows + ks[None, :], mask=ok, other=0.0).to(tl.float32)
+                d = tl.where(ok, x - mean[:, None], 0.0)
+                total += tl.sum(d * d, axis=1)
+            rstd = 1.0 / tl.sqrt(total / K + eps)
+        if LN >= 2:
             # LayerNorm folded into the product, so the weights stream from the first instruction (no
             # pass over x before them): with x shifted by its first element x0 (for precision),
             # ln(x) @ w.T = rstd * ((g * (x - x0)) @ w.T - (mean - x0) * (g @ w.T)) + b @ w.T, and
-            # sum(x - x0), sum((x - x0)^2), g @ w.T and b @ w.T accumulate in the same loop
+            # the sums of x - x0 and of its squares accumulate beside the product
             shift = tl.load(x_rows, mask=row_ok[:, None], other=0.0).to(tl.float32)  # (BLOCK_M, 1)
-            sums = tl.zeros([BLOCK_M], tl.float32)
-            squares = tl.zeros([BLOCK_M], tl.float32)
-            gb = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)  # row 0: g @ w.T, row 1: b @ w.T
+            sums = tl.zeros([BLOCK_M, BLOCK_K], tl.float32)
+            squares = tl.zeros([BLOCK_M, BLOCK_K], tl.float32)
+            gb = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)  # LN 2: row 0 g @ w.T, row 1 b @ w.T
             which = tl.arange(0, BLOCK_M)[:, None]
         span = K // SPLIT  # this program's share of the input dimension (a multiple of BLOCK_K)
         for k0 in range(pid_k * span, pid_k * span + span, BLOCK_K):
@@ -66,28 +85,38 @@ def _kernels():
             ok = row_ok[:, None] & k_ok[None, :]
             a = tl.load(x_rows + ks[None, :], mask=ok, other=0.0)
             w = tl.load(w_rows + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
-            if HAS_LN:
+            if LN == 1:
                 g = tl.load(ln_w_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)
                 b = tl.load(ln_b_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)
+                a = (a.to(tl.float32) - mean[:, None]) * rstd[:, None] * g[None, :] + b[None, :]
+                a = tl.where(row_ok[:, None], a, 0.0)
+            if LN >= 2:
+                g = tl.load(ln_w_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)
                 d = tl.where(ok, a.to(tl.float32) - shift, 0.0)
-                sums += tl.sum(d, axis=1)
-                squares += tl.sum(d * d, axis=1)
+                sums += d
+                squares += d * d
                 a = d * g[None, :]
-                consts = tl.where(which == 0, g[None, :], tl.where(which == 1, b[None, :], 0.0)).to(w.dtype)
-                if IEEE:
-                    gb += tl.dot(consts, tl.trans(w), input_precision="ieee")
-                else:
-                    gb += tl.dot(consts, tl.trans(w))
+                if LN == 2:
+                    b = tl.load(ln_b_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)
+                    consts = tl.where(which == 0, g[None, :], tl.where(which == 1, b[None, :], 0.0)).to(w.dtype)
+                    if IEEE:
+                        gb += tl.dot(consts, tl.trans(w), input_precision="ieee")
+                    else:
+                        gb += tl.dot(consts, tl.trans(w))
             a = a.to(w.dtype)
             if IEEE:
                 acc += tl.dot(a, tl.trans(w), input_precision="ieee")
             else:
                 acc += tl.dot(a, tl.trans(w))
-        if HAS_LN:
-            mean = sums / K  # of x - x0
-            rstd = 1.0 / tl.sqrt(tl.maximum(squares / K - mean * mean, 0.0) + eps)
-            gw = tl.sum(tl.where(which == 0, gb, 0.0), axis=0)
-            bw = tl.sum(tl.where(which == 1, gb, 0.0), axis=0)
+        if LN >= 2:
+            mean = tl.sum(sums, axis=1) / K  # of x - x0
+            rstd = 1.0 / tl.sqrt(tl.maximum(tl.sum(squares, axis=1) / K - mean * mean, 0.0) + eps)
+            if LN == 2:
+                gw = tl.sum(tl.where(which == 0, gb, 0.0), axis=0)
+                bw = tl.sum(tl.where(which == 1, gb, 0.0), axis=0)
+            else:
+                gw = tl.load(consts_ptr + cols, mask=col_ok, other=0.0)
+                bw = tl.load(consts_ptr + N + cols, mask=col_ok, other=0.0)
             acc = (acc - mean[:, None] * gw[None, :]) * rstd[:, None] + bw[None, :]
         if SPLIT > 1:  # the last program of a tile to finish adds the shares in their fixed order
             tile = pid_m * tl.num_programs(0) + pid_n
@@ -223,20 +252,63 @@ def ln_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None =
     settings = {"SPLIT": 1, **(TILES.get((n, k)) or tiles(n, k))}
     if x.dtype == torch.float32:  # fp32 tiles take twice the shared memory
         settings.update(BLOCK_K=min(settings["BLOCK_K"], 64), num_stages=2)
+    mode = 0 if ln is None else LN_MODE
+    if mode >= 2:
+        settings["SPLIT"] = 1  # a folded LayerNorm's statistics need the whole row in one program
     split = settings["SPLIT"]
-    if split > 1 and ln is not None:
-        raise ValueError("a LayerNorm's statistics need the whole input: no SPLIT with ln")
     if split > 1 and k % (split * settings["BLOCK_K"]):
         raise ValueError(f"{k} inputs do not split into {split} shares of {settings['BLOCK_K']}-wide steps")
     grid = (triton_cdiv(n, settings["BLOCK_N"]), triton_cdiv(m, ROWS), split)
     parts, locks = (x, x) if split == 1 else _split_buffers(x.device, grid[0] * grid[1],
                                                              split * ROWS * settings["BLOCK_N"])
-    kernel[grid](x, ln.weight if ln is not None else x, ln.bias if ln is not None else x, weight,
+    consts = ln_constants(weight, ln) if mode == 3 else x
+    kernel[grid](x, ln.weight if ln is not None else x, ln.bias if ln is not None else x, consts, weight,
                  bias if bias is not None else x, residual if residual is not None else out, out, parts, locks,
-                 m, n, k, out.stride(0), ln.eps if ln is not None else 0.0, HAS_LN=ln is not None,
+                 m, n, k, out.stride(0), ln.eps if ln is not None else 0.0, LN=mode,
                  HAS_BIAS=bias is not None, GELU=gelu, RESIDUAL=residual is not None, IEEE=x.dtype == torch.float32,
                  BLOCK_M=ROWS, **settings)
     return out
+
+
+LN_MODE = 3  # how the kernel applies a LayerNorm (see ln_linear_kernel)
+
+# per (weight, LayerNorm): [the versions it was computed at, (2, n) fp32 g @ w.T and b @ w.T, the tensors]
+_constants: dict[tuple, list] = {}
+
+
+def ln_constants(weight: torch.Tensor, ln: torch.nn.LayerNorm) -> torch.Tensor:
+    """``ln.weight @ weight.T`` and ``ln.bias @ weight.T`` in fp32, (2, n): what the folded
+    LayerNorm subtracts and adds. Computed once per weight and again when the weight or the
+    LayerNorm changes in place (their version counters), into the same buffer, so a captured graph
+    that holds it stays right once ``refresh_ln_constants`` has run."""
+    key = (weight.data_ptr(), tuple(weight.shape), ln.weight.data_ptr(), ln.bias.data_ptr())
+    entry = _constants.get(key)
+    if entry is None:
+        buffer = torch.empty(2, weight.shape[0], device=weight.device, dtype=torch.float32)
+        entry = _constants[key] = [None, buffer, (weight, ln.weight, ln.bias)]  # kept alive: no reused address
+    _refresh(entry)
+    return entry[1]
+
+
+def _refresh(entry: list) -> None:
+    weight, g, b = entry[2]
+    versions = (weight._version, g._version, b._version)
+    if entry[0] == versions:
+        return
+    if weight.is_cuda and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError("a LayerNorm's folded constants changed during a graph capture")
+    with torch.no_grad():  # elementwise in fp32 (no TF32), one row of weights at a time in chunks
+        for lo in range(0, weight.shape[0], 8192):
+            w = weight[lo:lo + 8192].float()
+            entry[1][0, lo:lo + 8192] = (w * g.float()).sum(dim=1)
+            entry[1][1, lo:lo + 8192] = (w * b.float()).sum(dim=1)
+    entry[0] = versions
+
+
+def refresh_ln_constants() -> None:
+    """Brings every folded LayerNorm's constants up to date (before replaying captured steps)."""
+    for entry in _constants.values():
+        _refresh(entry)
 
 
 _buffers: dict[torch.device, list[tuple[torch.Tensor, torch.Tensor]]] = {}

@@ -1,8 +1,7 @@
 """Where a decode matrix-vector kernel's time goes on the 345M's shapes (bf16, one row, weights cold
 in L2, in CUDA graphs as benchmarks/decode_kernels.py times them): the fused kernel with and without
 its LayerNorm prologue, an empty kernel (the launch floor), and a plain streaming read of the same
-bytes (the memory floor for one kernel). The LayerNorm three ways (kernels/decode.py's LN_MODE), at 1
-and 32 rows.
+bytes (the memory floor for one kernel); the fused kernel at 1 and 32 rows.
 
     python3 benchmarks/decode_floor.py
 """
@@ -46,12 +45,8 @@ def main() -> None:
         x = torch.randn(32, k, device=dev, dtype=torch.bfloat16)
         line = f"{name} ({n} x {k}):"
         for rows in (1, 32):
-            for mode in (1, 2, 3):  # the LayerNorm: two passes first; folded (a second product); folded (given)
-                decode.LN_MODE = mode
-                t = time_us(lambda i: decode.ln_linear(x[:rows], ws[i], ln=ln, bias=b), copies)
-                line += f" {rows} row(s) fused with LN mode {mode} {t:.2f} us;"
-            line += f" no LN {time_us(lambda i: decode.ln_linear(x[:rows], ws[i], bias=b), copies):.2f} us;"
-        decode.LN_MODE = 3
+            for label, kw in (("with LN", {"ln": ln, "bias": b}), ("no LN", {"bias": b})):
+                line += f" {rows} row(s) fused {label} {time_us(lambda i: decode.ln_linear(x[:rows], ws[i], **kw), copies):.2f} us;"
         x = x[:1]
         line += f" cuBLAS {time_us(lambda i: torch.nn.functional.linear(x, ws[i], b), copies):.2f} us;"
         numel = n * k

@@ -155,7 +155,6 @@ def main() -> None:
                    help="also time the decode loop with each block's step through torch.compile (graph_generate(compile=True))")
     p.add_argument("--profile-tokens", type=int, default=32, help="new tokens of the profiled request")
     p.add_argument("--tiles", help="the fused kernels' tiles from decode_kernels.py --json")
-    p.add_argument("--ln-mode", type=int, choices=(1, 2, 3), help="the fused kernels' LayerNorm (decode.LN_MODE)")
     args = p.parse_args()
     if args.tiles:
         import json
@@ -165,11 +164,6 @@ def main() -> None:
         with open(args.tiles) as f:
             decode.TILES.update({tuple(shape): t for shape, t in json.load(f)})
         print("fused kernel tiles:", decode.TILES)
-    if args.ln_mode:
-        from gptrain.kernels import decode
-
-        decode.LN_MODE = args.ln_mode
-        print("fused kernels' LayerNorm mode:", decode.LN_MODE)
     assert torch.cuda.is_available(), "needs a GPU"
     torch.backends.cuda.matmul.allow_tf32 = True
     cfg = GPTConfig(hidden_dropout=0.0, attention_dropout=0.0)  # the 345M: 24 x 1024, 16 heads, 1024 positions

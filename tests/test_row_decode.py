@@ -210,6 +210,15 @@ def test_captured_loop_equals_generate(no_tf32):
         _compare(fused_generate(model, prompts, params, **kw), ref)
     decoder = row_decoder_for(model, len(prompts))
     assert decoder.use_graph and decoder.stats["graphs"] == 2  # one per mode, whatever the lengths
+    # weights changed in place (as training or a checkpoint load does): the captured graphs follow,
+    # the folded LayerNorms' constants included
+    with torch.no_grad():
+        block = model.layers["0"]
+        block.ln1.bias.add_(0.5)
+        block.ln2.weight.mul_(1.5)
+        block.attn.qkv.weight.mul_(1.2)
+        model.final_layernorm.bias.sub_(0.3)
+    _compare(fused_generate(model, prompts, params), generate(model, prompts, params))
 
 
 @pytest.mark.gpu

@@ -38,12 +38,10 @@ def _kernels():
     import triton.language as tl
 
     @triton.jit
-    def ln_linear_kernel(x_ptr, ln_w_ptr, ln_b_ptr, consts_ptr, w_ptr, bias_ptr, res_ptr, out_ptr, part_ptr, lock_ptr,
-                         M, N, K, stride_out, eps, LN: tl.constexpr, HAS_BIAS: tl.constexpr, GELU: tl.constexpr,
+    def ln_linear_kernel(x_ptr, ln_w_ptr, consts_ptr, w_ptr, bias_ptr, res_ptr, out_ptr, part_ptr, lock_ptr,
+                         M, N, K, stride_out, eps, HAS_LN: tl.constexpr, HAS_BIAS: tl.constexpr, GELU: tl.constexpr,
                          RESIDUAL: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr):
-        # LN: 0 none; 1 the row's statistics in two passes over x first; 2 folded, g @ w.T and b @ w.T
-        # by a second product in the loop; 3 folded, g @ w.T and b @ w.T given (``consts_ptr``)
         pid_n, pid_m, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -51,33 +49,15 @@ def _kernels():
         x_rows = x_ptr + rows.to(tl.int64)[:, None] * K
         w_rows = w_ptr + cols.to(tl.int64)[:, None] * K
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        mean = tl.zeros([BLOCK_M], tl.float32)
-        rstd = tl.zeros([BLOCK_M], tl.float32)
-        if LN == 1:  # the row's mean and 1/std, two passes in fp32 (x is small: L2 serves it)
-            total = tl.zeros([BLOCK_M], tl.float32)
-            for k0 in range(0, K, BLOCK_K):
-                ks = k0 + tl.arange(0, BLOCK_K)
-                x = tl.load(x_rows + ks[None, :], mask=row_ok[:, None] & (ks < K)[None, :], other=0.0)
-                total += tl.sum(x.to(tl.float32), axis=1)
-            mean = total / K
-            total = tl.zeros([BLOCK_M], tl.float32)
-            for k0 in range(0, K, BLOCK_K):
-                ks = k0 + tl.arange(0, BLOCK_K)
-                ok = row_ok[:, None] & (ks < K)[None, :]
-                x = tl.load(x_rows + ks[None, :], mask=ok, other=0.0).to(tl.float32)
-                d = tl.where(ok, x - mean[:, None], 0.0)
-                total += tl.sum(d * d, axis=1)
-            rstd = 1.0 / tl.sqrt(total / K + eps)
-        if LN >= 2:
-            # LayerNorm folded into the product, so the weights stream from the first instruction (no
-            # pass over x before them): with x shifted by its first element x0 (for precision),
-            # ln(x) @ w.T = rstd * ((g * (x - x0)) @ w.T - (mean - x0) * (g @ w.T)) + b @ w.T, and
-            # the sums of x - x0 and of its squares accumulate beside the product
+        if HAS_LN:
+            # the LayerNorm folded into the product, so the weights stream from the first instruction
+            # (no pass over x before them): with x shifted by its first element x0 (for precision),
+            # ln(x) @ w.T = rstd * ((g * (x - x0)) @ w.T - (mean - x0) * (g @ w.T)) + b @ w.T; the
+            # sums of x - x0 and of its squares accumulate beside the product, g @ w.T and b @ w.T
+            # are given (``consts_ptr``, ln_constants)
             shift = tl.load(x_rows, mask=row_ok[:, None], other=0.0).to(tl.float32)  # (BLOCK_M, 1)
             sums = tl.zeros([BLOCK_M, BLOCK_K], tl.float32)
             squares = tl.zeros([BLOCK_M, BLOCK_K], tl.float32)
-            gb = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)  # LN 2: row 0 g @ w.T, row 1 b @ w.T
-            which = tl.arange(0, BLOCK_M)[:, None]
         span = K // SPLIT  # this program's share of the input dimension (a multiple of BLOCK_K)
         for k0 in range(pid_k * span, pid_k * span + span, BLOCK_K):
             ks = k0 + tl.arange(0, BLOCK_K)
@@ -85,38 +65,22 @@ def _kernels():
             ok = row_ok[:, None] & k_ok[None, :]
             a = tl.load(x_rows + ks[None, :], mask=ok, other=0.0)
             w = tl.load(w_rows + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
-            if LN == 1:
-                g = tl.load(ln_w_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)
-                b = tl.load(ln_b_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)
-                a = (a.to(tl.float32) - mean[:, None]) * rstd[:, None] * g[None, :] + b[None, :]
-                a = tl.where(row_ok[:, None], a, 0.0)
-            if LN >= 2:
+            if HAS_LN:
                 g = tl.load(ln_w_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)
                 d = tl.where(ok, a.to(tl.float32) - shift, 0.0)
                 sums += d
                 squares += d * d
                 a = d * g[None, :]
-                if LN == 2:
-                    b = tl.load(ln_b_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)
-                    consts = tl.where(which == 0, g[None, :], tl.where(which == 1, b[None, :], 0.0)).to(w.dtype)
-                    if IEEE:
-                        gb += tl.dot(consts, tl.trans(w), input_precision="ieee")
-                    else:
-                        gb += tl.dot(consts, tl.trans(w))
             a = a.to(w.dtype)
             if IEEE:
                 acc += tl.dot(a, tl.trans(w), input_precision="ieee")
             else:
                 acc += tl.dot(a, tl.trans(w))
-        if LN >= 2:
+        if HAS_LN:
             mean = tl.sum(sums, axis=1) / K  # of x - x0
             rstd = 1.0 / tl.sqrt(tl.maximum(tl.sum(squares, axis=1) / K - mean * mean, 0.0) + eps)
-            if LN == 2:
-                gw = tl.sum(tl.where(which == 0, gb, 0.0), axis=0)
-                bw = tl.sum(tl.where(which == 1, gb, 0.0), axis=0)
-            else:
-                gw = tl.load(consts_ptr + cols, mask=col_ok, other=0.0)
-                bw = tl.load(consts_ptr + N + cols, mask=col_ok, other=0.0)
+            gw = tl.load(consts_ptr + cols, mask=col_ok, other=0.0)
+            bw = tl.load(consts_ptr + N + cols, mask=col_ok, other=0.0)
             acc = (acc - mean[:, None] * gw[None, :]) * rstd[:, None] + bw[None, :]
         if SPLIT > 1:  # the last program of a tile to finish adds the shares in their fixed order
             tile = pid_m * tl.num_programs(0) + pid_n
@@ -143,38 +107,67 @@ def _kernels():
         tl.store(out_ptr + out_at, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
     @triton.jit
-    def attention_kernel(qkv_ptr, kv_ptr, pos_ptr, out_ptr, heads, window, values_at, scale,
-                         DIM: tl.constexpr, BLOCK_T: tl.constexpr):
-        row, head = tl.program_id(0), tl.program_id(1)
+    def attention_kernel(qkv_ptr, kv_ptr, pos_ptr, out_ptr, part_ptr, lock_ptr, heads, window, values_at, scale,
+                         DIM: tl.constexpr, CHUNK: tl.constexpr, CHUNKS_P2: tl.constexpr):
+        # a program per (row, head, CHUNK positions of the row's keys); the chunk that finishes last
+        # merges the chunks' softmax shares in chunk order (so a row's numbers depend only on the row)
+        row, head, chunk = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         pos = tl.load(pos_ptr + row)
+        used = pos // CHUNK + 1  # chunks holding positions 0 .. pos (pos: the new token's)
+        if chunk >= used:
+            return
         d = tl.arange(0, DIM)
         src = qkv_ptr + row.to(tl.int64) * (3 * heads * DIM) + head * (3 * DIM)
         q = tl.load(src + d).to(tl.float32)
-        k_new = tl.load(src + DIM + d)
-        v_new = tl.load(src + 2 * DIM + d)
         # kv: (2, batch, heads, window, DIM); this row and head's keys, then its values
         keys = kv_ptr + ((row.to(tl.int64) * heads + head) * window) * DIM
         values = keys + values_at  # (an int64 when the cache's keys pass 2^31 elements)
-        tl.store(keys + pos * DIM + d, k_new)
-        tl.store(values + pos * DIM + d, v_new)
-        # online softmax: the new token first (from registers), then positions 0 .. pos-1 in order
-        m = tl.sum(q * k_new.to(tl.float32), axis=0) * scale
-        s = m * 0.0 + 1.0
-        acc = v_new.to(tl.float32)
-        for t0 in range(0, pos, BLOCK_T):
-            ts = t0 + tl.arange(0, BLOCK_T)
-            ok = ts < pos
-            k = tl.load(keys + ts[:, None] * DIM + d[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
-            scores = tl.where(ok, tl.sum(k * q[None, :], axis=1) * scale, float("-inf"))
-            m_new = tl.maximum(m, tl.max(scores, axis=0))
-            p = tl.exp(scores - m_new)
-            alpha = tl.exp(m - m_new)
-            v = tl.load(values + ts[:, None] * DIM + d[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
-            s = s * alpha + tl.sum(p, axis=0)
-            acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
-            m = m_new
+        ts = chunk * CHUNK + tl.arange(0, CHUNK)
+        ok = ts < pos  # cached positions; the new token comes from registers in the last chunk
+        k = tl.load(keys + ts[:, None] * DIM + d[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
+        v = tl.load(values + ts[:, None] * DIM + d[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
+        scores = tl.where(ok, tl.sum(k * q[None, :], axis=1) * scale, float("-inf"))
+        last = chunk == used - 1
+        if last:
+            k_new = tl.load(src + DIM + d)
+            v_new = tl.load(src + 2 * DIM + d)
+            tl.store(keys + pos * DIM + d, k_new)
+            tl.store(values + pos * DIM + d, v_new)
+            new = tl.sum(q * k_new.to(tl.float32), axis=0) * scale
+            m = tl.maximum(tl.max(scores, axis=0), new)
+            p = tl.exp(scores - m)
+            own = tl.exp(new - m)
+            s = tl.sum(p, axis=0) + own
+            acc = tl.sum(p[:, None] * v, axis=0) + own * v_new.to(tl.float32)
+        else:
+            m = tl.max(scores, axis=0)
+            p = tl.exp(scores - m)
+            s = tl.sum(p, axis=0)
+            acc = tl.sum(p[:, None] * v, axis=0)
         dst = out_ptr + row.to(tl.int64) * (heads * DIM) + head * DIM
-        tl.store(dst + d, (acc / s).to(out_ptr.dtype.element_ty))
+        if used == 1:
+            tl.store(dst + d, (acc / s).to(out_ptr.dtype.element_ty))
+            return
+        pair = row.to(tl.int64) * heads + head
+        shares = part_ptr + pair * (CHUNKS_P2 * 2 * DIM)  # per chunk: acc (DIM), then m, s
+        tl.store(shares + chunk * (2 * DIM) + d, acc, cache_modifier=".cg")
+        tl.store(shares + chunk * (2 * DIM) + DIM + tl.arange(0, 2), tl.where(tl.arange(0, 2) == 0, m, s),
+                 cache_modifier=".cg")
+        tl.debug_barrier()
+        if tl.atomic_add(lock_ptr + pair, 1, sem="acq_rel") != used - 1:
+            return
+        c = tl.arange(0, CHUNKS_P2)
+        c_ok = c < used
+        ms = tl.load(shares + c * (2 * DIM) + DIM, mask=c_ok, other=float("-inf"), cache_modifier=".cg")
+        ss = tl.load(shares + c * (2 * DIM) + DIM + 1, mask=c_ok, other=0.0, cache_modifier=".cg")
+        accs = tl.load(shares + c[:, None] * (2 * DIM) + d[None, :], mask=c_ok[:, None], other=0.0,
+                       cache_modifier=".cg")
+        top = tl.max(ms, axis=0)
+        scale_c = tl.where(c_ok, tl.exp(ms - top), 0.0)
+        total = tl.sum(scale_c * ss, axis=0)
+        merged = tl.sum(scale_c[:, None] * accs, axis=0)
+        tl.store(dst + d, (merged / total).to(out_ptr.dtype.element_ty))
+        tl.atomic_xchg(lock_ptr + pair, 0)  # ready for the next launch
 
     @triton.jit
     def argmax_kernel(logits_ptr, stride, N, part_ptr, lock_ptr, out_ptr, BLOCK: tl.constexpr, CHUNKS: tl.constexpr,
@@ -252,25 +245,22 @@ def ln_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None =
     settings = {"SPLIT": 1, **(TILES.get((n, k)) or tiles(n, k))}
     if x.dtype == torch.float32:  # fp32 tiles take twice the shared memory
         settings.update(BLOCK_K=min(settings["BLOCK_K"], 64), num_stages=2)
-    mode = 0 if ln is None else LN_MODE
-    if mode >= 2:
-        settings["SPLIT"] = 1  # a folded LayerNorm's statistics need the whole row in one program
+    if ln is not None:
+        settings["SPLIT"] = 1  # a LayerNorm's statistics need the whole row in one program
     split = settings["SPLIT"]
     if split > 1 and k % (split * settings["BLOCK_K"]):
         raise ValueError(f"{k} inputs do not split into {split} shares of {settings['BLOCK_K']}-wide steps")
     grid = (triton_cdiv(n, settings["BLOCK_N"]), triton_cdiv(m, ROWS), split)
     parts, locks = (x, x) if split == 1 else _split_buffers(x.device, grid[0] * grid[1],
                                                              split * ROWS * settings["BLOCK_N"])
-    consts = ln_constants(weight, ln) if mode == 3 else x
-    kernel[grid](x, ln.weight if ln is not None else x, ln.bias if ln is not None else x, consts, weight,
+    consts = ln_constants(weight, ln) if ln is not None else x
+    kernel[grid](x, ln.weight if ln is not None else x, consts, weight,
                  bias if bias is not None else x, residual if residual is not None else out, out, parts, locks,
-                 m, n, k, out.stride(0), ln.eps if ln is not None else 0.0, LN=mode,
+                 m, n, k, out.stride(0), ln.eps if ln is not None else 0.0, HAS_LN=ln is not None,
                  HAS_BIAS=bias is not None, GELU=gelu, RESIDUAL=residual is not None, IEEE=x.dtype == torch.float32,
                  BLOCK_M=ROWS, **settings)
     return out
 
-
-LN_MODE = 3  # how the kernel applies a LayerNorm (see ln_linear_kernel)
 
 # per (weight, LayerNorm): [the versions it was computed at, (2, n) fp32 g @ w.T and b @ w.T, the tensors]
 _constants: dict[tuple, list] = {}
@@ -402,10 +392,16 @@ def decode_attention(qkv: torch.Tensor, kv: torch.Tensor, positions: torch.Tenso
     if not _use_triton(qkv):
         return out.copy_(reference_decode_attention(qkv, kv, positions))
     assert qkv.is_contiguous() and kv.is_contiguous() and out.is_contiguous() and rows <= batch
-    _kernels()[1][(rows, heads)](qkv, kv, positions, out, heads, window, batch * heads * window * dim, dim ** -0.5,
-                                 DIM=dim, BLOCK_T=64,
-                                 num_warps=4)
+    chunks = triton_cdiv(window, ATTENTION_CHUNK)
+    p2 = 1 << (chunks - 1).bit_length()
+    parts, locks = _split_buffers(qkv.device, rows * heads, p2 * 2 * dim)
+    _kernels()[1][(rows, heads, chunks)](qkv, kv, positions, out, parts, locks, heads, window,
+                                         batch * heads * window * dim, dim ** -0.5, DIM=dim, CHUNK=ATTENTION_CHUNK,
+                                         CHUNKS_P2=p2, num_warps=4)
     return out
+
+
+ATTENTION_CHUNK = 64  # cached positions a program attends over (a row's chunks run in parallel)
 
 
 def reference_decode_attention(qkv: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

@@ -57,7 +57,7 @@ def main() -> None:
                 continue
             t = time_us(lambda i: stream_kernel[(programs,)](ws[i], out, numel, BLOCK=block, STEPS=steps, num_warps=4),
                         copies)
-            line += f" stream {programs} programs x {block * steps * 2 // 1024} KB: {t:.2f} us ({numel * 2 / t / 1e6:.0f} GB/s);"
+            line += f" stream {programs} programs x {block * steps * 2 // 1024} KB: {t:.2f} us ({numel * 2 / t / 1e3:.0f} GB/s);"
         print(line, flush=True)
 
 

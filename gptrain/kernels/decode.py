@@ -213,12 +213,17 @@ def tiles(n: int, k: int) -> dict:
     """Tile sizes and launch settings for a (n x k) weight (never the batch: see the docstring).
     ``SPLIT`` programs share a tile's input dimension when the tiles alone are too few to keep the
     GPU's memory system busy."""
-    # benchmarks/decode_kernels.py's sweep on an H100 (RESULTS.md): wide tiles for the wide weights,
-    # narrow ones for a square 1024, and four shares of the input for a long one
-    long = n <= 1024 and k >= 4096 and k % (4 * 256) == 0
-    block_n = 64 if n >= 2048 else 32 if long else 16
-    return {"BLOCK_N": block_n, "BLOCK_K": 256 if k % 256 == 0 else 128, "num_warps": 4, "num_stages": 3,
-            "SPLIT": 4 if long else 1}
+    # benchmarks/decode_kernels.py's sweep on an H100 (RESULTS.md, session 12): 32-wide tiles for the
+    # wide weights, 64 for a vocabulary, 16 for a square 1024, four shares of the input for a long one
+    long = n <= 1024 and k >= 4096 and k % (4 * 128) == 0
+    if long:
+        return {"BLOCK_N": 32, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4, "SPLIT": 4}
+    block_k = 256 if k % 256 == 0 else 128
+    if n > 8192:
+        return {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3, "SPLIT": 1}
+    if n >= 2048:
+        return {"BLOCK_N": 32, "BLOCK_K": block_k, "num_warps": 4, "num_stages": 4, "SPLIT": 1}
+    return {"BLOCK_N": 16, "BLOCK_K": block_k, "num_warps": 4, "num_stages": 3, "SPLIT": 1}
 
 
 TILES: dict[tuple[int, int], dict] = {}  # overrides by weight shape (benchmarks/decode_kernels.py's sweep)
@@ -401,7 +406,7 @@ def decode_attention(qkv: torch.Tensor, kv: torch.Tensor, positions: torch.Tenso
     return out
 
 
-ATTENTION_CHUNK = 64  # cached positions a program attends over (a row's chunks run in parallel)
+ATTENTION_CHUNK = 128  # cached positions a program attends over (a row's chunks run in parallel)
 
 
 def reference_decode_attention(qkv: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

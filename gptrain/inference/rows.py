@@ -25,13 +25,8 @@ from gptrain.inference.generate import (EolIds, Generation, SamplingParams, _pro
 from gptrain.inference.host_loop import AHEAD, StepReader, capture
 from gptrain.inference.kv_cache import KVCache, forward_cached
 from gptrain.inference.sampling import sample
-from gptrain.kernels.decode import (decode_attention, embed_rows, ln_linear, refresh_ln_constants, row_argmax,
-                                    stream_to_l2)
+from gptrain.kernels.decode import decode_attention, embed_rows, ln_linear, refresh_ln_constants, row_argmax
 from gptrain.model.gpt import GPT
-
-PREFETCH_PRODUCTS = False  # each decode product prefetches the next one's weights into L2
-STREAM_AHEAD = 1  # a side stream asks L2 for the weights this many products ahead of the one starting (0: no)
-PREFETCH_IN_ATTENTION = 0  # 1: attention prefetches the output projection's weights, 2: FC1's (0: none)
 
 
 class RowCache:
@@ -130,10 +125,6 @@ class RowDecoder:
         self.stats = {"steps": 0, "replays": 0, "host_waits": 0, "graphs": 0, "requests": 0,
                       "capture_s": 0.0, "prefill_s": 0.0, "loop_s": 0.0, "wait_s": 0.0}
         self.reader = StepReader(self.out, self.stats)
-        if dev.type == "cuda":  # the side stream that streams weights into L2 ahead of the products
-            self._side_stream = torch.cuda.Stream(dev)
-            self._events = [torch.cuda.Event() for _ in range(4 * cfg.num_layers + 1)]
-            self._sink = torch.zeros(1024, device=dev, dtype=torch.int32)
 
     # ---- one step, on the device
     @torch.no_grad()
@@ -173,43 +164,17 @@ class RowDecoder:
         position)."""
         model = self.model
         x, positions = self.x, self.positions
-        out = model.output_layer
-        weights = [w for block in model.layers.values() for w in
-                   (block.attn.qkv.weight, block.attn.proj.weight, block.mlp.fc1.weight, block.mlp.fc2.weight)]
-        weights.append(out.weight[: out.vocab_size])
-        # a product asks L2 for the next product's weights (the head: the next step's first), so the
-        # memory streams on across kernel boundaries
-        ahead = (lambda j: weights[(j + 1) % len(weights)]) if PREFETCH_PRODUCTS else (lambda j: None)
-        side = self._side_stream if STREAM_AHEAD and x.is_cuda else None
-        main = torch.cuda.current_stream() if side is not None else None
-
-        def stream(k: int) -> None:  # before product k: the weights STREAM_AHEAD products on, from the side
-            if side is None:
-                return
-            event = self._events[k]
-            event.record(main)
-            with torch.cuda.stream(side):
-                side.wait_event(event)
-                stream_to_l2(weights[(k + STREAM_AHEAD) % len(weights)], self._sink)
-
         embed_rows(chosen, self.start, self.step_index, model.word_embeddings.weight,
                    model.position_embeddings.weight, x, positions, self.out, self.current)
         for i, block in enumerate(model.layers.values()):
-            attn, mlp, j = block.attn, block.mlp, 4 * i
-            stream(j)
-            qkv = ln_linear(x, attn.qkv.weight, attn.qkv.bias, ln=block.ln1, prefetch=ahead(j))
-            y = decode_attention(qkv, self.kv[i], positions,
-                                 prefetch=weights[j + PREFETCH_IN_ATTENTION] if PREFETCH_IN_ATTENTION else None)
-            stream(j + 1)
-            ln_linear(y, attn.proj.weight, attn.proj.bias, residual=x, out=x, prefetch=ahead(j + 1))
-            stream(j + 2)
-            h = ln_linear(x, mlp.fc1.weight, mlp.fc1.bias, ln=block.ln2, gelu=True, prefetch=ahead(j + 2))
-            stream(j + 3)
-            ln_linear(h, mlp.fc2.weight, mlp.fc2.bias, residual=x, out=x, prefetch=ahead(j + 3))
-        stream(len(weights) - 1)
-        ln_linear(x, weights[-1], ln=model.final_layernorm, out=self.logits, prefetch=ahead(len(weights) - 1))
-        if side is not None:
-            main.wait_stream(side)
+            attn, mlp = block.attn, block.mlp
+            qkv = ln_linear(x, attn.qkv.weight, attn.qkv.bias, ln=block.ln1)
+            y = decode_attention(qkv, self.kv[i], positions)
+            ln_linear(y, attn.proj.weight, attn.proj.bias, residual=x, out=x)
+            h = ln_linear(x, mlp.fc1.weight, mlp.fc1.bias, ln=block.ln2, gelu=True)
+            ln_linear(h, mlp.fc2.weight, mlp.fc2.bias, residual=x, out=x)
+        out = model.output_layer
+        ln_linear(x, out.weight[: out.vocab_size], ln=model.final_layernorm, out=self.logits)
 
     def _graph(self, mode: Mode) -> torch.cuda.CUDAGraph:
         """The captured step (captured before a request's state goes in: warm-up steps write the

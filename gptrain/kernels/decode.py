@@ -38,27 +38,11 @@ def _kernels():
     import triton.language as tl
 
     @triton.jit
-    def prefetch_l2(base_ptr, per, lines, program, ELEMS: tl.constexpr):
-        # this program's ``per`` of the 128-byte lines at base_ptr (``lines`` in all) asked of L2,
-        # one prefetch instruction a line (nothing waits for them)
-        i = tl.arange(0, ELEMS)
-        line = program.to(tl.int64) * per + i
-        ok = ((i < per) & (line < lines)).to(tl.int32)
-        tl.inline_asm_elementwise("{ .reg .pred p; setp.ne.s32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
-                                  "=r,l,r", [(base_ptr + line * 128).to(tl.int64), ok], dtype=tl.int32,
-                                  is_pure=False, pack=1)
-
-    @triton.jit
     def ln_linear_kernel(x_ptr, ln_w_ptr, consts_ptr, w_ptr, bias_ptr, res_ptr, out_ptr, part_ptr, lock_ptr,
-                         pf_ptr, pf_piece, pf_last,
                          M, N, K, stride_out, eps, HAS_LN: tl.constexpr, HAS_BIAS: tl.constexpr, GELU: tl.constexpr,
                          RESIDUAL: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
-                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
-                         PF_LANES: tl.constexpr, PF_AT_END: tl.constexpr):
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr):
         pid_n, pid_m, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-        program = (pid_k * tl.num_programs(1) + pid_m) * tl.num_programs(0) + pid_n
-        if PF_LANES > 0 and not PF_AT_END:  # the next kernels' weights on their way into L2
-            prefetch_l2(pf_ptr, pf_piece, pf_last, program, PF_LANES)
         rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         row_ok, col_ok = rows < M, cols < N
@@ -92,8 +76,6 @@ def _kernels():
                 acc += tl.dot(a, tl.trans(w), input_precision="ieee")
             else:
                 acc += tl.dot(a, tl.trans(w))
-        if PF_LANES > 0 and PF_AT_END:  # once this program's own weights are asked for
-            prefetch_l2(pf_ptr, pf_piece, pf_last, program, PF_LANES)
         if HAS_LN:
             mean = tl.sum(sums, axis=1) / K  # of x - x0
             rstd = 1.0 / tl.sqrt(tl.maximum(tl.sum(squares, axis=1) / K - mean * mean, 0.0) + eps)
@@ -125,15 +107,11 @@ def _kernels():
         tl.store(out_ptr + out_at, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
     @triton.jit
-    def attention_kernel(qkv_ptr, kv_ptr, pos_ptr, out_ptr, part_ptr, lock_ptr, pf_ptr, pf_piece, pf_last,
-                         heads, window, values_at, scale,
-                         DIM: tl.constexpr, CHUNK: tl.constexpr, CHUNKS_P2: tl.constexpr, PF_LANES: tl.constexpr):
+    def attention_kernel(qkv_ptr, kv_ptr, pos_ptr, out_ptr, part_ptr, lock_ptr, heads, window, values_at, scale,
+                         DIM: tl.constexpr, CHUNK: tl.constexpr, CHUNKS_P2: tl.constexpr):
         # a program per (row, head, CHUNK positions of the row's keys); the chunk that finishes last
         # merges the chunks' softmax shares in chunk order (so a row's numbers depend only on the row)
         row, head, chunk = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-        if PF_LANES > 0:  # (before any program returns: every program asks for its share)
-            program = (chunk * tl.num_programs(1) + head) * tl.num_programs(0) + row
-            prefetch_l2(pf_ptr, pf_piece, pf_last, program, PF_LANES)
         pos = tl.load(pos_ptr + row)
         used = pos // CHUNK + 1  # chunks holding positions 0 .. pos (pos: the new token's)
         if chunk >= used:
@@ -227,27 +205,7 @@ def _kernels():
         tl.store(out_ids_ptr + step * batch + row, token)
         tl.store(current_ptr + row, token)
 
-    @triton.jit
-    def stream_l2_kernel(base_ptr, units, sink_ptr, PER: tl.constexpr, GRAIN: tl.constexpr, LOAD: tl.constexpr):
-        # PER units of GRAIN bytes a program asked of L2 (a prefetch each, or loaded and summed into
-        # ``sink`` so the loads are kept): the weights of products to come, from a side stream while
-        # the products before them run
-        first = tl.program_id(0).to(tl.int64) * PER
-        if LOAD:
-            words = base_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
-            acc = tl.zeros([16, GRAIN // 4], tl.int32)
-            for c in range(0, PER, 16):
-                unit = first + c + tl.arange(0, 16)
-                acc += tl.load(words + unit[:, None] * (GRAIN // 4) + tl.arange(0, GRAIN // 4)[None, :],
-                               mask=(unit < units)[:, None], other=0, eviction_policy="evict_last")
-            tl.store(sink_ptr + tl.program_id(0), tl.sum(tl.sum(acc, axis=1), axis=0))
-        else:
-            unit = first + tl.arange(0, PER)
-            tl.inline_asm_elementwise("{ .reg .pred p; setp.ne.s32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
-                                      "=r,l,r", [(base_ptr + unit * GRAIN).to(tl.int64), (unit < units).to(tl.int32)],
-                                      dtype=tl.int32, is_pure=False, pack=1)
-
-    return ln_linear_kernel, attention_kernel, argmax_kernel, embed_kernel, stream_l2_kernel
+    return ln_linear_kernel, attention_kernel, argmax_kernel, embed_kernel
 
 
 @functools.cache
@@ -277,11 +235,9 @@ def _use_triton(t: torch.Tensor) -> bool:
 
 def ln_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
               ln: torch.nn.LayerNorm | None = None, gelu: bool = False, residual: torch.Tensor | None = None,
-              out: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
-              prefetch: torch.Tensor | None = None) -> torch.Tensor:
+              out: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """``residual + gelu(ln(x) @ weight.T + bias)`` for x (rows, k), each part optional; into
-    ``out`` when given (it may be ``residual``). ``prefetch``: a tensor (the next kernels' weights)
-    the kernel's programs ask L2 to hold (``prefetch_args``)."""
+    ``out`` when given (it may be ``residual``)."""
     m, k = x.shape
     n = weight.shape[0]
     if out is None:
@@ -303,12 +259,11 @@ def ln_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None =
     parts, locks = (x, x) if split == 1 else _split_buffers(x.device, grid[0] * grid[1],
                                                              split * ROWS * settings["BLOCK_N"])
     consts = ln_constants(weight, ln) if ln is not None else x
-    pf = prefetch_args(prefetch, grid[0] * grid[1] * grid[2], settings["num_warps"], x)
     kernel[grid](x, ln.weight if ln is not None else x, consts, weight,
                  bias if bias is not None else x, residual if residual is not None else out, out, parts, locks,
-                 *pf[:3], m, n, k, out.stride(0), ln.eps if ln is not None else 0.0, HAS_LN=ln is not None,
+                 m, n, k, out.stride(0), ln.eps if ln is not None else 0.0, HAS_LN=ln is not None,
                  HAS_BIAS=bias is not None, GELU=gelu, RESIDUAL=residual is not None, IEEE=x.dtype == torch.float32,
-                 BLOCK_M=ROWS, PF_LANES=pf[3], PF_AT_END=PREFETCH_AT_END, **settings)
+                 BLOCK_M=ROWS, **settings)
     return out
 
 
@@ -349,44 +304,6 @@ def refresh_ln_constants() -> None:
     """Brings every folded LayerNorm's constants up to date (before replaying captured steps)."""
     for entry in _constants.values():
         _refresh(entry)
-
-
-STREAM_PROGRAMS = 32  # programs of a side-stream prefetch
-STREAM_LOAD = False  # the side stream loads instead of prefetching
-STREAM_GRAIN = 128  # bytes a prefetch (or a load row) covers
-
-
-def stream_to_l2(tensor: torch.Tensor, sink: torch.Tensor) -> None:
-    """Asks L2 for ``tensor``'s first ``PREFETCH_CAP`` bytes on the current stream (meant for a side
-    stream: see rows.RowDecoder.forward); ``sink``: at least ``STREAM_PROGRAMS`` int32 to write to."""
-    assert tensor.is_contiguous()
-    units = -(-min(tensor.numel() * tensor.element_size(), PREFETCH_CAP) // STREAM_GRAIN)
-    per = max(128, 1 << (-(-units // STREAM_PROGRAMS) - 1).bit_length())
-    _kernels()[4][(triton_cdiv(units, per),)](tensor.view(-1).view(torch.uint8), units, sink, PER=per,
-                                              GRAIN=STREAM_GRAIN, LOAD=STREAM_LOAD, num_warps=4)
-
-
-PREFETCH_CAP = 16 << 20  # bytes of a prefetched tensor asked for at most (L2 holds 50 MB on an H100)
-PREFETCH_AT_END = True  # a product asks for the next weights once its own are asked for (else first)
-
-
-def prefetch_args(tensor: torch.Tensor | None, programs: int, num_warps: int, dummy: torch.Tensor) -> tuple:
-    """A kernel's prefetch arguments (base, lines per program, lines, PF_LANES: the power of two
-    its programs' line counts fit in, 0 for none) for ``tensor``'s first bytes (at most
-    ``PREFETCH_CAP``) shared by ``programs`` programs of ``num_warps`` warps."""
-    if tensor is None or not prefetch_supported(tensor.device):
-        return dummy, 1, 0, 0
-    assert tensor.is_contiguous()
-    lines = -(-min(tensor.numel() * tensor.element_size(), PREFETCH_CAP) // 128)
-    per = -(-lines // programs)
-    elems = max(32 * num_warps, 1 << (per - 1).bit_length())
-    return tensor.view(-1).view(torch.uint8), per, lines, elems
-
-
-@functools.cache
-def prefetch_supported(device: torch.device) -> bool:
-    """Prefetch is tried on Hopper and later only (where it was measured)."""
-    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
 
 
 _buffers: dict[torch.device, list[tuple[torch.Tensor, torch.Tensor]]] = {}
@@ -468,12 +385,11 @@ def reference_ln_linear(x, weight, bias=None, ln=None, gelu=False, residual=None
 
 
 def decode_attention(qkv: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor,
-                     out: torch.Tensor | None = None, prefetch: torch.Tensor | None = None) -> torch.Tensor:
+                     out: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of each row's new token over its own cache: ``qkv`` (rows, heads * 3 * dim) as the
     QKV projection lays it out (per head: query, key, value), ``kv`` (2, batch, heads, window, dim)
     one layer's cache, ``positions`` (rows,) each row's position. Writes the new key and value at
-    the row's position and attends over positions 0 .. position; returns (rows, heads * dim).
-    ``prefetch`` as ``ln_linear``'s."""
+    the row's position and attends over positions 0 .. position; returns (rows, heads * dim)."""
     rows = qkv.shape[0]
     _, batch, heads, window, dim = kv.shape
     if out is None:
@@ -484,10 +400,9 @@ def decode_attention(qkv: torch.Tensor, kv: torch.Tensor, positions: torch.Tenso
     chunks = triton_cdiv(window, ATTENTION_CHUNK)
     p2 = 1 << (chunks - 1).bit_length()
     parts, locks = _split_buffers(qkv.device, rows * heads, p2 * 2 * dim)
-    pf = prefetch_args(prefetch, rows * heads * chunks, 4, qkv)
-    _kernels()[1][(rows, heads, chunks)](qkv, kv, positions, out, parts, locks, *pf[:3], heads, window,
+    _kernels()[1][(rows, heads, chunks)](qkv, kv, positions, out, parts, locks, heads, window,
                                          batch * heads * window * dim, dim ** -0.5, DIM=dim, CHUNK=ATTENTION_CHUNK,
-                                         CHUNKS_P2=p2, PF_LANES=pf[3], num_warps=4)
+                                         CHUNKS_P2=p2, num_warps=4)
     return out
 
 

@@ -6,9 +6,14 @@ the Triton kernels against their references, their batch invariance bit for bit,
 loop against ``generate``."""
 from __future__ import annotations
 
+import copy
+import gc
+import weakref
+
 import pytest
 import torch
 
+from gptrain.inference.fast import graph_generate
 from gptrain.inference.generate import SamplingParams, generate
 from gptrain.inference.kv_cache import KVCache, forward_cached
 from gptrain.inference import rows as rows_module
@@ -28,6 +33,39 @@ def test_a_bucket_of_rows_per_request_size():
     assert decoder.batch == 4 and decoder is row_decoder_for(model, 4)
 
 
+def test_a_models_decoders_and_folded_constants_go_with_the_model():
+    """Decoders, prompt graphs and a folded LayerNorm's constants are kept for a model while it lives
+    and go with it (they were kept in module-level dicts that held every model alive); a copy of the
+    model starts with none and decodes the same."""
+    model = tiny_model(seed=6)
+    params = SamplingParams(max_new_tokens=4, temperature=0.0)
+    text = fused_generate(model, [[1, 2]], params)[0].tokens
+    assert graph_generate(model, [[1, 2]], params)[0].tokens == text
+    block, head = model.layers["0"], model.output_layer
+    buffers = []
+    for weight, ln in ((block.attn.qkv.weight, block.ln1), (head.weight[: head.vocab_size], model.final_layernorm)):
+        consts = kernels.ln_constants(weight, ln)  # (the head's weight: a view made anew each call)
+        expected = torch.stack([weight.double() @ ln.weight.double(), weight.double() @ ln.bias.double()])
+        torch.testing.assert_close(consts.double(), expected, rtol=1e-5, atol=1e-6)
+        assert kernels.ln_constants(weight, ln) is consts  # cached
+        buffers.append(consts)
+    with torch.no_grad():
+        block.ln1.weight.mul_(2.0)  # changed in place: recomputed into the same buffer
+    assert kernels.ln_constants(block.attn.qkv.weight, block.ln1) is buffers[0]
+    torch.testing.assert_close(buffers[0][0].double(), block.attn.qkv.weight.double() @ block.ln1.weight.double(),
+                               rtol=1e-5, atol=1e-6)
+    del buffers, consts
+    twin = copy.deepcopy(model)
+    assert not rows_module.model_cache(twin, "_row_decoders")
+    assert fused_generate(twin, [[1, 2]], params)[0].tokens == fused_generate(model, [[1, 2]], params)[0].tokens
+    gone = weakref.ref(model)
+    del model, block, head, weight, ln, twin
+    gc.collect()
+    kernels.refresh_ln_constants()
+    assert gone() is None
+    assert all(kernels._alive(entry) for entry in kernels._constants.values())
+
+
 def test_warm_up_makes_each_bucket_and_changes_no_text():
     """The server's warm-up builds the decoder of every batch bucket up to its largest batch (and,
     on a GPU, their graphs and the prompt graphs); a request afterwards gives the same text."""
@@ -35,8 +73,8 @@ def test_warm_up_makes_each_bucket_and_changes_no_text():
     params = SamplingParams(max_new_tokens=12, temperature=0.8, seed=5)
     before = fused_generate(model, [[3, 4, 5]], params)[0].tokens
     assert warm_up(model, 3) == 4
-    assert all((id(model), rows, True) in rows_module._decoders for rows in (1, 2, 4))
-    assert (id(model), 8, True) not in rows_module._decoders
+    decoders = rows_module.model_cache(model, "_row_decoders")
+    assert all((rows, True) in decoders for rows in (1, 2, 4)) and (8, True) not in decoders
     assert fused_generate(model, [[3, 4, 5]], params)[0].tokens == before
 
 

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from gptrain.inference.generate import (EolIds, Generation, SamplingParams, _prompt_logprobs, check_request,
                                         row_done)
-from gptrain.inference.host_loop import AHEAD, StepReader, capture
+from gptrain.inference.host_loop import AHEAD, StepReader, capture, model_cache
 from gptrain.inference.kv_cache import KVCache, forward_cached
 from gptrain.inference.sampling import sample
 from gptrain.model.gpt import GPT
@@ -398,16 +398,14 @@ class Decoder:
                                                                             values[j, i].tolist())})
 
 
-_decoders: dict[tuple[int, int], Decoder] = {}
-
-
 def decoder_for(model: GPT, rows: int, use_graph: bool = True, compile: bool | str = False, **kw) -> Decoder:
-    """The model's decoder for ``rows`` prompts (one per batch bucket, kept between requests);
-    ``kw``: Decoder's compile settings (gemv, sdpa, compile_mode)."""
-    key = (id(model), bucket(rows), use_graph, compile, tuple(sorted(kw.items())))
-    if key not in _decoders:
-        _decoders[key] = Decoder(model, bucket(rows), use_graph=use_graph, compile=compile, **kw)
-    return _decoders[key]
+    """The model's decoder for ``rows`` prompts (one per batch bucket, kept on the model between
+    requests); ``kw``: Decoder's compile settings (gemv, sdpa, compile_mode)."""
+    decoders = model_cache(model, "_graph_decoders")
+    key = (bucket(rows), use_graph, compile, tuple(sorted(kw.items())))
+    if key not in decoders:
+        decoders[key] = Decoder(model, bucket(rows), use_graph=use_graph, compile=compile, **kw)
+    return decoders[key]
 
 
 def graph_generate(model: GPT, prompts: list[list[int]], params, **kw):

@@ -11,6 +11,27 @@ import torch
 AHEAD = 4  # steps the host queues before it reads a step's ids back
 
 
+class _Cache(dict):
+    """What a model's decode loops keep between requests; copies and pickles of the model get an
+    empty one (CUDA graphs and caches are not copied with the weights)."""
+
+    def __deepcopy__(self, memo):
+        return _Cache()
+
+    def __reduce__(self):
+        return _Cache, ()
+
+
+def model_cache(model: torch.nn.Module, name: str) -> dict:
+    """A dict kept on ``model`` under ``name``: decoders and graphs cached for a model go when the
+    model goes (a module-level dict keyed by ``id(model)`` kept every model alive)."""
+    cache = model.__dict__.get(name)
+    if cache is None:
+        cache = _Cache()
+        object.__setattr__(model, name, cache)
+    return cache
+
+
 def capture(step: Callable[[], None], reset: Callable[[], None], pool=None,
             warmups: int = 2) -> torch.cuda.CUDAGraph:
     """``step`` captured as a CUDA graph in ``pool``, after ``warmups`` eager runs on a side stream

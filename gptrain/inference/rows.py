@@ -22,7 +22,7 @@ import torch
 from gptrain.inference.fast import Mode, bucket, plain_model
 from gptrain.inference.generate import (EolIds, Generation, SamplingParams, _prompt_logprobs, check_request,
                                         row_done)
-from gptrain.inference.host_loop import AHEAD, StepReader, capture
+from gptrain.inference.host_loop import AHEAD, StepReader, capture, model_cache
 from gptrain.inference.kv_cache import KVCache, forward_cached
 from gptrain.inference.sampling import sample
 from gptrain.kernels.decode import decode_attention, embed_rows, ln_linear, refresh_ln_constants, row_argmax
@@ -313,23 +313,22 @@ class RowDecoder:
                                                                             values[j, i].tolist())})
 
 
-_decoders: dict[tuple, RowDecoder] = {}
-_prefills: dict[int, PrefillGraphs] = {}
-
-
 def prefill_graphs_for(model: GPT) -> PrefillGraphs:
-    """The model's prompt graphs, shared by its decoders (a request's prompts go through one at a time)."""
-    if id(model) not in _prefills:
-        _prefills[id(model)] = PrefillGraphs(model, model.cfg.max_position_embeddings)
-    return _prefills[id(model)]
+    """The model's prompt graphs, shared by its decoders (a request's prompts go through one at a
+    time), kept on the model."""
+    cache = model_cache(model, "_row_decoders")
+    if "prefill" not in cache:
+        cache["prefill"] = PrefillGraphs(model, model.cfg.max_position_embeddings)
+    return cache["prefill"]
 
 
 def row_decoder_for(model: GPT, rows: int, use_graph: bool = True) -> RowDecoder:
-    """The model's decoder for ``rows`` prompts (one per batch bucket, kept between requests)."""
-    key = (id(model), bucket(rows), use_graph)
-    if key not in _decoders:
-        _decoders[key] = RowDecoder(model, bucket(rows), use_graph=use_graph)
-    return _decoders[key]
+    """The model's decoder for ``rows`` prompts (one per batch bucket, kept on the model between requests)."""
+    cache = model_cache(model, "_row_decoders")
+    key = (bucket(rows), use_graph)
+    if key not in cache:
+        cache[key] = RowDecoder(model, bucket(rows), use_graph=use_graph)
+    return cache[key]
 
 
 def fused_generate(model: GPT, prompts: list[list[int]], params, **kw) -> list[Generation]:

@@ -37,6 +37,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="fewer tiles")
     p.add_argument("--json", help="write the best tiles here")
+    p.add_argument("--wide", action="store_true", help="wide input steps only (512 or 1024 inputs a step)")
+    p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    p.add_argument("--no-attention", action="store_true")
     args = p.parse_args()
     torch.manual_seed(0)
     dev = "cuda"
@@ -44,8 +47,12 @@ def main() -> None:
                 SPLIT=[1, 2, 4, 8])
     if args.quick:
         grid = dict(BLOCK_N=[16, 32, 64], BLOCK_K=[128, 256], num_warps=[4], num_stages=[3, 4], SPLIT=[1, 2, 4])
+    if args.wide:
+        grid = dict(BLOCK_N=[16, 32], BLOCK_K=[512, 1024], num_warps=[4, 8], num_stages=[1, 2], SPLIT=[1, 2, 4])
     best_table = {}
     for name, (n, k) in SHAPES.items():
+        if name not in args.shapes:
+            continue
         copies = max(1, -(-L2_BYTES // (n * k * 2)))
         ws = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) * k ** -0.5 for _ in range(copies)]
         b = torch.randn(n, device=dev, dtype=torch.bfloat16)
@@ -87,6 +94,8 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump([[list(shape), t] for shape, t in best_table.items()], f)
+    if args.no_attention:
+        return
     # attention: one layer at batch 1 and 32, positions 288 (the decode benchmark's end) and 1000
     default_chunk = decode.ATTENTION_CHUNK
     for chunk in (32, 64, 128):

@@ -211,7 +211,8 @@ def main() -> None:
         begin = time.perf_counter()
         fused_generate(model, rows, params)
         first = time.perf_counter() - begin
-        variants = [("fused", {})] + ([("fused, prompts prefilled together", {"together": True})] if b > 1 else [])
+        variants = [("fused", {})] + ([("fused, prompts prefilled together", {"together": True})] if b > 1 else
+                                      [("fused, single stream: products on the CUDA cores", {"batch_invariant": False})])
         for name, kw in variants:
             t_fused, fused = timed(lambda: fused_generate(model, rows, params, **kw), args.repeats)
             agree = [first_difference(g.generated, e.generated, n) for g, e in zip(fused, eager)]
@@ -219,6 +220,9 @@ def main() -> None:
                   f"prefill included; first call with Triton compiles and capture {first:.1f} s); greedy tokens "
                   f"identical to eager gptrain for the first {min(agree)} (mean {sum(agree) / len(agree):.0f}) of {n}",
                   flush=True)
+        if b == 1:
+            single = row_decoder_for(model, 1, batch_invariant=False)
+            print(f"  single-stream step graph: {replay_ms(single.graphs[Mode()]):.3f} ms per replay", flush=True)
         if args.profile:
             explain_fused(model, rows, args.profile_tokens)
         if args.compile:

@@ -66,6 +66,21 @@ def test_a_models_decoders_and_folded_constants_go_with_the_model():
     assert all(kernels._alive(entry) for entry in kernels._constants.values())
 
 
+def test_single_stream_decoder_is_one_row_and_kept_apart():
+    """``batch_invariant=False`` gives one prompt its own single-stream decoder (kept beside the
+    batch-invariant one; on CPU both run the references, so the text is the same); a larger
+    batch keeps the batch-invariant decoder; a single-stream decoder of two rows is refused."""
+    model = tiny_model(seed=8)
+    params = SamplingParams(max_new_tokens=6, temperature=0.0)
+    alone = fused_generate(model, [[2, 3, 4]], params)[0].tokens
+    assert fused_generate(model, [[2, 3, 4]], params, batch_invariant=False)[0].tokens == alone
+    single = row_decoder_for(model, 1, batch_invariant=False)
+    assert single.gemv and single is not row_decoder_for(model, 1) and not row_decoder_for(model, 1).gemv
+    assert not row_decoder_for(model, 2, batch_invariant=False).gemv
+    with pytest.raises(ValueError, match="one row"):
+        RowDecoder(model, 2, single_stream=True)
+
+
 def test_warm_up_makes_each_bucket_and_changes_no_text():
     """The server's warm-up builds the decoder of every batch bucket up to its largest batch (and,
     on a GPU, their graphs and the prompt graphs); a request afterwards gives the same text."""
@@ -276,3 +291,46 @@ def test_same_seed_same_text_in_any_batch_bf16():
     for i in range(0, 32, 3):
         alone = fused_generate(model, [prompts[i]], [params[i]], logprobs=True)[0]
         assert alone.tokens == batch[i].tokens and alone.logprobs == batch[i].logprobs
+
+
+@pytest.mark.gpu
+@gpu
+def test_single_stream_products_equal_references_and_repeat_per_row():
+    """The CUDA-core products (``gemv``) of the single-stream decoder on the 345M's block shapes, each
+    epilogue, in bf16: close to the reference (as the tensor-core kernel is), and each of several
+    rows exactly what it is alone."""
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    for n, k in SHAPES_345M[:4]:
+        w = (torch.randn(n, k, device="cuda", generator=gen) * k ** -0.5).to(torch.bfloat16)
+        assert kernels.gemv_fits(w)
+        b = torch.randn(n, device="cuda", generator=gen).to(torch.bfloat16)
+        ln = torch.nn.LayerNorm(k, device="cuda", dtype=torch.bfloat16)
+        torch.nn.init.normal_(ln.weight, 1.0, 0.2)
+        torch.nn.init.normal_(ln.bias, 0.0, 0.2)
+        x = (torch.randn(3, k, device="cuda", generator=gen) * 3).to(torch.bfloat16)
+        res = torch.randn(3, n, device="cuda", generator=gen).to(torch.bfloat16)
+        for kw in ({"ln": ln}, {"bias": b, "ln": ln, "gelu": True}, {"bias": b, "residual": res}):
+            def run(rows):
+                args = {key: (v[:rows] if key == "residual" else v) for key, v in kw.items()}
+                return kernels.ln_linear(x[:rows], w, gemv=True, **args)
+            three = run(3)
+            want = kernels.reference_ln_linear(x, w, **kw)
+            torch.testing.assert_close(three.float(), want.to(torch.bfloat16).float(), rtol=2e-2, atol=2e-2)
+            assert torch.equal(run(1)[0], three[0]), (n, k, list(kw))
+    assert not kernels.gemv_fits(torch.empty(50257, 1024, device="cuda", dtype=torch.bfloat16))
+    assert not kernels.gemv_fits(torch.empty(1024, 1024, device="cuda"))  # fp32: the tensor-core kernel
+
+
+@pytest.mark.gpu
+@gpu
+def test_single_stream_decoder_chooses_the_batched_decoders_tokens():
+    """A lone prompt through the single-stream decoder (``batch_invariant=False``: CUDA-core products)
+    in bf16 greedily picks the tokens the batch-invariant decoder picks (a peaked random model: no
+    near-ties), and through its own decoder and graph."""
+    model = tiny_model(seed=7).to("cuda", torch.bfloat16)
+    params = SamplingParams(max_new_tokens=24, temperature=0.0)
+    for prompt in ([5, 6, 7], [1], list(range(40, 90))):
+        batched = fused_generate(model, [prompt], params)[0].tokens
+        single = fused_generate(model, [prompt], params, batch_invariant=False)[0].tokens
+        assert single == batched
+    assert row_decoder_for(model, 1, batch_invariant=False).gemv and not row_decoder_for(model, 1).gemv

@@ -118,7 +118,8 @@ def _generate(args) -> int:
     if sync is None and model.word_embeddings.weight.is_cuda and plain_model(model):
         from gptrain.inference.rows import fused_generate  # the CUDA-graph decode loop
 
-        fused_generate(model, [prompt], params, on_token=show)
+        # one stream: nothing to be batch invariant against, so the single-stream decoder (faster)
+        fused_generate(model, [prompt], params, on_token=show, batch_invariant=False)
     else:
         generate(model, [prompt], params, on_token=show, sync=sync)
     if out:

@@ -9,6 +9,10 @@ positions. No step depends on the host, and a step's numbers for a row depend on
 (the kernels are batch invariant, the prefill is the row's alone): a seeded request gives the same
 text alone or batched with any others, and one graph serves every length.
 
+A lone stream that need not match its batched numbers (``batch_invariant=False``, as ``gptrain
+generate``) decodes with its block products on the CUDA cores instead (``single_stream``: faster for
+one row, different in the last bits).
+
 The host queues a few steps ahead of reading a step's ids back (pinned copies behind events) and
 applies ``generate``'s stop rules and stream hook there. Elsewhere than CUDA the same steps run
 eagerly with the kernels' PyTorch references (the tests' path).
@@ -88,11 +92,17 @@ class PrefillGraphs:
 
 
 class RowDecoder:
-    def __init__(self, model: GPT, batch: int, use_graph: bool = True):
+    """``single_stream``: one row only, its block products on the CUDA cores (``ln_linear``'s gemv:
+    faster for one row; its numbers differ from the batched kernels' in the last bits, so a seeded
+    text can differ from the same request's in a batch)."""
+
+    def __init__(self, model: GPT, batch: int, use_graph: bool = True, single_stream: bool = False):
         if not plain_model(model):
             raise ValueError("the fused decode step needs the model's plain modules (no kernel swap, "
                              "no tensor parallelism)")
-        self.model, self.batch = model, batch
+        if single_stream and batch != 1:
+            raise ValueError(f"a single-stream decoder has one row, not {batch}")
+        self.model, self.batch, self.gemv = model, batch, single_stream
         self.window = window = model.cfg.max_position_embeddings
         param = model.word_embeddings.weight
         dev, dtype = param.device, param.dtype
@@ -166,13 +176,14 @@ class RowDecoder:
         x, positions = self.x, self.positions
         embed_rows(chosen, self.start, self.step_index, model.word_embeddings.weight,
                    model.position_embeddings.weight, x, positions, self.out, self.current)
+        gemv = self.gemv
         for i, block in enumerate(model.layers.values()):
             attn, mlp = block.attn, block.mlp
-            qkv = ln_linear(x, attn.qkv.weight, attn.qkv.bias, ln=block.ln1)
+            qkv = ln_linear(x, attn.qkv.weight, attn.qkv.bias, ln=block.ln1, gemv=gemv)
             y = decode_attention(qkv, self.kv[i], positions)
-            ln_linear(y, attn.proj.weight, attn.proj.bias, residual=x, out=x)
-            h = ln_linear(x, mlp.fc1.weight, mlp.fc1.bias, ln=block.ln2, gelu=True)
-            ln_linear(h, mlp.fc2.weight, mlp.fc2.bias, residual=x, out=x)
+            ln_linear(y, attn.proj.weight, attn.proj.bias, residual=x, out=x, gemv=gemv)
+            h = ln_linear(x, mlp.fc1.weight, mlp.fc1.bias, ln=block.ln2, gelu=True, gemv=gemv)
+            ln_linear(h, mlp.fc2.weight, mlp.fc2.bias, residual=x, out=x, gemv=gemv)
         out = model.output_layer
         ln_linear(x, out.weight[: out.vocab_size], ln=model.final_layernorm, out=self.logits)
 
@@ -322,18 +333,22 @@ def prefill_graphs_for(model: GPT) -> PrefillGraphs:
     return cache["prefill"]
 
 
-def row_decoder_for(model: GPT, rows: int, use_graph: bool = True) -> RowDecoder:
-    """The model's decoder for ``rows`` prompts (one per batch bucket, kept on the model between requests)."""
+def row_decoder_for(model: GPT, rows: int, use_graph: bool = True, batch_invariant: bool = True) -> RowDecoder:
+    """The model's decoder for ``rows`` prompts (one per batch bucket, kept on the model between
+    requests); without ``batch_invariant`` one prompt gets the single-stream decoder."""
     cache = model_cache(model, "_row_decoders")
-    key = (bucket(rows), use_graph)
+    single = not batch_invariant and bucket(rows) == 1
+    key = (bucket(rows), use_graph) + (("single",) if single else ())
     if key not in cache:
-        cache[key] = RowDecoder(model, bucket(rows), use_graph=use_graph)
+        cache[key] = RowDecoder(model, bucket(rows), use_graph=use_graph, single_stream=single)
     return cache[key]
 
 
 def fused_generate(model: GPT, prompts: list[list[int]], params, **kw) -> list[Generation]:
     """``generate`` through ``RowDecoder`` (same arguments, without ``step_fn``, ``cache`` and
-    ``sync``; ``use_graph`` and ``together`` as RowDecoder's)."""
+    ``sync``; ``use_graph`` and ``together`` as RowDecoder's). ``batch_invariant`` (default True):
+    a request's numbers do not depend on its batch; False lets one prompt decode through the
+    single-stream decoder (faster; for a lone stream, as ``gptrain generate``)."""
     if not prompts:
         return []
     for name in ("step_fn", "cache", "sync"):
@@ -341,7 +356,7 @@ def fused_generate(model: GPT, prompts: list[list[int]], params, **kw) -> list[G
             raise ValueError(f"fused_generate does not take {name}")
     if isinstance(params, SamplingParams):
         params = [params] * len(prompts)
-    decoder = row_decoder_for(model, len(prompts), kw.pop("use_graph", True))
+    decoder = row_decoder_for(model, len(prompts), kw.pop("use_graph", True), kw.pop("batch_invariant", True))
     return decoder.run(list(prompts), list(params), **kw)
 
 

@@ -108,6 +108,43 @@ def _kernels():
         tl.store(out_ptr + out_at, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
     @triton.jit
+    def gemv_kernel(x_ptr, ln_w_ptr, ln_b_ptr, w_ptr, bias_ptr, res_ptr, out_ptr, M, N, stride_out, eps,
+                    K: tl.constexpr, HAS_LN: tl.constexpr, HAS_BIAS: tl.constexpr, GELU: tl.constexpr,
+                    RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr):
+        # the product on the CUDA cores, for one row (a single stream): a program's whole (BLOCK_N, K)
+        # tile of the weight loaded at once (every byte asked for from the first instruction, no
+        # staging through shared memory), the row's LayerNorm over its whole input, the products
+        # summed over K, the epilogue; ROWS rows a program in turn (slow for many: one stream's kernel)
+        pid_n, pid_m = tl.program_id(0), tl.program_id(1)
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_ok = cols < N
+        ks = tl.arange(0, K)
+        w = tl.load(w_ptr + cols.to(tl.int64)[:, None] * K + ks[None, :], mask=col_ok[:, None], other=0.0)
+        if HAS_LN:
+            g = tl.load(ln_w_ptr + ks).to(tl.float32)
+            beta = tl.load(ln_b_ptr + ks).to(tl.float32)
+        if HAS_BIAS:
+            bias = tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+        first = pid_m * ROWS
+        for m in range(first, tl.minimum(first + ROWS, M)):
+            x = tl.load(x_ptr + m.to(tl.int64) * K + ks).to(tl.float32)
+            if HAS_LN:  # as eager: statistics in fp32, the normalized row rounded to the model's dtype
+                mean = tl.sum(x, axis=0) / K
+                d = x - mean
+                rstd = 1.0 / tl.sqrt(tl.sum(d * d, axis=0) / K + eps)
+                x = (d * rstd * g + beta).to(w.dtype).to(tl.float32)
+            acc = tl.sum(w.to(tl.float32) * x[None, :], axis=1)
+            if HAS_BIAS:
+                acc += bias
+            if GELU:  # tanh GELU, as ln_linear_kernel's
+                u = 0.7978845608028654 * (acc + 0.044715 * acc * acc * acc)
+                acc = 0.5 * acc * (2.0 - 2.0 / (1.0 + tl.exp(2.0 * u)))
+            if RESIDUAL:  # the residual's rounding as eager's: the product in the model's dtype first
+                acc = acc.to(out_ptr.dtype.element_ty).to(tl.float32)
+                acc += tl.load(res_ptr + m.to(tl.int64) * N + cols, mask=col_ok, other=0.0).to(tl.float32)
+            tl.store(out_ptr + m.to(tl.int64) * stride_out + cols, acc.to(out_ptr.dtype.element_ty), mask=col_ok)
+
+    @triton.jit
     def attention_kernel(qkv_ptr, kv_ptr, pos_ptr, out_ptr, part_ptr, lock_ptr, heads, window, values_at, scale,
                          DIM: tl.constexpr, CHUNK: tl.constexpr, CHUNKS_P2: tl.constexpr):
         # a program per (row, head, CHUNK positions of the row's keys); the chunk that finishes last
@@ -206,7 +243,7 @@ def _kernels():
         tl.store(out_ids_ptr + step * batch + row, token)
         tl.store(current_ptr + row, token)
 
-    return ln_linear_kernel, attention_kernel, argmax_kernel, embed_kernel
+    return ln_linear_kernel, attention_kernel, argmax_kernel, embed_kernel, gemv_kernel
 
 
 @functools.cache
@@ -228,6 +265,20 @@ def tiles(n: int, k: int) -> dict:
 
 
 TILES: dict[tuple[int, int], dict] = {}  # overrides by weight shape (benchmarks/decode_kernels.py's sweep)
+GEMV_BLOCK_N: dict[int, int] = {}  # overrides by output size (benchmarks/decode_gemv.py)
+
+
+def gemv_block_n(n: int) -> int:
+    """Output columns a CUDA-core product's program takes: 16 for the wide products, 8 for 1024
+    (the whole step measured best so on an H100: RESULTS.md, session 13)."""
+    return GEMV_BLOCK_N.get(n) or (8 if n <= 1024 else 16)
+
+
+def gemv_fits(weight: torch.Tensor) -> bool:
+    """Whether ``gemv_kernel`` takes this weight: 16-bit, a power-of-two input of at most 4096 (the
+    whole tile in registers), at most 8192 outputs (a block's products; not a vocabulary)."""
+    n, k = weight.shape
+    return weight.element_size() == 2 and k & (k - 1) == 0 and k <= 4096 and n <= 8192
 
 
 def _use_triton(t: torch.Tensor) -> bool:
@@ -236,9 +287,12 @@ def _use_triton(t: torch.Tensor) -> bool:
 
 def ln_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
               ln: torch.nn.LayerNorm | None = None, gelu: bool = False, residual: torch.Tensor | None = None,
-              out: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+              out: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
+              gemv: bool = False) -> torch.Tensor:
     """``residual + gelu(ln(x) @ weight.T + bias)`` for x (rows, k), each part optional; into
-    ``out`` when given (it may be ``residual``)."""
+    ``out`` when given (it may be ``residual``). ``gemv``: on the CUDA cores (``gemv_kernel``, where
+    the weight fits it): faster for one row, slow for many, and its numbers differ from the
+    tensor-core kernel's in the last bits, so a decoder uses one or the other for every step."""
     m, k = x.shape
     n = weight.shape[0]
     if out is None:
@@ -247,8 +301,16 @@ def ln_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None =
         return out.copy_(reference_ln_linear(x, weight, bias, ln, gelu, residual))
     assert x.is_contiguous() and weight.stride() == (k, 1) and out.stride(1) == 1 and out.shape == (m, n)
     assert residual is None or residual.is_contiguous()
-    kernel = _kernels()[0]
     settings = {"SPLIT": 1, **(TILES.get((n, k)) or tiles(n, k))}
+    if gemv and gemv_fits(weight):
+        block_n = gemv_block_n(n)
+        _kernels()[4][(triton_cdiv(n, block_n), triton_cdiv(m, 16))](
+            x, ln.weight if ln is not None else x, ln.bias if ln is not None else x, weight,
+            bias if bias is not None else x, residual if residual is not None else out, out, m, n, out.stride(0),
+            ln.eps if ln is not None else 0.0, K=k, HAS_LN=ln is not None, HAS_BIAS=bias is not None, GELU=gelu,
+            RESIDUAL=residual is not None, BLOCK_N=block_n, ROWS=16, num_warps=8)
+        return out
+    kernel = _kernels()[0]
     if x.dtype == torch.float32:  # fp32 tiles take twice the shared memory
         settings.update(BLOCK_K=min(settings["BLOCK_K"], 64), num_stages=2)
     if ln is not None:

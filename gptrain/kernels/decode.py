@@ -17,6 +17,11 @@ its own length. So a request's numbers do not depend on the batch it decodes in 
 invariance): a seeded request gives the same text alone or under load. Tile sizes depend only on
 the weight's shape, never on the batch.
 
+For one stream with no batch to match (``gptrain generate``) the block products can run on the
+CUDA cores instead (``ln_linear(gemv=True)``): each program loads its whole weight tile at once, with
+no staging through shared memory, which is faster at one row and slow for many; its last bits differ
+from the tensor-core kernel's, so a decoder uses one kind for every step.
+
 Elsewhere than CUDA (and as the reference the kernels are checked against) the same math runs as
 PyTorch ops.
 """

@@ -22,6 +22,13 @@ def _acquire_load(ptr):
 
 
 @triton.jit
+def _arrive(ptr):  # one thread of the program adds one, by a reduction that returns nothing
+    tl.inline_asm_elementwise("{ .reg .pred p; .reg .u32 t; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0; "
+                              "@p red.release.gpu.global.add.u32 [$1], 1; mov.u32 $0, 0; }", "=r,l",
+                              [ptr.to(tl.int64)], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
 def barrier_kernel(count_ptr, flag_ptr, rounds_ptr, errors_ptr, ITER: tl.constexpr, MODE: tl.constexpr,
                    CHECK: tl.constexpr):
     programs = tl.num_programs(0)
@@ -33,11 +40,9 @@ def barrier_kernel(count_ptr, flag_ptr, rounds_ptr, errors_ptr, ITER: tl.constex
             target = (i + 1) * programs
             if MODE == 3:
                 tl.atomic_add(count_ptr, 1, sem="release")
-            else:  # one thread of the program arrives, with a reduction that returns nothing
-                tl.inline_asm_elementwise("{ .reg .pred p; .reg .u32 t; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0; "
-                                          "@p red.release.gpu.global.add.u32 [$1], 1; mov.u32 $0, 0; }", "=r,l",
-                                          [count_ptr.to(tl.int64)], dtype=tl.int32, is_pure=False, pack=1)
-            while _acquire_load(count_ptr) < target:
+            else:
+                _arrive(count_ptr)
+            while _acquire_load(count_ptr) < target:  # spin until the round's total has arrived
                 pass
         else:
             generation = tl.atomic_add(flag_ptr, 0, sem="acquire")

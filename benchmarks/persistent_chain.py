@@ -10,24 +10,14 @@ further on (a `prefetch.global.L2` a line). Time a product, and the output again
 """
 from __future__ import annotations
 
+import argparse
+
 import torch
 import triton
 import triton.language as tl
 
-import argparse
-
-
-@triton.jit
-def _acquire_load(ptr):
-    return tl.inline_asm_elementwise("ld.acquire.gpu.global.u32 $0, [$1];", "=r,l", [ptr.to(tl.int64)],
-                                     dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
-def _arrive(ptr):
-    tl.inline_asm_elementwise("{ .reg .pred p; .reg .u32 t; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0; "
-                              "@p red.release.gpu.global.add.u32 [$1], 1; mov.u32 $0, 0; }", "=r,l",
-                              [ptr.to(tl.int64)], dtype=tl.int32, is_pure=False, pack=1)
+from decode_speed import replay_ms
+from grid_barrier import _acquire_load, _arrive
 
 
 @triton.jit
@@ -101,15 +91,9 @@ def chain(N: int, BN: int) -> None:
         for j in range(J):
             stage_kernel[(programs,)](ws[j], xs[j], xs[j + 1], N=N, BN=BN, num_warps=8)
 
-    stages()
-    torch.cuda.synchronize()
-    err = (xs[J].double() - reference).abs().max().item() / reference.abs().max().item()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        stages()
-    us = time_graph(graph) / J
-    print(f"J kernels in a graph: {us:.2f} us a product ({N * N * 2 / us / 1e3:.0f} GB/s); relative error {err:.1e}",
-          flush=True)
+    err, us = checked_us(stages, xs[J], reference)
+    print(f"J kernels in a graph: {us / J:.2f} us a product ({N * N * 2 * J / us / 1e3:.0f} GB/s); "
+          f"relative error {err:.1e}", flush=True)
     count = torch.zeros(1, device=dev, dtype=torch.int32)
     for preload, ahead in ((True, 0), (False, 0), (True, 1)):
         def persistent():
@@ -117,35 +101,21 @@ def chain(N: int, BN: int) -> None:
             chain_kernel[(programs,)](ws, xs, count, J, N=N, BN=BN, PRELOAD=preload, AHEAD_L2=ahead, num_warps=8)
 
         xs[1:].zero_()
-        persistent()
-        torch.cuda.synchronize()
-        err = (xs[J].double() - reference).abs().max().item() / reference.abs().max().item()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            persistent()
-        us = time_graph(graph) / J
+        err, us = checked_us(persistent, xs[J], reference)
         print(f"one persistent launch, {'preload' if preload else 'no preload'}, L2 prefetch {ahead} further: "
-              f"{us:.2f} us a product "
-              f"({N * N * 2 / us / 1e3:.0f} GB/s); relative error {err:.1e}", flush=True)
-    return
-    compiled = chain_kernel.device_caches
-    for cache in compiled.values():
-        for part in (cache if isinstance(cache, tuple) else (cache,)):
-            if isinstance(part, dict):
-                for k in part.values():
-                    if hasattr(k, "n_regs"):
-                        print(f"chain_kernel: registers {k.n_regs}, spills {k.n_spills}", flush=True)
+              f"{us / J:.2f} us a product ({N * N * 2 * J / us / 1e3:.0f} GB/s); relative error {err:.1e}", flush=True)
 
 
-def time_graph(graph: torch.cuda.CUDAGraph, reps: int = 20) -> float:
-    graph.replay()
-    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    begin.record()
-    for _ in range(reps):
-        graph.replay()
-    end.record()
+def checked_us(run, out: torch.Tensor, reference: torch.Tensor) -> tuple[float, float]:
+    """``run``'s output against the float64 reference (relative to its largest entry), then the
+    microseconds of one replay of ``run`` captured as a CUDA graph."""
+    run()
     torch.cuda.synchronize()
-    return begin.elapsed_time(end) * 1e3 / reps
+    err = (out.double() - reference).abs().max().item() / reference.abs().max().item()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    return err, 1e3 * replay_ms(graph, reps=20)
 
 
 if __name__ == "__main__":

@@ -44,6 +44,11 @@ def _kernels():
     import triton.language as tl
 
     @triton.jit
+    def gelu_tanh(acc):  # tanh GELU, tanh(u) written as 1 - 2 / (1 + e^(2u)) (finite at both ends)
+        u = 0.7978845608028654 * (acc + 0.044715 * acc * acc * acc)
+        return 0.5 * acc * (2.0 - 2.0 / (1.0 + tl.exp(2.0 * u)))
+
+    @triton.jit
     def ln_linear_kernel(x_ptr, ln_w_ptr, consts_ptr, w_ptr, bias_ptr, res_ptr, out_ptr, part_ptr, lock_ptr,
                          M, N, K, stride_out, eps, HAS_LN: tl.constexpr, HAS_BIAS: tl.constexpr, GELU: tl.constexpr,
                          RESIDUAL: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -102,9 +107,8 @@ def _kernels():
             tl.atomic_xchg(lock_ptr + tile, 0)  # ready for the next launch
         if HAS_BIAS:
             acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-        if GELU:  # tanh GELU, tanh(u) written as 1 - 2 / (1 + e^(2u)) (finite at both ends)
-            u = 0.7978845608028654 * (acc + 0.044715 * acc * acc * acc)
-            acc = 0.5 * acc * (2.0 - 2.0 / (1.0 + tl.exp(2.0 * u)))
+        if GELU:
+            acc = gelu_tanh(acc)
         ok = row_ok[:, None] & col_ok[None, :]
         if RESIDUAL:  # the residual's rounding as eager's: the product in the model's dtype first
             acc = acc.to(out_ptr.dtype.element_ty).to(tl.float32)
@@ -141,9 +145,8 @@ def _kernels():
             acc = tl.sum(w.to(tl.float32) * x[None, :], axis=1)
             if HAS_BIAS:
                 acc += bias
-            if GELU:  # tanh GELU, as ln_linear_kernel's
-                u = 0.7978845608028654 * (acc + 0.044715 * acc * acc * acc)
-                acc = 0.5 * acc * (2.0 - 2.0 / (1.0 + tl.exp(2.0 * u)))
+            if GELU:
+                acc = gelu_tanh(acc)
             if RESIDUAL:  # the residual's rounding as eager's: the product in the model's dtype first
                 acc = acc.to(out_ptr.dtype.element_ty).to(tl.float32)
                 acc += tl.load(res_ptr + m.to(tl.int64) * N + cols, mask=col_ok, other=0.0).to(tl.float32)
@@ -306,7 +309,6 @@ def ln_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None =
         return out.copy_(reference_ln_linear(x, weight, bias, ln, gelu, residual))
     assert x.is_contiguous() and weight.stride() == (k, 1) and out.stride(1) == 1 and out.shape == (m, n)
     assert residual is None or residual.is_contiguous()
-    settings = {"SPLIT": 1, **(TILES.get((n, k)) or tiles(n, k))}
     if gemv and gemv_fits(weight):
         block_n = gemv_block_n(n)
         _kernels()[4][(triton_cdiv(n, block_n), triton_cdiv(m, 16))](
@@ -316,6 +318,7 @@ def ln_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None =
             RESIDUAL=residual is not None, BLOCK_N=block_n, ROWS=16, num_warps=8)
         return out
     kernel = _kernels()[0]
+    settings = {"SPLIT": 1, **(TILES.get((n, k)) or tiles(n, k))}
     if x.dtype == torch.float32:  # fp32 tiles take twice the shared memory
         settings.update(BLOCK_K=min(settings["BLOCK_K"], 64), num_stages=2)
     if ln is not None:

@@ -14,9 +14,8 @@ import numpy as np
 import pytest
 import torch
 
-from gptrain.interop.megatron import (
-    InertGlobal, UnsafeCheckpointError, find_checkpoint, load_pickle_safely, read_megatron_checkpoint,
-)
+from gptrain.interop.megatron import find_checkpoint, read_megatron_checkpoint
+from gptrain.interop.safe_unpickle import InertGlobal, UnsafeCheckpointError, load_pickle_safely
 from gptrain.model.gpt import GPT, GPTConfig
 
 FIXTURES = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "megatron-ckpt"

@@ -20,6 +20,7 @@ from gptrain.inference import rows as rows_module
 from gptrain.inference.rows import (PrefillGraphs, RowDecoder, fused_generate, prefill_bucket, row_decoder_for,
                                    warm_up)
 from gptrain.kernels import decode as kernels
+from gptrain.kernels import decode_io, ln_fold
 from gptrain.model.gpt import GPT, GPTConfig
 from test_fast_decode import _compare, tiny_model
 
@@ -44,14 +45,14 @@ def test_a_models_decoders_and_folded_constants_go_with_the_model():
     block, head = model.layers["0"], model.output_layer
     buffers = []
     for weight, ln in ((block.attn.qkv.weight, block.ln1), (head.weight[: head.vocab_size], model.final_layernorm)):
-        consts = kernels.ln_constants(weight, ln)  # (the head's weight: a view made anew each call)
+        consts = ln_fold.ln_constants(weight, ln)  # (the head's weight: a view made anew each call)
         expected = torch.stack([weight.double() @ ln.weight.double(), weight.double() @ ln.bias.double()])
         torch.testing.assert_close(consts.double(), expected, rtol=1e-5, atol=1e-6)
-        assert kernels.ln_constants(weight, ln) is consts  # cached
+        assert ln_fold.ln_constants(weight, ln) is consts  # cached
         buffers.append(consts)
     with torch.no_grad():
         block.ln1.weight.mul_(2.0)  # changed in place: recomputed into the same buffer
-    assert kernels.ln_constants(block.attn.qkv.weight, block.ln1) is buffers[0]
+    assert ln_fold.ln_constants(block.attn.qkv.weight, block.ln1) is buffers[0]
     torch.testing.assert_close(buffers[0][0].double(), block.attn.qkv.weight.double() @ block.ln1.weight.double(),
                                rtol=1e-5, atol=1e-6)
     del buffers, consts
@@ -61,9 +62,9 @@ def test_a_models_decoders_and_folded_constants_go_with_the_model():
     gone = weakref.ref(model)
     del model, block, head, weight, ln, twin
     gc.collect()
-    kernels.refresh_ln_constants()
+    ln_fold.refresh_ln_constants()
     assert gone() is None
-    assert all(kernels._alive(entry) for entry in kernels._constants.values())
+    assert all(ln_fold._alive(entry) for entry in ln_fold._constants.values())
 
 
 def test_single_stream_decoder_is_one_row_and_kept_apart():
@@ -235,14 +236,14 @@ def test_row_argmax_equals_torch_and_is_batch_invariant():
     logits = padded[:, :vocab]
     logits.copy_(torch.randn(33, vocab, device="cuda", generator=gen))
     logits[1, 7] = logits[1, 40000] = 1e4
-    edge = kernels.ARGMAX_BLOCK
+    edge = decode_io.ARGMAX_BLOCK
     logits[2, edge - 1] = logits[2, edge] = 1e4
     logits[3] = float("-inf")
     logits[4, vocab - 1] = 1e4
-    got = kernels.row_argmax(logits)
+    got = decode_io.row_argmax(logits)
     assert torch.equal(got, logits.argmax(dim=-1)) and got[1] == 7 and got[2] == edge - 1 and got[4] == vocab - 1
     for rows in (1, 5):
-        assert torch.equal(kernels.row_argmax(logits[:rows]), got[:rows])
+        assert torch.equal(decode_io.row_argmax(logits[:rows]), got[:rows])
 
 
 @pytest.mark.gpu

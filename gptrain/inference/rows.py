@@ -29,7 +29,9 @@ from gptrain.inference.generate import (EolIds, Generation, SamplingParams, _pro
 from gptrain.inference.host_loop import AHEAD, StepReader, capture, model_cache
 from gptrain.inference.kv_cache import KVCache, forward_cached
 from gptrain.inference.sampling import sample
-from gptrain.kernels.decode import decode_attention, embed_rows, ln_linear, refresh_ln_constants, row_argmax
+from gptrain.kernels.decode import decode_attention, ln_linear
+from gptrain.kernels.decode_io import embed_rows, row_argmax
+from gptrain.kernels.ln_fold import refresh_ln_constants
 from gptrain.model.gpt import GPT
 
 

@@ -6,8 +6,9 @@ A 345M step at batch 1 reads 0.7 GB of weights, about 0.2 ms at an H100's memory
 PyTorch ops (or Inductor's fusions around cuBLAS) it is 300-odd kernels, and their launch gaps
 cost more than the reads. Here a block is five kernels: LayerNorm + QKV; attention; output
 projection + bias + residual; LayerNorm + FC1 + bias + GELU; FC2 + bias + residual. A LayerNorm
-is folded into the product that follows it (its statistics accumulate beside the product), so no
-kernel reads its input before the weights start streaming. Around them: one kernel for a step's
+is folded into the product that follows it (its statistics accumulate beside the product; its
+constants come from :mod:`gptrain.kernels.ln_fold`), so no kernel reads its input before the
+weights start streaming. Around them (:mod:`gptrain.kernels.decode_io`): one kernel for a step's
 input (token and position embeddings) and one for the greedy choice (a row's argmax).
 
 Every kernel computes a row of the batch the same way whatever the other rows hold and however
@@ -29,10 +30,11 @@ from __future__ import annotations
 
 import functools
 import math
-import weakref
 
 import torch
 import torch.nn.functional as F
+
+from gptrain.kernels.ln_fold import ln_constants
 
 ROWS = 16  # batch rows a program computes (tensor-core tiles need 16); fewer are masked
 SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
@@ -215,43 +217,7 @@ def _kernels():
         tl.store(dst + d, (merged / total).to(out_ptr.dtype.element_ty))
         tl.atomic_xchg(lock_ptr + pair, 0)  # ready for the next launch
 
-    @triton.jit
-    def argmax_kernel(logits_ptr, stride, N, part_ptr, lock_ptr, out_ptr, BLOCK: tl.constexpr, CHUNKS: tl.constexpr,
-                      CHUNKS_P2: tl.constexpr):
-        row, chunk = tl.program_id(0), tl.program_id(1)
-        cols = chunk * BLOCK + tl.arange(0, BLOCK)
-        v = tl.load(logits_ptr + row.to(tl.int64) * stride + cols, mask=cols < N, other=float("-inf"))
-        best = tl.max(v, axis=0)
-        first = tl.min(tl.where(v == best, cols, N), axis=0)  # the lowest index of the maximum, as torch's
-        parts = part_ptr + row.to(tl.int64) * (2 * CHUNKS_P2)
-        tl.store(parts + chunk, best, cache_modifier=".cg")
-        tl.store(parts + CHUNKS_P2 + chunk, first.to(tl.float32), cache_modifier=".cg")  # exact below 2^24
-        tl.debug_barrier()
-        if tl.atomic_add(lock_ptr + row, 1, sem="acq_rel") != CHUNKS - 1:
-            return
-        c = tl.arange(0, CHUNKS_P2)
-        values = tl.load(parts + c, mask=c < CHUNKS, other=float("-inf"), cache_modifier=".cg")
-        at = tl.load(parts + CHUNKS_P2 + c, mask=c < CHUNKS, other=N, cache_modifier=".cg")
-        best = tl.max(values, axis=0)
-        tl.store(out_ptr + row, tl.min(tl.where(values == best, at, N), axis=0).to(tl.int64))
-        tl.atomic_xchg(lock_ptr + row, 0)  # ready for the next launch
-
-    @triton.jit
-    def embed_kernel(ids_ptr, start_ptr, step_ptr, word_ptr, pos_emb_ptr, x_ptr, positions_ptr, out_ids_ptr,
-                     current_ptr, batch, last_position, H, BLOCK_H: tl.constexpr):
-        row = tl.program_id(0)
-        token = tl.load(ids_ptr + row)
-        step = tl.load(step_ptr)
-        position = tl.minimum(tl.load(start_ptr + row) + step, last_position)
-        h = tl.arange(0, BLOCK_H)
-        e = tl.load(word_ptr + token * H + h, mask=h < H, other=0.0).to(tl.float32) + \
-            tl.load(pos_emb_ptr + position * H + h, mask=h < H, other=0.0).to(tl.float32)
-        tl.store(x_ptr + row.to(tl.int64) * H + h, e.to(x_ptr.dtype.element_ty), mask=h < H)
-        tl.store(positions_ptr + row, position)
-        tl.store(out_ids_ptr + step * batch + row, token)
-        tl.store(current_ptr + row, token)
-
-    return ln_linear_kernel, attention_kernel, argmax_kernel, embed_kernel, gemv_kernel
+    return ln_linear_kernel, attention_kernel, gemv_kernel
 
 
 @functools.cache
@@ -289,7 +255,7 @@ def gemv_fits(weight: torch.Tensor) -> bool:
     return weight.element_size() == 2 and k & (k - 1) == 0 and k <= 4096 and n <= 8192
 
 
-def _use_triton(t: torch.Tensor) -> bool:
+def use_triton(t: torch.Tensor) -> bool:
     return t.is_cuda
 
 
@@ -305,13 +271,13 @@ def ln_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None =
     n = weight.shape[0]
     if out is None:
         out = torch.empty(m, n, device=x.device, dtype=out_dtype or x.dtype)
-    if not _use_triton(x):
+    if not use_triton(x):
         return out.copy_(reference_ln_linear(x, weight, bias, ln, gelu, residual))
     assert x.is_contiguous() and weight.stride() == (k, 1) and out.stride(1) == 1 and out.shape == (m, n)
     assert residual is None or residual.is_contiguous()
     if gemv and gemv_fits(weight):
         block_n = gemv_block_n(n)
-        _kernels()[4][(triton_cdiv(n, block_n), triton_cdiv(m, 16))](
+        _kernels()[2][(triton_cdiv(n, block_n), triton_cdiv(m, 16))](
             x, ln.weight if ln is not None else x, ln.bias if ln is not None else x, weight,
             bias if bias is not None else x, residual if residual is not None else out, out, m, n, out.stride(0),
             ln.eps if ln is not None else 0.0, K=k, HAS_LN=ln is not None, HAS_BIAS=bias is not None, GELU=gelu,
@@ -327,7 +293,7 @@ def ln_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None =
     if split > 1 and k % (split * settings["BLOCK_K"]):
         raise ValueError(f"{k} inputs do not split into {split} shares of {settings['BLOCK_K']}-wide steps")
     grid = (triton_cdiv(n, settings["BLOCK_N"]), triton_cdiv(m, ROWS), split)
-    parts, locks = (x, x) if split == 1 else _split_buffers(x.device, grid[0] * grid[1],
+    parts, locks = (x, x) if split == 1 else split_buffers(x.device, grid[0] * grid[1],
                                                              split * ROWS * settings["BLOCK_N"])
     consts = ln_constants(weight, ln) if ln is not None else x
     kernel[grid](x, ln.weight if ln is not None else x, consts, weight,
@@ -338,68 +304,10 @@ def ln_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None =
     return out
 
 
-# per (weight, LayerNorm): [the versions it was computed at, (2, n) fp32 g @ w.T and b @ w.T, weak references to
-# (the weight or the tensor it views, g, b), the weight's (storage offset, shape, stride)]
-_constants: dict[tuple, list] = {}
-_retired: list[torch.Tensor] = []  # buffers of tensors gone: a graph captured with them may still hold them
-
-
-def ln_constants(weight: torch.Tensor, ln: torch.nn.LayerNorm) -> torch.Tensor:
-    """``ln.weight @ weight.T`` and ``ln.bias @ weight.T`` in fp32, (2, n): what the folded
-    LayerNorm subtracts and adds. Computed once per weight and again when the weight or the
-    LayerNorm changes in place (their version counters), into the same buffer, so a captured graph
-    that holds it stays right once ``refresh_ln_constants`` has run. The weights are held weakly
-    (a model's weights go when the model goes)."""
-    key = (weight.data_ptr(), tuple(weight.shape), ln.weight.data_ptr(), ln.bias.data_ptr())
-    entry = _constants.get(key)
-    if entry is None or not _alive(entry):  # new, or its tensors are gone and the address reused
-        _prune()
-        owner = weight._base if weight._base is not None else weight
-        entry = _constants[key] = [None, torch.empty(2, weight.shape[0], device=weight.device, dtype=torch.float32),
-                                   tuple(weakref.ref(t) for t in (owner, ln.weight, ln.bias)),
-                                   (weight.storage_offset(), tuple(weight.shape), weight.stride())]
-    _refresh(entry)
-    return entry[1]
-
-
-def _alive(entry: list) -> bool:
-    return all(ref() is not None for ref in entry[2])
-
-
-def _prune() -> None:
-    for key, entry in list(_constants.items()):
-        if not _alive(entry):
-            _retired.append(_constants.pop(key)[1])
-
-
-def _refresh(entry: list) -> None:
-    owner, g, b = (ref() for ref in entry[2])
-    versions = (owner._version, g._version, b._version)  # (a view shares its base's counter)
-    if entry[0] == versions:
-        return
-    offset, shape, stride = entry[3]
-    weight = owner.as_strided(shape, stride, offset)
-    if weight.is_cuda and torch.cuda.is_current_stream_capturing():
-        raise RuntimeError("a LayerNorm's folded constants changed during a graph capture")
-    with torch.no_grad():  # elementwise in fp32 (no TF32), one row of weights at a time in chunks
-        for lo in range(0, weight.shape[0], 8192):
-            w = weight[lo:lo + 8192].float()
-            entry[1][0, lo:lo + 8192] = (w * g.float()).sum(dim=1)
-            entry[1][1, lo:lo + 8192] = (w * b.float()).sum(dim=1)
-    entry[0] = versions
-
-
-def refresh_ln_constants() -> None:
-    """Brings every folded LayerNorm's constants up to date (before replaying captured steps)."""
-    _prune()
-    for entry in _constants.values():
-        _refresh(entry)
-
-
 _buffers: dict[torch.device, list[tuple[torch.Tensor, torch.Tensor]]] = {}
 
 
-def _split_buffers(device: torch.device, tiles: int, tile_floats: int) -> tuple[torch.Tensor, torch.Tensor]:
+def split_buffers(device: torch.device, tiles: int, tile_floats: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The split programs' fp32 shares and per-tile counters (zero between launches: the last
     program resets its counter). The newest set per device serves every launch that fits it
     (launches on one stream never overlap); a larger set is made outside a CUDA graph's capture
@@ -413,44 +321,6 @@ def _split_buffers(device: torch.device, tiles: int, tile_floats: int) -> tuple[
         sets.append((torch.empty(floats, device=device, dtype=torch.float32),
                      torch.zeros(count, device=device, dtype=torch.int32)))
     return sets[-1]
-
-
-ARGMAX_BLOCK = 2048  # logits a program scans
-
-
-def row_argmax(logits: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Each row's index of its largest value (the lowest such index, as ``torch.argmax``): chunks of
-    a row in parallel, then the chunk that finishes last picks among them in a fixed order (a row's
-    answer depends only on the row). ``logits`` (rows, n) fp32 with unit column stride."""
-    rows, n = logits.shape
-    if out is None:
-        out = torch.empty(rows, device=logits.device, dtype=torch.long)
-    if not _use_triton(logits):
-        return out.copy_(logits.argmax(dim=-1))
-    assert logits.stride(1) == 1 and logits.dtype == torch.float32 and out.is_contiguous()
-    chunks = triton_cdiv(n, ARGMAX_BLOCK)
-    p2 = 1 << (chunks - 1).bit_length()
-    parts, locks = _split_buffers(logits.device, rows, 2 * p2)
-    _kernels()[2][(rows, chunks)](logits, logits.stride(0), n, parts, locks, out, BLOCK=ARGMAX_BLOCK, CHUNKS=chunks,
-                                  CHUNKS_P2=p2, num_warps=4)
-    return out
-
-
-def embed_rows(ids: torch.Tensor, start: torch.Tensor, step: torch.Tensor, word: torch.Tensor, pos_emb: torch.Tensor,
-               x: torch.Tensor, positions: torch.Tensor, out_ids: torch.Tensor, current: torch.Tensor) -> None:
-    """One decode step's input, in one kernel: each row's position ``min(start + step, window - 1)``
-    into ``positions``, its token's and position's embeddings summed (in the model's dtype, as
-    eager) into ``x``, and the token recorded at ``out_ids[step]`` and in ``current``."""
-    rows, hidden = x.shape
-    if not _use_triton(x):
-        positions.copy_((start[:rows] + step).clamp_(max=pos_emb.shape[0] - 1))
-        x.copy_(F.embedding(ids, word) + F.embedding(positions, pos_emb))
-        out_ids.index_copy_(0, step.view(1), ids[None])
-        current.copy_(ids)
-        return
-    assert x.is_contiguous() and word.is_contiguous() and pos_emb.is_contiguous() and out_ids.shape[1] == rows
-    _kernels()[3][(rows,)](ids, start, step, word, pos_emb, x, positions, out_ids, current, rows,
-                           pos_emb.shape[0] - 1, hidden, BLOCK_H=1 << (hidden - 1).bit_length(), num_warps=4)
 
 
 def triton_cdiv(a: int, b: int) -> int:
@@ -484,12 +354,12 @@ def decode_attention(qkv: torch.Tensor, kv: torch.Tensor, positions: torch.Tenso
     _, batch, heads, window, dim = kv.shape
     if out is None:
         out = torch.empty(rows, heads * dim, device=qkv.device, dtype=qkv.dtype)
-    if not _use_triton(qkv):
+    if not use_triton(qkv):
         return out.copy_(reference_decode_attention(qkv, kv, positions))
     assert qkv.is_contiguous() and kv.is_contiguous() and out.is_contiguous() and rows <= batch
     chunks = triton_cdiv(window, ATTENTION_CHUNK)
     p2 = 1 << (chunks - 1).bit_length()
-    parts, locks = _split_buffers(qkv.device, rows * heads, p2 * 2 * dim)
+    parts, locks = split_buffers(qkv.device, rows * heads, p2 * 2 * dim)
     _kernels()[1][(rows, heads, chunks)](qkv, kv, positions, out, parts, locks, heads, window,
                                          batch * heads * window * dim, dim ** -0.5, DIM=dim, CHUNK=ATTENTION_CHUNK,
                                          CHUNKS_P2=p2, num_warps=4)

@@ -1,0 +1,250 @@
+#!/usr/bin/env bash
+# gptrain's benchmarks behind one entry. Runs on a GPU machine after the README's install
+# (`python3 -m pip install -e .`; the `lane` suite also needs pytest).
+#
+#   benchmarks/run.sh SUITE [extra args]
+#
+#   train       gptrain's training step against the in-process plain-PyTorch baseline (nanoGPT's
+#               recipe, compiled, same process): the 345M, seq 1024, bf16, compiled, no dropout, at
+#               micro-batch 16 and 64 (benchmarks/train_throughput.py = `gptrain bench`)
+#   scaling     train_throughput.py under torchrun at the DP/ZeRO/TP/PP layouts beside a 1-GPU row of the
+#               same run (nccl_bench.py first); 2-GPU layouts from 2 GPUs, 4-GPU layouts from 4; with
+#               one GPU it says so and exits 0
+#   decode      decode_speed.py: the 345M (bf16, random init) at batch 1 and 32, 32-token prompts,
+#               256 new tokens, greedy: fused loop, CUDA-graph loop, eager and HF generate (if
+#               transformers is installed), --profile
+#   serve       a 345M checkpoint (2 training iterations on synthetic data), `gptrain serve` on it,
+#               serve_load.py with 32 clients then 1, the server stopped; with 2 GPUs serve_tp.py too
+#   checkpoint  ckpt_save.py: the 345M training state saved (sync, async) and loaded, 3 times each
+#   preprocess  preprocess.py: `gptrain preprocess` against raw tiktoken on 100 MB of text (CPU)
+#   lane        the GPU test lane (pytest -m gpu on the kernel and decode tests), then `gptrain demo`
+#   all         lane train decode serve checkpoint preprocess scaling, in turn (no extra args)
+#
+# Extra args go to the suite's benchmark command(s) and, given last, override its defaults (e.g.
+# `run.sh train --iters 30`, `run.sh preprocess --mb 20`, `run.sh decode --batch-sizes 1`).
+# Logs: ${OUT:-benchmarks/out}/SUITE/*.txt (git-ignored; a relative OUT is taken from the repository
+# root) and OUT/device.txt (device, versions, commit, date). Large scratch files (checkpoints, the
+# demo's folder) go under ${WORK:-${TMPDIR:-/tmp}/gptrain_bench}. Each command is printed before it runs ("+ ...").
+# Results and how they were measured: benchmarks/RESULTS.md.
+set -o pipefail
+cd "$(dirname "$0")/.." || exit 2
+OUT=${OUT:-benchmarks/out}
+WORK=${WORK:-${TMPDIR:-/tmp}/gptrain_bench}
+PY=${PYTHON:-python3}
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+
+M345=(--num-layers 24 --hidden-size 1024 --num-attention-heads 16 --seq-length 1024 --max-position-embeddings 1024)
+BENCH=("${M345[@]}" --hidden-dropout 0 --attention-dropout 0 --bf16 --compile)
+TORCHRUN=("$PY" -m torch.distributed.run --standalone --nproc-per-node)
+SERVER_PID=
+
+usage() { sed -n '2,29p' "$0" | sed 's/^# \{0,1\}//'; }
+
+# run LOG CMD...: print the command, run it, its output to the screen and to $OUT/LOG
+run() {
+  local log=$OUT/$1 start=$SECONDS rc
+  shift
+  mkdir -p "$(dirname "$log")"
+  { printf '+'; printf ' %q' "$@"; printf '\n'; } | tee "$log"
+  "$@" 2>&1 | tee -a "$log"
+  rc=${PIPESTATUS[0]}
+  echo "(exit $rc after $((SECONDS - start)) s; log $log)" | tee -a "$log"
+  return "$rc"
+}
+
+gpu_count() { "$PY" -c "import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)" 2>/dev/null || echo 0; }
+
+need_gpu() {
+  [ "$(gpu_count)" -ge 1 ] && return 0
+  echo "$1: needs a CUDA GPU (torch sees none)"
+  return 2
+}
+
+device_info() {
+  mkdir -p "$OUT" "$WORK"
+  {
+    echo "date: $(date -u '+%Y-%m-%d %H:%M UTC')"
+    echo "commit: $(git rev-parse --short HEAD 2>/dev/null)$(git diff --quiet HEAD -- gptrain benchmarks 2>/dev/null || echo ' (with local changes)')"
+    nvidia-smi --query-gpu=index,name,driver_version,memory.total --format=csv,noheader 2>/dev/null || echo "no nvidia-smi"
+    "$PY" - <<'EOF' 2>&1
+import platform, sys
+import torch
+line = f"python {platform.python_version()}, torch {torch.__version__} (cuda {torch.version.cuda})"
+for name in ("triton", "transformers"):
+    try:
+        line += f", {name} {__import__(name).__version__}"
+    except ImportError:
+        pass
+print(line)
+EOF
+  } > "$OUT/device.txt"
+  cat "$OUT/device.txt"
+}
+
+# the table rows of gptrain bench logs
+bench_rows() { grep -h -E "^\| (gptrain|baseline)|baseline tokens/s|bubble" "$@" 2>/dev/null; }
+
+suite_train() {
+  need_gpu train || return
+  local rc=0
+  run train/mbs16.txt "$PY" benchmarks/train_throughput.py "${BENCH[@]}" --micro-batch-size 16 --warmup 6 --iters 15 "$@" || rc=1
+  run train/mbs64.txt "$PY" benchmarks/train_throughput.py "${BENCH[@]}" --micro-batch-size 64 --warmup 5 --iters 10 "$@" || rc=1
+  echo "== train"; bench_rows "$OUT"/train/mbs*.txt
+  return $rc
+}
+
+# LAYOUT list: "GPUS:MICRO_BATCH:GLOBAL_BATCH:NAME:FLAGS"; the baseline (nanoGPT, under DDP at DP) runs
+# beside the 1-GPU and plain data-parallel rows only
+LAYOUTS2=("1:16:16:1gpu:" "2:16:32:dp2:" "2:32:64:zero3_dp2:--zero-stage 3 --no-baseline"
+          "2:32:32:tp2:--tensor-model-parallel-size 2 --no-baseline"
+          "2:32:32:tp2_sp:--tensor-model-parallel-size 2 --sequence-parallel --no-baseline"
+          "2:16:128:pp2:--pipeline-model-parallel-size 2 --no-baseline"
+          "2:16:128:pp2_last10:--pipeline-model-parallel-size 2 --decoder-last-pipeline-num-layers 10 --no-baseline")
+LAYOUTS4=("4:16:128:dp4:--no-baseline" "4:32:64:tp2_dp2:--tensor-model-parallel-size 2 --no-baseline"
+          "4:16:128:tp2_pp2:--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 --no-baseline"
+          "4:32:32:tp4:--tensor-model-parallel-size 4 --no-baseline"
+          "4:8:128:pp4:--pipeline-model-parallel-size 4 --decoder-last-pipeline-num-layers 3 --no-baseline"
+          "4:16:128:zero3_dp4:--zero-stage 3 --no-baseline")
+
+suite_scaling() {
+  need_gpu scaling || return
+  local n rc=0 v gpus mbs gbs name flags
+  n=$(gpu_count)
+  if [ "$n" -lt 2 ]; then
+    echo "scaling: $n GPU visible; the parallel layouts need several (DP2, ZeRO-3, TP2, PP2 on 2 GPUs;"
+    echo "DP4, TP2 x DP2, TP2 x PP2, TP4, PP4, ZeRO-3 on 4). Nothing to run here."
+    # >>> RANK SIMULATOR (placeholder) ------------------------------------------------------------
+    # A rank simulator is being added to gptrain bench (`--simulate-world-size N`: N ranks' layouts
+    # on one GPU). When it lands, run the layouts below on this one GPU through it here, e.g.
+    #   run scaling/sim_tp2.txt "$PY" benchmarks/train_throughput.py "${BENCH[@]}" --simulate-world-size 2 \
+    #     --micro-batch-size 32 --global-batch-size 32 --tensor-model-parallel-size 2 --no-baseline "$@"
+    # and label those rows simulated in RESULTS.md (they time one GPU's share, not the links).
+    # <<< RANK SIMULATOR ---------------------------------------------------------------------------
+    return 0
+  fi
+  run scaling/nccl.txt "${TORCHRUN[@]}" "$n" benchmarks/nccl_bench.py || rc=1
+  local layouts=("${LAYOUTS2[@]}")
+  [ "$n" -ge 4 ] && layouts+=("${LAYOUTS4[@]}")
+  for v in "${layouts[@]}"; do
+    IFS=: read -r gpus mbs gbs name flags <<< "$v"
+    # shellcheck disable=SC2086  # flags split into words on purpose
+    if [ "$gpus" = 1 ]; then
+      run scaling/$name.txt "$PY" benchmarks/train_throughput.py "${BENCH[@]}" --warmup 3 --iters 8 \
+        --micro-batch-size "$mbs" --global-batch-size "$gbs" $flags "$@" || rc=1
+    else
+      run scaling/$name.txt "${TORCHRUN[@]}" "$gpus" benchmarks/train_throughput.py "${BENCH[@]}" --warmup 3 --iters 8 \
+        --micro-batch-size "$mbs" --global-batch-size "$gbs" $flags "$@" || rc=1
+    fi
+  done
+  echo "== scaling (tokens/s per GPU)"
+  for v in "${layouts[@]}"; do
+    IFS=: read -r gpus mbs gbs name flags <<< "$v"
+    echo "-- $name ($gpus GPUs, micro-batch $mbs, global batch $gbs)"; bench_rows "$OUT/scaling/$name.txt"
+  done
+  return $rc
+}
+
+suite_decode() {
+  need_gpu decode || return
+  local hf=()
+  if ! "$PY" -c "import transformers" 2>/dev/null; then
+    echo "decode: transformers is not installed, so no HF generate column (pip install transformers)"
+    hf=(--skip-hf)
+  fi
+  run decode/decode_speed.txt "$PY" benchmarks/decode_speed.py --batch-sizes 1 32 --prompt-tokens 32 --new-tokens 256 \
+    --profile "${hf[@]}" "$@"
+  local rc=$?
+  echo "== decode"; grep -E "^batch" "$OUT/decode/decode_speed.txt" | cut -c1-220
+  return $rc
+}
+
+stop_server() {
+  [ -n "$SERVER_PID" ] || return 0
+  kill "$SERVER_PID" 2>/dev/null && wait "$SERVER_PID" 2>/dev/null
+  SERVER_PID=
+}
+trap stop_server EXIT
+trap 'stop_server; exit 130' INT TERM
+
+suite_serve() {
+  need_gpu serve || return
+  local ck=$WORK/ck345 port=${PORT:-5055} rc=0 i
+  mkdir -p "$OUT/serve"
+  # a 345M checkpoint: 2 iterations on synthetic data (random-looking weights; the numbers are the
+  # serving path's, not a trained model's)
+  if [ ! -s "$ck/latest_checkpointed_iteration.txt" ]; then
+    rm -rf "$ck"
+    run serve/checkpoint.txt "$PY" -m gptrain train "${M345[@]}" --mock-data --micro-batch-size 4 --global-batch-size 4 \
+      --train-iters 2 --lr 1e-4 --bf16 --eval-iters 2 --save "$ck" --save-interval 2 || return 1
+  fi
+  echo "+ $PY -m gptrain serve --load $ck --port $port > $OUT/serve/server.txt 2>&1 &"
+  "$PY" -m gptrain serve --load "$ck" --port "$port" > "$OUT/serve/server.txt" 2>&1 &
+  SERVER_PID=$!
+  for i in $(seq 300); do  # loading, compiling and warming up take a minute or two
+    "$PY" -c "import urllib.request as u; u.urlopen('http://127.0.0.1:$port/health', timeout=2)" 2>/dev/null && break
+    kill -0 "$SERVER_PID" 2>/dev/null || break
+    sleep 1
+  done
+  if ! "$PY" -c "import urllib.request as u; u.urlopen('http://127.0.0.1:$port/health', timeout=2)" 2>/dev/null; then
+    echo "serve: the server did not come up; its log ($OUT/serve/server.txt) ends:"; tail -20 "$OUT/serve/server.txt"
+    stop_server; return 1
+  fi
+  run serve/load32.txt "$PY" benchmarks/serve_load.py --url "http://127.0.0.1:$port" --clients 32 --seconds 30 --tokens 64 "$@" || rc=1
+  run serve/load1.txt "$PY" benchmarks/serve_load.py --url "http://127.0.0.1:$port" --clients 1 --seconds 15 --tokens 64 "$@" || rc=1
+  stop_server
+  if [ "$(gpu_count)" -ge 2 ]; then
+    run serve/serve_tp.txt "$PY" benchmarks/serve_tp.py --nproc 2 --new-tokens 128 --batch-sizes 1 32 \
+      --workdir "$WORK/serve_tp" || rc=1
+  fi
+  echo "== serve"; grep -h -E "clients,|fp32 greedy|bf16 " "$OUT"/serve/load*.txt "$OUT/serve/serve_tp.txt" 2>/dev/null
+  return $rc
+}
+
+suite_checkpoint() {
+  need_gpu checkpoint || return
+  # the folder is emptied first and removed after; CKPT_DIR picks the disk to measure
+  run checkpoint/ckpt_save.txt "$PY" benchmarks/ckpt_save.py --dir "${CKPT_DIR:-$WORK/ckpt_bench}" --repeats 3 "$@"
+}
+
+suite_preprocess() {
+  run preprocess/preprocess.txt "$PY" benchmarks/preprocess.py --mb 100 "$@"
+}
+
+suite_lane() {
+  need_gpu lane || return
+  if ! "$PY" -c "import pytest" 2>/dev/null; then
+    echo "lane: needs pytest (python3 -m pip install pytest)"; return 2
+  fi
+  run lane/gpu_lane.txt "$PY" -m pytest -m gpu -q -rs -p no:cacheprovider --durations=10 \
+    tests/test_gpu_kernels.py tests/test_fast_decode.py tests/test_row_decode.py "$@"
+  local lane=$?
+  run lane/demo.txt "$PY" -m gptrain demo --out "$WORK/demo_out"
+  local demo=$?
+  cp "$WORK/demo_out/loss_curve.png" "$OUT/lane/" 2>/dev/null
+  echo "== lane"; grep -E "[0-9]+ (passed|failed)" "$OUT/lane/gpu_lane.txt" | tail -1; grep -E "^real|validation|rror" "$OUT/lane/demo.txt" | tail -3
+  [ "$lane" = 0 ] && return "$demo"
+  return "$lane"
+}
+
+suite=${1:-}
+[ $# -gt 0 ] && shift
+case $suite in
+  train|scaling|decode|serve|checkpoint|preprocess|lane)
+    device_info
+    "suite_$suite" "$@"
+    exit $? ;;
+  all)
+    [ $# -gt 0 ] && echo "all: extra args are ignored ($*); give them to one suite"
+    device_info
+    failed=()
+    for s in lane train decode serve checkpoint preprocess scaling; do
+      echo "==== $s"
+      "suite_$s" || failed+=("$s")
+    done
+    [ ${#failed[@]} = 0 ] && { echo "all suites done; logs in $OUT"; exit 0; }
+    echo "failed: ${failed[*]}; logs in $OUT"; exit 1 ;;
+  -h|--help|help)
+    usage; exit 0 ;;
+  *)
+    usage; exit 2 ;;
+esac

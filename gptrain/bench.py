@@ -139,7 +139,7 @@ def bench_baseline(cfg, device, warmup: int, iters: int, compile_model: bool = T
     fwd = torch.compile(model) if compile_model else model
     if dp > 1:
         fwd = torch.nn.parallel.DistributedDataParallel(fwd, device_ids=[device] if device.type == "cuda" else None)
-    mbs, n_micro = cfg.train.micro_batch_size, cfg.train.global_batch_size // (cfg.train.micro_batch_size * dp)
+    mbs, n_micro = cfg.train.micro_batch_size, cfg.train.micro_batches_per_step(dp)
     gen = torch.Generator(device="cpu").manual_seed(0)
 
     def step():

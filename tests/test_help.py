@@ -1,88 +1,211 @@
-"""`gptrain train --help`: every flag the parser knows has a Megatron group and a one-line help
-(gptrain/flag_help.py), and the accepted no-op and refused flags are listed with their reasons."""
+"""`gptrain train --help`, the parser and the table of accepted and refused Megatron flags are all
+generated from one set of declarations (gptrain/config.py, gptrain/flags.py): every accepted flag
+appears once, in its group, and the table and the parser agree with them."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import re
 
 import pytest
 
-from gptrain import flag_help
-from gptrain.config import ACCEPTED_NO_OP, ACCEPTED_NO_OP_WITH_VALUE, NOT_IMPLEMENTED, _parser
+from gptrain import config, flags
+from gptrain.config import COMPATIBILITY, DERIVED_FLAGS, MODEL_FLAGS, build_parser, declared_flags, parse_megatron_args
+from gptrain.model.gpt import GPTConfig
+
+BASE = ["--mock-data", "--train-iters", "1"]
 
 
-def _flags(parser: argparse.ArgumentParser):
-    return [a for a in parser._actions if not isinstance(a, argparse._HelpAction)]
-
-
-def test_every_flag_has_a_group_and_one_line_of_help():
-    parser = _parser()
-    missing, bad = [], []
-    for action in _flags(parser):
-        if action.help == argparse.SUPPRESS:
-            continue
-        name = flag_help.primary_name(action)
-        if name not in flag_help.FLAGS:
-            missing.append(name)
-            continue
-        group = flag_help.FLAGS[name][0]
-        if group not in flag_help.GROUPS or not action.help or "\n" in action.help or len(action.help) > 400:
-            bad.append(name)
-    assert not missing, f"add these flags to gptrain/flag_help.py FLAGS (group, help): {missing}"
-    assert not bad, f"flags with an unknown group or without a one-line help: {bad}"
-
-
-def test_no_stale_entries_and_every_hidden_flag_has_a_reason():
-    parser = _parser()
-    known = {flag_help.primary_name(a) for a in _flags(parser)}
-    assert set(flag_help.FLAGS) <= known, f"entries for flags the parser lacks: {set(flag_help.FLAGS) - known}"
-    hidden = {flag_help.primary_name(a) for a in _flags(parser) if a.help == argparse.SUPPRESS}
-    assert hidden == set(ACCEPTED_NO_OP) | set(ACCEPTED_NO_OP_WITH_VALUE)
-    assert set(flag_help.NO_OP_VALUE_REASONS) == set(ACCEPTED_NO_OP_WITH_VALUE)
-    assert all(ACCEPTED_NO_OP.values()) and all(NOT_IMPLEMENTED.values())
-
-
-def test_help_output_groups_flags_as_megatron_does(capsys):
+def _help_text(capsys) -> str:
     from gptrain.cli import main
 
     with pytest.raises(SystemExit) as exit_info:
         main(["train", "--help"])
     assert exit_info.value.code == 0
-    out = capsys.readouterr().out
+    return capsys.readouterr().out
+
+
+def _sections(out: str) -> dict[str, str]:
+    return dict(re.findall(r"^(\S[^\n]*):\n((?:  .*\n)+)", out, re.M))
+
+
+def test_every_declared_flag_appears_once_in_help_with_its_group(capsys):
+    out = _help_text(capsys)
+    sections = _sections(out)
     # Megatron's group titles (megatron/training/arguments.py), in its order, then gptrain's own
-    titles = [t for t in re.findall(r"^(\S[^\n]*):$", out, re.M) if t in flag_help.GROUPS]
-    assert titles == list(flag_help.GROUPS)
-    sections = dict(re.findall(r"^(\S[^\n]*):\n((?:  .*\n)+)", out, re.M))
-    assert "--num-layers N " in sections["network size"] and "--hidden-dropout X " in sections["regularization"]
+    titles = [t for t in re.findall(r"^(\S[^\n]*):$", out, re.M) if t in flags.GROUPS]
+    assert titles == list(flags.GROUPS)
+    declared = declared_flags()
+    names = [n for f in declared for n in f.names]
+    assert len(names) == len(set(names)), "a flag name declared twice"
+    for f in declared:
+        # listed once in the whole text, and that once under its own group, aliases on its line
+        pattern = rf"^  {re.escape(f.name)}[ ,\n]"
+        assert len(re.findall(pattern, out, re.M)) == 1, f.name
+        assert re.search(pattern, sections[f.group], re.M), f"{f.name} not under {f.group!r}"
+        for alias in f.names[1:]:
+            assert re.search(rf"^  {re.escape(f.name)}[^\n]*, {re.escape(alias)}[ \n]", sections[f.group], re.M)
+    # the flags in the help are exactly the declared ones and argparse's -h
+    listed = set(re.findall(r"^  (--[\w-]+)", "".join(sections[g] for g in flags.GROUPS), re.M))
+    assert listed == {f.name for f in declared}
+    assert "  -h, --help" in sections["options"]
+    # spot checks of the generated lines (metavar, default)
+    assert re.search(r"^  --num-layers N +transformer layers \(default: 24\)$", sections["network size"], re.M)
     assert "--lr X " in sections["learning rate"] and "--save PATH " in sections["checkpointing"]
-    assert "--bf16 " in sections["mixed precision"] and "--tensor-model-parallel-size N " in sections["distributed"]
-    assert "--seq-length N " in sections["data and dataloader"] and "--eval-iters N " in sections["validation"]
-    assert "other (no entry" not in out
-    # every visible flag is printed once, with its help text
-    for action in _flags(_parser()):
-        if action.help != argparse.SUPPRESS:
-            assert len(re.findall(rf"^  {re.escape(action.option_strings[0])}[ ,\n]", out, re.M)) == 1
+    assert "--data-path PATH [PATH ...]" in sections["data and dataloader"]
+    assert "--overlap-grad-reduce " in sections["distributed"] and "--ddp-bucket-size N " in sections["distributed"]
+
+
+def test_the_parser_is_the_declarations():
+    """Every parser action is a declared flag (visible, with its declared help and default) or a
+    hidden accepted no-op of the compatibility table; refused flags are not in the parser."""
+    parser = build_parser()
+    declared = {f.name: f for f in declared_flags()}
+    compat = {c.name: c for c in COMPATIBILITY}
+    for action in parser._actions:
+        if isinstance(action, argparse._HelpAction):
+            continue
+        name = action.option_strings[0]
+        if action.help == argparse.SUPPRESS:
+            assert compat[name].kind in ("switch", "value")
+            continue
+        f = declared[name]
+        assert tuple(action.option_strings) == f.names and action.help == f.help and action.dest == f.dest
+        if f.default is not flags.FIELD_DEFAULT and f.action not in ("store_true", "store_false"):
+            assert action.default == f.default, name
+    in_parser = {o for a in parser._actions for o in a.option_strings}
+    assert set(declared) <= in_parser
+    assert {c.name for c in COMPATIBILITY if c.kind != "refused"} <= in_parser
+    assert not {c.name for c in COMPATIBILITY if c.kind == "refused"} & in_parser
+
+
+def test_field_flags_take_the_fields_defaults_and_types():
+    """A field's flag has the field's default and type (except where the parser must tell "not
+    given" apart); GPTConfig's flags (MODEL_FLAGS) name real fields."""
+    assert set(MODEL_FLAGS) <= {f.name for f in dataclasses.fields(GPTConfig)}
+    not_given = {"micro_batch_size", "zero_stage"}  # None: filled from a ds.json or another flag
+    sections = config.field_flags()
+    classes = {"model": GPTConfig, **config._SECTION_CLASSES}
+    dests = [f.dest for fs in sections.values() for f in fs]
+    assert len(dests) == len(set(dests)), "two fields with the same name carry flags"
+    for section, fs in sections.items():
+        fields = {fl.name: fl for fl in dataclasses.fields(classes[section])}
+        for f in fs:
+            fl = fields[f.dest]
+            default = fl.default_factory() if fl.default_factory is not dataclasses.MISSING else fl.default
+            if f.dest in not_given:
+                assert f.default is None
+            elif f.action == "store_false":
+                assert default is True
+            else:
+                assert f.default == default, f.name
+            if isinstance(default, bool):
+                assert f.action in ("store_true", "store_false")
+            elif isinstance(default, (int, float)) and not isinstance(default, bool) and f.choices is None:
+                assert f.type is type(default), f.name
+    # every value that the parser reads with its default builds the same config as the dataclasses
+    cfg, _ = parse_megatron_args(BASE, world_size=1)
+    assert cfg.data == config.DataConfig(mock_data=True)
+    assert cfg.optim == config.OptimConfig() and cfg.precision == config.PrecisionConfig()
+    assert cfg.kernels == config.KernelConfig() and cfg.parallel == config.ParallelConfig()
+    assert cfg.model == GPTConfig()
+
+
+def test_compatibility_table_and_parser_agree(capsys):
+    out = _help_text(capsys)
+    sections = _sections(out)
     no_op = sections["accepted Megatron flags that change nothing here"]
     refused = sections["refused Megatron flags (an error, never ignored)"]
-    for flag, reason in ACCEPTED_NO_OP.items():
-        assert f"  {flag}: {reason}\n" in no_op
+    assert len(no_op.splitlines()) == sum(c.kind != "refused" for c in COMPATIBILITY)
+    assert len(refused.splitlines()) == sum(c.kind == "refused" for c in COMPATIBILITY)
+    for c in COMPATIBILITY:
+        if c.kind == "switch":
+            assert f"  {c.name}: {c.reason}\n" in no_op
+            _, notes = parse_megatron_args(BASE + [c.name], world_size=1)
+            assert notes == [f"{c.name}: accepted, {c.reason}"]
+        elif c.kind == "value":
+            values = f" ({' or '.join(c.values)} only)" if c.values else ""
+            assert f"  {c.name} VALUE{values}: {c.reason}\n" in no_op
+            parse_megatron_args(BASE + [c.name, c.values[0] if c.values else "3"], world_size=1)
+            if c.values:
+                with pytest.raises(ValueError, match=rf"^{re.escape(c.name)} other: only "):
+                    parse_megatron_args(BASE + [c.name, "other"], world_size=1)
+        else:
+            assert f"  {c.name}: {c.reason}\n" in refused
+            message = f"{c.name} is a Megatron flag gptrain does not implement: {c.reason}"
+            with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+                parse_megatron_args(BASE + [c.name], world_size=1)
+            with pytest.raises(ValueError, match=re.escape(c.name)):
+                parse_megatron_args(BASE + [f"{c.name}=x"], world_size=1)
     assert "  --dataset-impl VALUE (mmap only): only mmap files exist\n" in no_op
-    for flag, reason in NOT_IMPLEMENTED.items():
-        assert f"  {flag}: {reason}\n" in refused
+    assert out.rstrip().endswith("any other unknown flag is refused too.")
 
 
-def test_a_flag_without_an_entry_is_shown_apart_and_named_by_the_test():
-    parser = argparse.ArgumentParser(prog="x")
-    parser.add_argument("--num-layers", type=int, default=2)
-    parser.add_argument("--brand-new-flag", type=int, help="someone's new flag")
-    out = flag_help.apply(parser).format_help()
-    assert re.search(r"network size:\n  --num-layers N +transformer layers \(default: 2\)\n", out)
-    assert re.search(r"other \(no entry in gptrain/flag_help.py yet\):\n  --brand-new-flag N +someone's new flag", out)
+def test_a_declaration_without_a_group_or_help_is_refused():
+    with pytest.raises(ValueError, match="group 'nowhere' is not one of"):
+        flags.Flag(("--brand-new-flag",), "nowhere", "someone's new flag")
+    with pytest.raises(ValueError, match="one line of help"):
+        flags.Flag(("--brand-new-flag",), "training", "")
+    with pytest.raises(ValueError, match="declared twice"):
+        flags.build_parser([flags.Flag(("--x",), "training", "x", dest="a"),
+                            flags.Flag(("--x",), "logging", "x again", dest="b")], [])
+    with pytest.raises(ValueError, match="both a flag and in the compatibility table"):
+        flags.build_parser([flags.Flag(("--x",), "training", "x", dest="a")], [flags.Compat("--x", "why")])
 
 
-def test_refused_and_unknown_flags_fail_with_one_line(capsys):
-    from gptrain.config import parse_megatron_args
+def test_derived_flags_are_read_by_the_translation():
+    """Each derived flag changes the config it is said to change."""
+    parse = lambda *extra: parse_megatron_args(BASE + list(extra), world_size=4)[0]  # noqa: E731
+    assert parse("--checkpoint-activations").kernels.recompute == "full"
+    assert parse("--recompute-activations").kernels.recompute == "selective"
+    assert parse("--recompute-granularity", "selective").kernels.recompute == "selective"
+    assert parse("--recompute-granularity", "full", "--recompute-method", "uniform",
+                 "--recompute-num-layers", "1").kernels.recompute == "full"
+    assert parse("--bf16", "--fp8").precision.fp8 == "hybrid"
+    assert parse("--use-distributed-optimizer").parallel.zero_stage == 1
+    assert parse("--optimizer", "adam") == parse()
+    with pytest.raises(ValueError, match="--deepspeed needs --deepspeed_config"):
+        parse("--deepspeed")
+    assert {f.name for f in DERIVED_FLAGS} == {"--checkpoint-activations", "--recompute-activations",
+                                               "--recompute-granularity", "--recompute-method",
+                                               "--recompute-num-layers", "--optimizer", "--fp8",
+                                               "--use-distributed-optimizer", "--deepspeed", "--world-size"}
 
+
+def test_new_data_parallel_flags_set_their_fields():
+    cfg, notes = parse_megatron_args(BASE + ["--overlap-grad-reduce", "--ddp-bucket-size", "1000",
+                                             "--grad-reduce-in-bf16", "--overlap-param-gather"], world_size=1)
+    p = cfg.parallel
+    assert (p.overlap_grad_reduce, p.ddp_bucket_size, p.grad_reduce_in_bf16, p.overlap_param_gather) == \
+        (True, 1000, True, True)
+    assert notes == []
+    p = parse_megatron_args(BASE, world_size=1)[0].parallel
+    assert (p.overlap_grad_reduce, p.ddp_bucket_size, p.grad_reduce_in_bf16, p.overlap_param_gather) == \
+        (False, None, False, False)
+
+
+def test_micro_batches_per_step_counts_data_parallelism():
+    cfg, _ = parse_megatron_args(BASE + ["--micro-batch-size", "2", "--global-batch-size", "16"], world_size=1)
+    assert [cfg.train.micro_batches_per_step(dp) for dp in (1, 2, 4, 8)] == [8, 4, 2, 1]
+    with pytest.raises(ValueError, match="not divisible by --micro-batch-size 2 x data-parallel size 3"):
+        cfg.train.micro_batches_per_step(3)
+    # the default global batch is one micro-batch per data-parallel rank
+    cfg, _ = parse_megatron_args(BASE + ["--micro-batch-size", "2", "--tensor-model-parallel-size", "2"], world_size=8)
+    assert cfg.train.global_batch_size == 8 and cfg.train.micro_batches_per_step(4) == 1
+
+
+def test_config_is_final_once_built():
+    """The tokenizer's vocabulary makes a new config (checked again); the parsed one is untouched."""
+    cfg, _ = parse_megatron_args(BASE, world_size=1)
+    new = cfg.with_tokenizer(1000, 999)
+    assert (new.model.vocab_size, new.data.eod_token) == (1000, 999)
+    assert (cfg.model.vocab_size, cfg.data.eod_token) == (50257, None)
+    assert new.model.padded_vocab_size == 1024 and new.train == cfg.train
+    with pytest.raises(ValueError, match="vocab_size must be positive"):
+        cfg.with_tokenizer(0, 0)
+
+
+def test_refused_and_unknown_flags_fail_with_one_line():
     with pytest.raises(ValueError, match=r"--swiglu is a Megatron flag gptrain does not implement: only the GPT-2"):
         parse_megatron_args(["--swiglu", "--mock-data", "--train-iters", "1"])
     with pytest.raises(ValueError, match=r"unknown flag\(s\) --no-such-flag: .*gptrain train --help"):

@@ -27,7 +27,7 @@ TINY = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 32
 def test_seed_script_flags_parse_unchanged():
     cfg, _ = parse_megatron_args(SEED_000_FLAGS)
     assert cfg.model.num_parameters() == 354_871_296 and cfg.model.padded_vocab_size == 50304
-    assert cfg.train.num_micro_batches == 2 and cfg.precision.fp16
+    assert cfg.train.micro_batches_per_step(1) == 2 and cfg.train.micro_batches_per_step(2) == 1 and cfg.precision.fp16
     cfg001, _ = parse_megatron_args("--mock-data --train-iters 10 --attention-softmax-in-fp32 --use-flash-attn "
                                     "--tensor-model-parallel-size 1 --pipeline-model-parallel-size 1".split())
     assert cfg001.train.train_iters == 10

@@ -141,7 +141,7 @@ def build_training(cfg: RunConfig, device: torch.device, dims: ParallelDims, mes
     init_optimizer_state(opt_params, optimizer)
     pipeline = None
     if chunks:
-        n_micro = cfg.train.global_batch_size // (cfg.train.micro_batch_size * dims.dp)
+        n_micro = cfg.train.micro_batches_per_step(dims.dp)
         pipeline = Pipeline(model, loss, chunks, plan, dims, mesh, device, n_micro,
                             None if p.half_params else compute_dtype if compute_dtype != torch.float32 else None)
         impls["pipeline"] = pipeline.describe()

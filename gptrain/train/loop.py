@@ -158,8 +158,7 @@ class Trainer:
     @property
     def num_micro_batches(self) -> int:
         """Micro-batches per step on each rank: global batch / (micro-batch x data-parallel size)."""
-        t = self.cfg.train
-        return t.global_batch_size // (t.micro_batch_size * self.dp_size)
+        return self.cfg.train.micro_batches_per_step(self.dp_size)
 
     def _loss_mask(self, tokens: torch.Tensor) -> torch.Tensor | None:
         # Megatron's --eod-mask-loss: positions whose input is the end-of-document token do not count

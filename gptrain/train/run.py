@@ -132,8 +132,7 @@ def setup(argv: list[str], log=print):
     for note in notes:
         log(f" > {note}")
     tokenizer = GPT2Tokenizer(cfg.data.vocab_file, cfg.data.merge_file)
-    cfg.model.vocab_size = tokenizer.vocab_size
-    cfg.data.eod_token = tokenizer.eod
+    cfg = cfg.with_tokenizer(tokenizer.vocab_size, tokenizer.eod)  # a new config, checked again
     log("> building GPT2BPETokenizer tokenizer ...")
     return cfg, tokenizer
 
@@ -165,8 +164,7 @@ def dry_run(cfg: RunConfig, world: int, log) -> None:
     dims = parallel_dims(cfg, world)
     log("dry run: flags and layout checked; nothing is built or trained")
     log(dims.describe())
-    log(f"setting number of micro-batches to constant "
-        f"{cfg.train.global_batch_size // (cfg.train.micro_batch_size * dims.dp)}")
+    log(f"setting number of micro-batches to constant {cfg.train.micro_batches_per_step(dims.dp)}")
     log(f" > padded vocab (size: {cfg.model.vocab_size}) with "
         f"{cfg.model.padded_vocab_size - cfg.model.vocab_size} dummy tokens (new size: {cfg.model.padded_vocab_size})")
     counts = parameter_counts(cfg.model, dims, cfg.parallel.first_stage_layers, cfg.parallel.last_stage_layers)
@@ -206,8 +204,7 @@ def train_main(argv: list[str], log=None) -> int:
         log(f"{dims.describe()} ; device {device.type}, precision {cfg.precision.name}")
         if _cpu_precision_warning(cfg, device):
             log(_cpu_precision_warning(cfg, device))
-        log(f"setting number of micro-batches to constant "
-            f"{cfg.train.global_batch_size // (cfg.train.micro_batch_size * dims.dp)}")
+        log(f"setting number of micro-batches to constant {cfg.train.micro_batches_per_step(dims.dp)}")
         log(f"> setting random seeds to {cfg.data.seed} ...")
         tp_rank = mesh["tp"].get_local_rank() if dims.tp > 1 else None
         if tp_rank is not None:

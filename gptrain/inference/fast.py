@@ -22,9 +22,10 @@ import torch
 import torch.nn.functional as F
 
 from gptrain.inference.generate import (EolIds, Generation, SamplingParams, _prompt_logprobs, check_request,
-                                        row_done)
+                                        loop_params, row_done)
 from gptrain.inference.host_loop import AHEAD, StepReader, capture, model_cache
 from gptrain.inference.kv_cache import KVCache, forward_cached
+from gptrain.inference.row_sampling import RowSampling
 from gptrain.inference.sampling import sample
 from gptrain.model.gpt import GPT
 
@@ -140,7 +141,7 @@ def plain_model(model: GPT) -> bool:
 COMPILE_MODES = ("tail", "block")
 
 
-class Decoder:
+class Decoder(RowSampling):
     def __init__(self, model: GPT, batch: int, use_graph: bool = True, compile: bool | str = False,
                  gemv: bool | None = None, sdpa: bool | None = None, compile_mode: str | None = None):
         """``compile``: the step through ``torch.compile`` (numerics of fp32 intermediates, not
@@ -179,12 +180,7 @@ class Decoder:
         self.prompt_len = zeros(batch)
         self.position = zeros()
         self.logits = zeros(batch, model.output_layer.vocab_size, dtype=dtype)
-        self.temperature, self.top_p = zeros(batch, dtype=torch.float32), zeros(batch, dtype=torch.float32)
-        self.decay, self.bound = zeros(batch, dtype=torch.float32), zeros(batch, dtype=torch.float32)
-        self.top_k, self.seeds = zeros(batch), zeros(batch)
-        self.colon_rows = zeros(batch, dtype=torch.bool)
-        self.chosen_lp = zeros(self.window, batch, dtype=torch.float32)
-        self.top: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._init_sampling(batch, self.window, dev)
         keys = torch.arange(self.window, device=dev)
         # row t: 0 for key positions 0 .. t, -inf after (SDPA adds it to the scores)
         self.mask_table = torch.zeros(self.window, self.window, device=dev, dtype=dtype).masked_fill(
@@ -223,13 +219,7 @@ class Decoder:
         chosen = torch.where(t < self.prompt_len, self.tokens.index_select(0, at)[0], chosen)
         self.tokens.index_copy_(0, at, chosen[None])
         if mode.logprobs or mode.top_n:
-            lp = torch.log_softmax(logits.float(), dim=-1)
-            self.chosen_lp.index_copy_(0, at, lp.gather(1, chosen[:, None]).T)
-            if mode.top_n:
-                values, indices = self.top[mode.top_n]
-                top = lp.topk(mode.top_n, dim=-1)
-                values.index_copy_(0, at, top.values[None])
-                indices.index_copy_(0, at, top.indices[None])
+            self._record_logprobs(logits, chosen, at, mode.top_n)
         return chosen
 
     def forward(self, chosen: torch.Tensor, length: int) -> None:
@@ -318,10 +308,7 @@ class Decoder:
                     logprobs=want_lp, top_n=top_logprobs,
                     colon=(eol.colon, eol.eol) if any(colon) else None,
                     decay=any(p.top_p_decay > 0 for p in row_params))
-        if top_logprobs and top_logprobs not in self.top:
-            self.top[top_logprobs] = (torch.zeros(window, self.batch, top_logprobs, device=self.logits.device),
-                                      torch.zeros(window, self.batch, top_logprobs, device=self.logits.device,
-                                                  dtype=torch.long))
+        self._top_buffers(top_logprobs)
         begin = time.perf_counter()
         if self.use_graph:  # capture what this request needs before its state goes in
             for length in sorted({length_bucket(t + 1, window) for t in range(start, total)}):
@@ -335,13 +322,7 @@ class Decoder:
             grid[: len(p), i] = torch.tensor(p, dtype=torch.long)
         self.tokens.copy_(grid)
         self.prompt_len.copy_(torch.tensor([len(p) for p in rows]))
-        self.temperature.copy_(torch.tensor([p.temperature for p in row_params]))
-        self.top_k.copy_(torch.tensor([p.top_k for p in row_params]))
-        self.top_p.copy_(torch.tensor([p.top_p for p in row_params]))
-        self.seeds.copy_(torch.tensor([p.seed for p in row_params]))
-        self.decay.copy_(torch.tensor([p.top_p_decay for p in row_params]))
-        self.bound.copy_(torch.tensor([p.top_p_bound for p in row_params]))
-        self.colon_rows.copy_(torch.tensor(colon, dtype=torch.bool))
+        self._load_sampling(row_params, colon)
         self.position.fill_(start)
 
         out = [Generation(tokens=list(p), prompt_length=len(p)) for p in prompts]
@@ -381,21 +362,8 @@ class Decoder:
             t += 1
         self.stats["loop_s"] += time.perf_counter() - loop
         if want_lp and t > start:
-            self._logprobs(out, start, t, last, top_logprobs)
+            self._append_logprobs(out, start, t, [row_last - start + 1 for row_last in last], top_logprobs)
         return out
-
-    def _logprobs(self, out: list[Generation], start: int, stop: int, last: list[int], top_n: int) -> None:
-        n = len(out)
-        chosen = self.chosen_lp[start:stop, :n].double().cpu()
-        if top_n:
-            values, indices = self.top[top_n]
-            values, indices = values[start:stop, :n].double().cpu(), indices[start:stop, :n].cpu()
-        for i, g in enumerate(out):
-            for j in range(last[i] - start + 1):
-                g.logprobs.append(float(chosen[j, i]))
-                if top_n:
-                    g.top_logprobs.append({int(k): float(v) for k, v in zip(indices[j, i].tolist(),
-                                                                            values[j, i].tolist())})
 
 
 def decoder_for(model: GPT, rows: int, use_graph: bool = True, compile: bool | str = False, **kw) -> Decoder:
@@ -413,11 +381,7 @@ def graph_generate(model: GPT, prompts: list[list[int]], params, **kw):
     ``step_fn``, ``cache`` and ``sync``; same results)."""
     if not prompts:
         return []
-    for name in ("step_fn", "cache", "sync"):
-        if kw.pop(name, None) is not None:
-            raise ValueError(f"graph_generate does not take {name}")
-    if isinstance(params, SamplingParams):
-        params = [params] * len(prompts)
+    params = loop_params("graph_generate", prompts, params, kw)
     settings = {name: kw.pop(name) for name in ("gemv", "sdpa", "compile_mode") if name in kw}
     decoder = decoder_for(model, len(prompts), kw.pop("use_graph", True), kw.pop("compile", False), **settings)
-    return decoder.run(list(prompts), list(params), **kw)
+    return decoder.run(list(prompts), params, **kw)

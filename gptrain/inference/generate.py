@@ -80,6 +80,15 @@ def row_done(g: Generation, row: int, token: int, made: int, params: SamplingPar
     return made >= params.max_new_tokens
 
 
+def loop_params(caller: str, prompts: list[list[int]], params, kw: dict) -> list[SamplingParams]:
+    """For a decode loop that stands in for ``generate`` (``caller``): one ``SamplingParams`` per
+    prompt, after refusing ``generate``'s ``step_fn``, ``cache`` and ``sync`` in ``kw`` (popped)."""
+    for name in ("step_fn", "cache", "sync"):
+        if kw.pop(name, None) is not None:
+            raise ValueError(f"{caller} does not take {name}")
+    return [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+
+
 def check_request(prompts: list[list[int]], params: list[SamplingParams], window: int) -> list[int]:
     """Each row's end (prompt + new tokens); a ValueError names a row that does not fit."""
     lengths = [len(p) for p in prompts]

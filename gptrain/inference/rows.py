@@ -25,9 +25,10 @@ import torch
 
 from gptrain.inference.fast import Mode, bucket, plain_model
 from gptrain.inference.generate import (EolIds, Generation, SamplingParams, _prompt_logprobs, check_request,
-                                        row_done)
+                                        loop_params, row_done)
 from gptrain.inference.host_loop import AHEAD, StepReader, capture, model_cache
 from gptrain.inference.kv_cache import KVCache, forward_cached
+from gptrain.inference.row_sampling import RowSampling
 from gptrain.inference.sampling import sample
 from gptrain.kernels.decode import decode_attention, ln_linear
 from gptrain.kernels.decode_io import embed_rows, row_argmax
@@ -93,7 +94,7 @@ class PrefillGraphs:
         return length
 
 
-class RowDecoder:
+class RowDecoder(RowSampling):
     """``single_stream``: one row only, its block products on the CUDA cores (``ln_linear``'s gemv:
     faster for one row; its numbers differ from the batched kernels' in the last bits, so a seeded
     text can differ from the same request's in a batch)."""
@@ -123,14 +124,9 @@ class RowDecoder:
         vocab = model.output_layer.vocab_size
         self.padded_logits = torch.full((batch, -(-vocab // 64) * 64), float("-inf"), device=dev)
         self.logits = self.padded_logits[:, :vocab]
-        self.temperature, self.top_p = zeros(batch, dtype=torch.float32), zeros(batch, dtype=torch.float32)
-        self.decay, self.bound = zeros(batch, dtype=torch.float32), zeros(batch, dtype=torch.float32)
-        self.top_k, self.seeds = zeros(batch), zeros(batch)
-        self.colon_rows = zeros(batch, dtype=torch.bool)
-        self.chosen_lp = zeros(window, batch, dtype=torch.float32)
         self.chosen, self.positions = zeros(batch), zeros(batch)  # a step's ids, and where each row feeds them
         self.x = zeros(batch, cfg.hidden_size, dtype=dtype)  # the residual stream of a step
-        self.top: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._init_sampling(batch, window, dev)
         self.graphs: dict[Mode, torch.cuda.CUDAGraph] = {}
         self.pool = None
         self.prefill_graphs = prefill_graphs_for(model) if self.use_graph else None
@@ -161,13 +157,7 @@ class RowDecoder:
             decayed = torch.maximum(self.top_p * self.decay, self.bound)
             self.top_p.copy_(torch.where((self.decay > 0) & (self.top_p > 0), decayed, self.top_p))
         if mode.logprobs or mode.top_n:
-            lp = torch.log_softmax(logits, dim=-1)
-            self.chosen_lp.index_copy_(0, at, lp.gather(1, chosen[:, None]).T)
-            if mode.top_n:
-                values, indices = self.top[mode.top_n]
-                top = lp.topk(mode.top_n, dim=-1)
-                values.index_copy_(0, at, top.values[None])
-                indices.index_copy_(0, at, top.indices[None])
+            self._record_logprobs(logits, chosen, at, mode.top_n)
         return chosen
 
     def forward(self, chosen: torch.Tensor) -> None:
@@ -256,10 +246,7 @@ class RowDecoder:
         mode = Mode(greedy=all(p.temperature <= 0 or p.top_k == 1 for p in params), logprobs=want_lp,
                     top_n=top_logprobs, colon=(eol.colon, eol.eol) if any(colon[:n]) else None,
                     decay=any(p.top_p_decay > 0 for p in params))
-        if top_logprobs and top_logprobs not in self.top:
-            dev = self.logits.device
-            self.top[top_logprobs] = (torch.zeros(window, self.batch, top_logprobs, device=dev),
-                                      torch.zeros(window, self.batch, top_logprobs, device=dev, dtype=torch.long))
+        self._top_buffers(top_logprobs)
         begin = time.perf_counter()
         if self.use_graph:
             self._graph(mode)
@@ -279,13 +266,7 @@ class RowDecoder:
         self.prefill(prompts, out, top_logprobs, want_lp, together)
         self.start.copy_(torch.tensor(lengths))
         self.current.copy_(torch.tensor([p[-1] for p in prompts] + [0] * pad))
-        self.temperature.copy_(torch.tensor([p.temperature for p in row_params]))
-        self.top_k.copy_(torch.tensor([p.top_k for p in row_params]))
-        self.top_p.copy_(torch.tensor([p.top_p for p in row_params]))
-        self.seeds.copy_(torch.tensor([p.seed for p in row_params]))
-        self.decay.copy_(torch.tensor([p.top_p_decay for p in row_params]))
-        self.bound.copy_(torch.tensor([p.top_p_bound for p in row_params]))
-        self.colon_rows.copy_(torch.tensor(colon, dtype=torch.bool))
+        self._load_sampling(row_params, colon)
         self.step_index.zero_()
         loop = time.perf_counter()
         self.stats["prefill_s"] += loop - begin
@@ -309,21 +290,8 @@ class RowDecoder:
             s += 1
         self.stats["loop_s"] += time.perf_counter() - loop
         if want_lp and s:
-            self._logprobs(out, count, s, top_logprobs)
+            self._append_logprobs(out, 0, s, count, top_logprobs)
         return out
-
-    def _logprobs(self, out: list[Generation], count: list[int], steps: int, top_n: int) -> None:
-        n = len(out)
-        chosen = self.chosen_lp[:steps, :n].double().cpu()
-        if top_n:
-            values, indices = self.top[top_n]
-            values, indices = values[:steps, :n].double().cpu(), indices[:steps, :n].cpu()
-        for i, g in enumerate(out):
-            for j in range(count[i]):
-                g.logprobs.append(float(chosen[j, i]))
-                if top_n:
-                    g.top_logprobs.append({int(k): float(v) for k, v in zip(indices[j, i].tolist(),
-                                                                            values[j, i].tolist())})
 
 
 def prefill_graphs_for(model: GPT) -> PrefillGraphs:
@@ -353,13 +321,9 @@ def fused_generate(model: GPT, prompts: list[list[int]], params, **kw) -> list[G
     single-stream decoder (faster; for a lone stream, as ``gptrain generate``)."""
     if not prompts:
         return []
-    for name in ("step_fn", "cache", "sync"):
-        if kw.pop(name, None) is not None:
-            raise ValueError(f"fused_generate does not take {name}")
-    if isinstance(params, SamplingParams):
-        params = [params] * len(prompts)
+    params = loop_params("fused_generate", prompts, params, kw)
     decoder = row_decoder_for(model, len(prompts), kw.pop("use_graph", True), kw.pop("batch_invariant", True))
-    return decoder.run(list(prompts), list(params), **kw)
+    return decoder.run(list(prompts), params, **kw)
 
 
 def warm_up(model: GPT, max_rows: int) -> int:

@@ -99,6 +99,21 @@ def write_gptrain(model: GPT, out: Path, iteration, extra_state: dict, data_conf
     save_checkpoint(out, iteration, dict(model.named_parameters()), None, state, model.cfg.vocab_size)
 
 
+def _write_checked(model: GPT, out: Path, iteration, extra_state: dict, data_config: dict | None,
+                   reference: torch.Tensor, tokens: torch.Tensor, what: str, log) -> float:
+    """``write_gptrain`` into a staging folder beside ``out``, renamed into place once the checkpoint
+    read back gives ``reference``'s logits for ``tokens``; the largest difference."""
+    tmp = _staging(out)
+    try:
+        write_gptrain(model, tmp, iteration, extra_state, data_config)
+        written, _ = read_gptrain(tmp)
+        diff = _compare(reference, _logits(written, tokens), what, log)
+        _publish(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return diff
+
+
 def _tokenizer_of(state: dict) -> GPT2Tokenizer:
     data = (state.get("config") or {}).get("data") or {}
     return GPT2Tokenizer(data.get("vocab_file"), data.get("merge_file"))
@@ -179,17 +194,10 @@ def from_hf(folder, out, log=print) -> float:
     what = "the gptrain checkpoint vs transformers' GPT2LMHeadModel reading DIR"
     if reference is None:
         reference, what = _logits(model, tokens), "the gptrain checkpoint read back vs DIR (transformers is not installed)"
-    tmp = _staging(out)
-    try:
-        data = {"vocab_file": str(folder.resolve() / "vocab.json"), "merge_file": str(folder.resolve() / "merges.txt")} \
-            if tokenizer is not None else None
-        write_gptrain(model, tmp, "release", {"source": f"huggingface:{folder.resolve()}"}, data)
-        written, _ = read_gptrain(tmp)
-        diff = _compare(reference, _logits(written, tokens), what, log)
-        _publish(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return diff
+    data = {"vocab_file": str(folder.resolve() / "vocab.json"), "merge_file": str(folder.resolve() / "merges.txt")} \
+        if tokenizer is not None else None
+    return _write_checked(model, out, "release", {"source": f"huggingface:{folder.resolve()}"}, data,
+                          reference, tokens, what, log)
 
 
 def from_megatron(folder, out, log=print) -> float:
@@ -208,20 +216,12 @@ def from_megatron(folder, out, log=print) -> float:
         log(f"note: the {padding.shape[0]} padding rows of the word embeddings are dropped (gptrain stores the real "
             "vocabulary): with --softmax-over-padded-vocab the converted checkpoint no longer evaluates exactly as "
             "Megatron does (--load DIR keeps them)")
-    tmp = _staging(out)
-    try:
-        args = ckpt.args
-        extra = {"consumed_train_samples": int(args.get("consumed_train_samples") or 0),
-                 "consumed_valid_samples": int(args.get("consumed_valid_samples") or 0),
-                 "source": f"megatron:{folder.resolve()} (TP{ckpt.tp} x PP{ckpt.pp}, {ckpt.layout} layout)"}
-        write_gptrain(model, tmp, ckpt.iteration, extra)
-        written, _ = read_gptrain(tmp)
-        diff = _compare(reference, _logits(written, tokens), "the gptrain checkpoint read back vs the Megatron "
-                        "weights", log)
-        _publish(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return diff
+    args = ckpt.args
+    extra = {"consumed_train_samples": int(args.get("consumed_train_samples") or 0),
+             "consumed_valid_samples": int(args.get("consumed_valid_samples") or 0),
+             "source": f"megatron:{folder.resolve()} (TP{ckpt.tp} x PP{ckpt.pp}, {ckpt.layout} layout)"}
+    return _write_checked(model, out, ckpt.iteration, extra, None, reference, tokens,
+                          "the gptrain checkpoint read back vs the Megatron weights", log)
 
 
 def convert_main(argv: list[str]) -> int:

@@ -27,6 +27,23 @@ def _is_number(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
+def int_field(name: str, value, lo: int, hi: int | None = None) -> int:
+    """``value`` if it is an integer in [lo, hi] (>= lo without ``hi``); else BadRequest naming ``name``."""
+    if not _is_int(value) or value < lo or (hi is not None and value > hi):
+        where = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
+        raise BadRequest(f"{name}: must be an integer {where}, got {value!r}")
+    return value
+
+
+def number_field(name: str, value, lo: float, hi: float, open_low: bool = False, shown: str | None = None):
+    """``value`` if it is a number in [lo, hi] ((lo, hi] with ``open_low``); else BadRequest naming
+    ``name`` and the interval (``shown``, or the bounds)."""
+    if not _is_number(value) or not (lo < value <= hi if open_low else lo <= value <= hi):
+        where = shown or f"{'(' if open_low else '['}{lo}, {hi}]"
+        raise BadRequest(f"{name}: must be a number in {where}, got {value!r}")
+    return value
+
+
 def _bool(body: dict, name: str, default: bool = False) -> bool:
     value = body.get(name, default)
     if not isinstance(value, bool):
@@ -54,29 +71,17 @@ def parse_request(body, tokenizer, window: int) -> tuple[Job, bool]:
         raise BadRequest("prompts: is empty")
     if len(prompts) > MAX_PROMPTS:
         raise BadRequest(f"prompts: {len(prompts)} given, at most {MAX_PROMPTS}")
-    tokens_to_generate = body.get("tokens_to_generate", 64)
-    if not _is_int(tokens_to_generate) or tokens_to_generate < 0:
-        raise BadRequest(f"tokens_to_generate: must be an integer >= 0, got {tokens_to_generate!r}")
+    tokens_to_generate = int_field("tokens_to_generate", body.get("tokens_to_generate", 64), 0)
     logprobs = _bool(body, "logprobs")
-    temperature = body.get("temperature", 1.0)
-    if not _is_number(temperature) or not 0.0 < temperature <= 100.0:
-        raise BadRequest(f"temperature: must be a number in (0, 100], got {temperature!r}")
-    top_k = body.get("top_k", 0)
-    if not _is_int(top_k) or not 0 <= top_k <= 1000:
-        raise BadRequest(f"top_k: must be an integer in [0, 1000], got {top_k!r}")
-    top_p = body.get("top_p", 0.0)
-    if not _is_number(top_p) or not 0.0 <= top_p <= 1.0:
-        raise BadRequest(f"top_p: must be a number in [0, 1], got {top_p!r}")
+    temperature = number_field("temperature", body.get("temperature", 1.0), 0, 100, open_low=True)
+    top_k = int_field("top_k", body.get("top_k", 0), 0, 1000)
+    top_p = number_field("top_p", body.get("top_p", 0.0), 0, 1)
     if top_p > 0 and top_k > 0:
         raise BadRequest("top_p: cannot be set together with top_k (choose top-k or top-p sampling)")
-    top_p_decay = body.get("top_p_decay", 0.0)
-    if not _is_number(top_p_decay) or not 0.0 <= top_p_decay <= 1.0:
-        raise BadRequest(f"top_p_decay: must be a number in [0, 1], got {top_p_decay!r}")
+    top_p_decay = number_field("top_p_decay", body.get("top_p_decay", 0.0), 0, 1)
     if top_p_decay > 0 and top_p == 0:
         raise BadRequest("top_p_decay: needs top_p > 0")
-    top_p_bound = body.get("top_p_bound", 0.0)
-    if not _is_number(top_p_bound) or not 0.0 <= top_p_bound <= top_p:
-        raise BadRequest(f"top_p_bound: must be a number in [0, top_p={top_p}], got {top_p_bound!r}")
+    top_p_bound = number_field("top_p_bound", body.get("top_p_bound", 0.0), 0, top_p, shown=f"[0, top_p={top_p}]")
     add_bos = _bool(body, "add_BOS")
     if any(p == "" for p in prompts) and not add_bos:
         raise BadRequest("prompts: an empty prompt needs add_BOS=true")

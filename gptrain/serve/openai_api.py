@@ -9,7 +9,7 @@ import uuid
 from dataclasses import dataclass
 
 from gptrain.inference.generate import Generation, SamplingParams
-from gptrain.serve.megatron_api import BadRequest, _is_int, _is_number
+from gptrain.serve.megatron_api import BadRequest, _is_int, _is_number, int_field, number_field
 
 FIELDS = {"model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "n", "stop", "logprobs", "echo",
           "seed", "stream", "user", "best_of", "presence_penalty", "frequency_penalty", "logit_bias", "suffix",
@@ -43,24 +43,13 @@ def parse_request(body, tokenizer, window: int, model_name: str) -> CompletionRe
         raise BadRequest(f"model: must be a string, got {model!r}")
     prompts = _prompts(body.get("prompt"), tokenizer)
     max_tokens = body.get("max_tokens", 16)
-    if max_tokens is None:
-        max_tokens = 16
-    if not _is_int(max_tokens) or max_tokens < 0:
-        raise BadRequest(f"max_tokens: must be an integer >= 0, got {max_tokens!r}")
+    max_tokens = int_field("max_tokens", 16 if max_tokens is None else max_tokens, 0)
     temperature = body.get("temperature", 1.0)
-    temperature = 1.0 if temperature is None else temperature
-    if not _is_number(temperature) or not 0.0 <= temperature <= 100.0:
-        raise BadRequest(f"temperature: must be a number in [0, 100], got {temperature!r}")
+    temperature = number_field("temperature", 1.0 if temperature is None else temperature, 0, 100)
     top_p = body.get("top_p", 1.0)
-    top_p = 1.0 if top_p is None else top_p
-    if not _is_number(top_p) or not 0.0 < top_p <= 1.0:
-        raise BadRequest(f"top_p: must be a number in (0, 1], got {top_p!r}")
-    top_k = body.get("top_k", 0)
-    if not _is_int(top_k) or not 0 <= top_k <= 1000:
-        raise BadRequest(f"top_k: must be an integer in [0, 1000], got {top_k!r}")
-    n = body.get("n", 1)
-    if not _is_int(n) or not 1 <= n <= MAX_N:
-        raise BadRequest(f"n: must be an integer in [1, {MAX_N}], got {n!r}")
+    top_p = number_field("top_p", 1.0 if top_p is None else top_p, 0, 1, open_low=True)
+    top_k = int_field("top_k", body.get("top_k", 0), 0, 1000)
+    n = int_field("n", body.get("n", 1), 1, MAX_N)
     best_of = body.get("best_of")
     if best_of is not None and best_of != n:
         raise BadRequest("best_of: only best_of == n is supported")
@@ -77,8 +66,8 @@ def parse_request(body, tokenizer, window: int, model_name: str) -> CompletionRe
     if not isinstance(stops, list) or len(stops) > 4 or not all(isinstance(s, str) and s for s in stops):
         raise BadRequest(f"stop: must be a non-empty string or a list of at most 4, got {stop!r}")
     logprobs = body.get("logprobs")
-    if logprobs is not None and (not _is_int(logprobs) or not 0 <= logprobs <= MAX_LOGPROBS):
-        raise BadRequest(f"logprobs: must be an integer in [0, {MAX_LOGPROBS}], got {logprobs!r}")
+    if logprobs is not None:
+        int_field("logprobs", logprobs, 0, MAX_LOGPROBS)
     echo = body.get("echo", False)
     if not isinstance(echo, bool):
         raise BadRequest(f"echo: must be a boolean, got {echo!r}")

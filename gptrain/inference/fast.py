@@ -21,8 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from gptrain.inference.generate import (EolIds, Generation, SamplingParams, _prompt_logprobs, check_request,
-                                        loop_params, row_done)
+from gptrain.inference.generate import EolIds, Generation, SamplingParams, _prompt_logprobs, loop_params, row_done
 from gptrain.inference.host_loop import AHEAD, StepReader, capture, model_cache
 from gptrain.inference.kv_cache import KVCache, forward_cached
 from gptrain.inference.row_sampling import RowSampling
@@ -291,18 +290,13 @@ class Decoder(RowSampling):
             no_newline_after_colon: list[bool] | None = None) -> list[Generation]:
         """``generate``'s results for up to ``batch`` prompts (its arguments, without ``sync``)."""
         model, window, n = self.model, self.window, len(prompts)
-        if not 0 < n <= self.batch:
-            raise ValueError(f"{n} prompts for a decoder of {self.batch} rows")
-        eol = eol or EolIds()
-        model.eval()
-        ends = check_request(prompts, params, window)
+        eol, ends, colon = self._begin_request(prompts, params, eol, no_newline_after_colon)
         lengths = [len(p) for p in prompts]
         start, total = min(lengths), max(ends)
         shortest = lengths.index(start)
         pad = self.batch - n  # copies of the shortest prompt, score only: the prefill stays as long
         rows = list(prompts) + [prompts[shortest]] * pad
         row_params = list(params) + [SamplingParams(max_new_tokens=0, temperature=0.0)] * pad
-        colon = list(no_newline_after_colon or []) + [False] * (self.batch - len(no_newline_after_colon or []))
         want_lp = logprobs or top_logprobs > 0
         mode = Mode(greedy=all(p.temperature <= 0 or p.top_k == 1 for p in row_params),
                     logprobs=want_lp, top_n=top_logprobs,

@@ -2,13 +2,14 @@
 the batch besides the model's state: each row's sampling settings on the device (temperature,
 top-k, top-p and its decay, seed, the no-newline-after-colon rule), and the log-probabilities a
 step records (the chosen token's, and the ``top_n`` most likely) with their way back to the host
-into each ``Generation``. A mixin: a loop calls ``_init_sampling`` in its ``__init__``.
+into each ``Generation``; and a request's checks. A mixin over a loop's ``model``, ``batch`` and
+``window``: a loop calls ``_init_sampling`` in its ``__init__``.
 """
 from __future__ import annotations
 
 import torch
 
-from gptrain.inference.generate import Generation, SamplingParams
+from gptrain.inference.generate import EolIds, Generation, SamplingParams, check_request
 
 
 class RowSampling:
@@ -24,6 +25,19 @@ class RowSampling:
         self.colon_rows = zeros(batch, dtype=torch.bool)
         self.chosen_lp = zeros(window, batch, dtype=torch.float32)  # step-major, as the ids
         self.top: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # top_n -> (values, indices)
+
+    def _begin_request(self, prompts: list[list[int]], params: list[SamplingParams], eol: EolIds | None,
+                       no_newline_after_colon: list[bool] | None) -> tuple[EolIds, list[int], list[bool]]:
+        """A request's checks, with the model put in eval mode: at most ``batch`` prompts, each row's end
+        (``check_request``); its eol ids, and the colon rule's flag for every row of the batch."""
+        n = len(prompts)
+        if not 0 < n <= self.batch:
+            raise ValueError(f"{n} prompts for a decoder of {self.batch} rows")
+        eol = eol or EolIds()
+        self.model.eval()
+        ends = check_request(prompts, params, self.window)
+        colon = list(no_newline_after_colon or []) + [False] * (self.batch - len(no_newline_after_colon or []))
+        return eol, ends, colon
 
     def _load_sampling(self, row_params: list[SamplingParams], colon: list[bool]) -> None:
         """A request's settings, one ``SamplingParams`` and one colon flag per row of the batch."""

@@ -24,8 +24,7 @@ import time
 import torch
 
 from gptrain.inference.fast import Mode, bucket, plain_model
-from gptrain.inference.generate import (EolIds, Generation, SamplingParams, _prompt_logprobs, check_request,
-                                        loop_params, row_done)
+from gptrain.inference.generate import EolIds, Generation, SamplingParams, _prompt_logprobs, loop_params, row_done
 from gptrain.inference.host_loop import AHEAD, StepReader, capture, model_cache
 from gptrain.inference.kv_cache import KVCache, forward_cached
 from gptrain.inference.row_sampling import RowSampling
@@ -236,12 +235,7 @@ class RowDecoder(RowSampling):
         ``together`` prefills prompts of one length in one call (faster for a large batch, but a
         row's numbers then depend on the batch)."""
         model, window, n = self.model, self.window, len(prompts)
-        if not 0 < n <= self.batch:
-            raise ValueError(f"{n} prompts for a decoder of {self.batch} rows")
-        eol = eol or EolIds()
-        model.eval()
-        ends = check_request(prompts, params, window)
-        colon = list(no_newline_after_colon or []) + [False] * (self.batch - len(no_newline_after_colon or []))
+        eol, ends, colon = self._begin_request(prompts, params, eol, no_newline_after_colon)
         want_lp = logprobs or top_logprobs > 0
         mode = Mode(greedy=all(p.temperature <= 0 or p.top_k == 1 for p in params), logprobs=want_lp,
                     top_n=top_logprobs, colon=(eol.colon, eol.eol) if any(colon[:n]) else None,

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 from typing import Callable
 
@@ -113,52 +114,13 @@ def cmd_data(argv: list[str]) -> int:
     return 0
 
 
-def cmd_train(argv: list[str]) -> int:
-    from gptrain.train.run import train_main
+def _entry(module: str, function: str) -> Callable[[list[str]], int]:
+    """A subcommand that imports its ``module`` only when it runs (``gptrain --help`` imports none)."""
+    def run(argv: list[str]) -> int:
+        return getattr(importlib.import_module(module), function)(argv)
 
-    return train_main(argv)
-
-
-def cmd_bench(argv: list[str]) -> int:
-    from gptrain.bench import bench_main
-
-    return bench_main(argv)
-
-
-def cmd_demo(argv: list[str]) -> int:
-    from gptrain.demo import demo_main
-
-    return demo_main(argv)
-
-
-def cmd_generate(argv: list[str]) -> int:
-    from gptrain.inference.generate_cli import generate_main
-
-    return generate_main(argv)
-
-
-def cmd_serve(argv: list[str]) -> int:
-    from gptrain.serve.main import serve_main
-
-    return serve_main(argv)
-
-
-def cmd_client(argv: list[str]) -> int:
-    from gptrain.serve.client import client_main
-
-    return client_main(argv)
-
-
-def cmd_evaluate(argv: list[str]) -> int:
-    from gptrain.evaluate import evaluate_main
-
-    return evaluate_main(argv)
-
-
-def cmd_convert(argv: list[str]) -> int:
-    from gptrain.interop.convert import convert_main
-
-    return convert_main(argv)
+    run.__name__ = function
+    return run
 
 
 def _fail(message: str) -> int:
@@ -167,17 +129,23 @@ def _fail(message: str) -> int:
 
 
 COMMANDS: dict[str, tuple[Callable[[list[str]], int], str]] = {
-    "demo": (cmd_demo, "the main job on built-in data: prepare, train a small GPT, evaluate, sample"),
+    "demo": (_entry("gptrain.demo", "demo_main"),
+             "the main job on built-in data: prepare, train a small GPT, evaluate, sample"),
     "preprocess": (cmd_preprocess, "JSONL -> Megatron .bin/.idx (tools/preprocess_data.py flags)"),
     "merge-datasets": (cmd_merge_datasets, "concatenate indexed datasets"),
     "data": (cmd_data, "builtin corpus | inspect a dataset | build-cache | samples"),
-    "train": (cmd_train, "pretrain a GPT (pretrain_gpt.py flags)"),
-    "bench": (cmd_bench, "training throughput against a plain PyTorch baseline"),
-    "generate": (cmd_generate, "stream a completion from a gptrain, Megatron or HF GPT-2 checkpoint"),
-    "serve": (cmd_serve, "text generation server: Megatron's PUT /api, OpenAI /v1/completions, a web page"),
-    "client": (cmd_client, "Megatron's text_generation_cli loop against a server (or one prompt)"),
-    "evaluate": (cmd_evaluate, "perplexity / bits per byte and LAMBADA-style cloze accuracy of a checkpoint"),
-    "convert": (cmd_convert, "gptrain <-> Hugging Face GPT-2, Megatron-LM -> gptrain (each checked on logits)"),
+    "train": (_entry("gptrain.train.run", "train_main"), "pretrain a GPT (pretrain_gpt.py flags)"),
+    "bench": (_entry("gptrain.bench", "bench_main"), "training throughput against a plain PyTorch baseline"),
+    "generate": (_entry("gptrain.inference.generate_cli", "generate_main"),
+                 "stream a completion from a gptrain, Megatron or HF GPT-2 checkpoint"),
+    "serve": (_entry("gptrain.serve.main", "serve_main"),
+              "text generation server: Megatron's PUT /api, OpenAI /v1/completions, a web page"),
+    "client": (_entry("gptrain.serve.client", "client_main"),
+               "Megatron's text_generation_cli loop against a server (or one prompt)"),
+    "evaluate": (_entry("gptrain.evaluate", "evaluate_main"),
+                 "perplexity / bits per byte and LAMBADA-style cloze accuracy of a checkpoint"),
+    "convert": (_entry("gptrain.interop.convert", "convert_main"),
+                "gptrain <-> Hugging Face GPT-2, Megatron-LM -> gptrain (each checked on logits)"),
 }
 
 

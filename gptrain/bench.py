@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from gptrain.config import parse_megatron_args
 from gptrain.data.gpt_dataset import MockGPTDataset
+from gptrain.parallel import simulate
 from gptrain.parallel.dims import init_distributed, is_logging_rank, world_from_env
 from gptrain.train import metrics
 from gptrain.train.build import build_training, parallel_dims
@@ -113,18 +114,36 @@ def synthetic_trainer(argv: list[str], iters: int) -> tuple[Trainer, MicroBatchL
     return trainer, trainer.loader(data, 0)
 
 
+def count_launches(step, device: torch.device, micro_batches: int) -> str:
+    """Kernel launches per micro-batch of one ``step`` (on a GPU; elsewhere the operators run)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    with profile(activities=[ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]) as prof:
+        step()
+        _sync(device)
+    if cuda:
+        n = sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+        return f"{n / micro_batches:,.0f} kernel launches per micro-batch"
+    n = sum(1 for e in prof.events() if e.name.startswith("aten::"))
+    return f"{n / micro_batches:,.0f} operators per micro-batch (no GPU: launches not counted)"
+
+
 def bench_gptrain(argv: list[str], warmup: int, iters: int):
-    trainer, loader = synthetic_trainer(argv, warmup + iters)
+    trainer, loader = synthetic_trainer(argv, warmup + iters + 1)
     cfg, device = trainer.cfg, trainer.device
+    step = lambda: trainer.train_step(loader)  # noqa: E731
     try:
-        timing = _measure(lambda: trainer.train_step(loader), warmup, iters, device, "gptrain")
+        timing = _measure(step, warmup, iters, device, "gptrain")
+        launches = count_launches(step, device, cfg.train.micro_batches_per_step(trainer.dp_size))
     finally:
         loader.close()
     dims = trainer.parts.dims
     tokens = cfg.train.global_batch_size * cfg.model.seq_length // dims.world_size  # per device
     impls = {"linear layers": trainer.linear_impl, "attention": trainer.attention_impl,
              "layout": f"dp {dims.dp} tp {dims.tp} pp {dims.pp}, " + trainer.parts.impls["parameters"]
-             + (f"; pipeline: {trainer.parts.impls['pipeline']}" if dims.pp > 1 else "")}
+             + (f"; pipeline: {trainer.parts.impls['pipeline']}" if dims.pp > 1 else ""),
+             "launches": launches}
     dp = trainer.dp_size
     del trainer
     return cfg, device, timing, tokens, impls, dp
@@ -167,7 +186,7 @@ def _levers(cfg, impls: dict[str, str]) -> str:
              "fused chunked loss" if m.fused_cross_entropy else "plain loss",
              f"recompute {m.recompute}" if m.recompute else "no recompute",
              f"dropout {cfg.model.hidden_dropout}/{cfg.model.attention_dropout}", f"compile {cfg.train.compile}",
-             *(f"{what} {impl}" for what, impl in impls.items())]
+             *(f"{what} {impl}" for what, impl in impls.items() if what != "launches")]
     return ", ".join(parts)
 
 
@@ -181,13 +200,22 @@ def bench_main(argv: list[str]) -> int:
     p.add_argument("--iters", type=int, default=20, help="timed iterations")
     p.add_argument("--no-baseline", action="store_true", help="time gptrain only")
     p.add_argument("--baseline-no-compile", action="store_true", help="run the baseline eagerly")
+    simulate.add_flags(p)
     args, model_flags = p.parse_known_args(argv)
+    with simulate.simulated_world(args.simulate_world_size, args.simulate_rank):
+        return _bench(args, model_flags)
+
+
+def _bench(args, model_flags: list[str]) -> int:
+    simulated = args.simulate_world_size is not None
     _progress("gptrain: building the model ...")
     cfg, device, timing, tokens, impls, dp = bench_gptrain(model_flags, args.warmup, args.iters)
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    rows = [("gptrain (train step)", *timing)]
-    if not args.no_baseline:
+    label = f"gptrain, simulated rank {args.simulate_rank} of {args.simulate_world_size}" if simulated \
+        else "gptrain (train step)"
+    rows = [(label, *timing)]
+    if not args.no_baseline and not simulated:  # the baseline has no simulated layout
         rows.append(("baseline (plain PyTorch)" + (f", DDP x{dp}" if dp > 1 else ""),
                      *bench_baseline(cfg, device, args.warmup, args.iters, not args.baseline_no_compile, dp)))
     if not is_logging_rank():
@@ -202,6 +230,9 @@ def bench_main(argv: list[str]) -> int:
           f"compile {cfg.train.compile}; {fpt / 1e9:.3f} GFLOP/token; matmul ceiling "
           f"{'n/a' if ceiling is None else f'{ceiling:.0f} TFLOP/s'}")
     print(f"gptrain levers: {_levers(cfg, impls)}")
+    if simulated:
+        print(f"simulated: rank {args.simulate_rank} of {args.simulate_world_size} alone, collectives returning at "
+              f"once (no communication): the rank's own compute and host time; {impls['launches']}")
     print("| what | ms/iter | host ms/iter | tokens/s/device | TFLOP/s | MFU (datasheet) | MFU (matmul ceiling) "
           "| peak mem GiB (GB) |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")

@@ -93,7 +93,7 @@ def check_layout(cfg: GPTConfig, tp: int) -> None:
 
 def _load_sharded(cfg: GPTConfig, mesh, device: torch.device, full: GPT | None, root: Path | None) -> GPT:
     from gptrain.inference.tensor_parallel import localize, retie
-    from gptrain.model.gpt import copy_full_into
+    from gptrain.parallel.shards import copy_full_into
     from gptrain.parallel.tensor_parallel import apply_tensor_parallel
 
     tp = mesh.size()
@@ -101,14 +101,14 @@ def _load_sharded(cfg: GPTConfig, mesh, device: torch.device, full: GPT | None, 
     cfg = dataclasses.replace(cfg, tensor_parallel_size=tp)  # Megatron pads the vocabulary to 128 x tp
     with torch.device("meta"):
         model = GPT(cfg)
-    apply_tensor_parallel(model, mesh)
+    layout = apply_tensor_parallel(model, mesh)
     model.to_empty(device=device)
     retie(model)
     with torch.no_grad():
         if full is None:
             from gptrain.train.checkpoint import load_checkpoint
 
-            load_checkpoint(root, dict(model.named_parameters()), None, cfg.vocab_size, load_rng=False)
+            load_checkpoint(root, dict(model.named_parameters()), None, cfg.vocab_size, load_rng=False, layout=layout)
         else:
             whole = dict(full.named_parameters())
             for name, param in model.named_parameters():
@@ -117,7 +117,7 @@ def _load_sharded(cfg: GPTConfig, mesh, device: torch.device, full: GPT | None, 
                     padded = torch.zeros(param.shape, dtype=source.dtype)
                     padded[: cfg.vocab_size] = source[: cfg.vocab_size]
                     source = padded
-                copy_full_into(param, source)
+                copy_full_into(param, source, layout.region(name, tuple(source.shape)))
     return localize(model.eval(), mesh.get_group())
 
 

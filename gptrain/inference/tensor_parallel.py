@@ -1,12 +1,12 @@
 """Tensor-parallel inference, as Megatron serves: each rank of one host holds 1/tp of every layer.
 
 The model is built and loaded with the training stack (``apply_tensor_parallel`` on a meta GPT, the
-checkpoint read into its DTensor shards), then ``localize`` swaps the split modules for plain ones
-over the local shards with Megatron's explicit collectives: QKV and fc1 keep their rows (whole
+checkpoint read into its shards), then ``localize`` swaps the training layers for forward-only ones
+over the same shards with Megatron's explicit collectives: QKV and fc1 keep their rows (whole
 heads, no communication), the attention projection and fc2 all-reduce their partial sums before
 the bias, the vocabulary-parallel embedding all-reduces its masked lookups, and the output layer
-all-gathers the vocabulary shards of the logits. Decoding then runs the model's own code with no
-DTensor dispatch per step, and the KV cache holds this rank's heads only.
+all-gathers the vocabulary shards of the logits. Decoding then runs the model's own code, and the KV
+cache holds this rank's heads only.
 
 ``StepSync`` keeps the ranks in step while generating: after each token rank 0 broadcasts the ids
 it chose and whether it goes on (a stream that ended a row, a stop string, only rank 0 knows).
@@ -17,7 +17,6 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.distributed.tensor import DTensor
 
 from gptrain.model.gpt import GPT
 
@@ -73,9 +72,7 @@ class GatheredOutputLayer(nn.Module):
 
 
 def _local(t: torch.Tensor | None) -> torch.Tensor | None:
-    if t is None:
-        return None
-    return (t.to_local() if isinstance(t, DTensor) else t).detach()
+    return None if t is None else t.detach()
 
 
 def _column(linear: nn.Linear) -> nn.Linear:
@@ -88,8 +85,8 @@ def _column(linear: nn.Linear) -> nn.Linear:
 
 
 def localize(model: GPT, group) -> GPT:
-    """Swap the DTensor modules ``apply_tensor_parallel`` made for plain ones over the local shards
-    (in place; returns the model). Forward-only: the collectives here have no backward."""
+    """Swap the training layers ``apply_tensor_parallel`` made for forward-only ones over the same
+    shards (in place; returns the model). Forward-only: the collectives here have no backward."""
     for block in model.layers.values():
         block.attn.qkv = _column(block.attn.qkv)
         block.mlp.fc1 = _column(block.mlp.fc1)

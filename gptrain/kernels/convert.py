@@ -81,14 +81,12 @@ def use_flash4(model: GPT, device: torch.device, dtype: torch.dtype, allow_refer
 
 
 def linear_choice(model: GPT, loss: LMLoss | None, kernels, device: torch.device, dtype: torch.dtype,
-                  tokens_per_micro_batch: int, fp8: bool, blocked_by: str | None = None,
+                  tokens_per_micro_batch: int, fp8: bool,
                   min_tokens: int = AUTO_CUBLASLT_MIN_TOKENS) -> str:
     if kernels.linear_impl == "torch":
         return "torch (--linear-impl torch)"
     if fp8:
         return "torch (fp8 layers do their own matmuls)"
-    if blocked_by:
-        return f"torch (cuBLASLt ops do not compose with {blocked_by})"
     if kernels.linear_impl == "auto" and tokens_per_micro_batch < min_tokens:
         return (f"torch (auto: {tokens_per_micro_batch} tokens per micro-batch; cuBLASLt's host cost shows "
                 f"below {min_tokens}{' under ZeRO-3' if min_tokens != AUTO_CUBLASLT_MIN_TOKENS else ''}, "
@@ -115,12 +113,10 @@ def attention_choice(model: GPT, kernels, device: torch.device, dtype: torch.dty
 
 def apply_kernels(model: GPT, loss: LMLoss, kernels, device: torch.device, dtype: torch.dtype,
                   tokens_per_micro_batch: int, fp8: bool = False, compiled: bool = False,
-                  zero3: bool = False, tensor_parallel: bool = False) -> dict[str, str]:
+                  zero3: bool = False) -> dict[str, str]:
     """Install the kernels the config asks for where they can run; returns what runs, by part."""
     loss.compiled = compiled
     min_tokens = AUTO_CUBLASLT_MIN_TOKENS_ZERO3 if zero3 else AUTO_CUBLASLT_MIN_TOKENS
-    # the cuBLASLt ops take plain tensors; tensor parallelism hands the linear layers DTensor weights
-    blocked = "tensor parallelism (DTensor weights)" if tensor_parallel else None
     return {"linear layers": linear_choice(model, loss, kernels, device, dtype, tokens_per_micro_batch, fp8,
-                                           blocked_by=blocked, min_tokens=min_tokens),
+                                           min_tokens=min_tokens),
             "attention": attention_choice(model, kernels, device, dtype)}

@@ -114,9 +114,10 @@ class CausalSelfAttention(nn.Module):
         self.recompute_core = False  # selective recompute (parallel/parallelize.py sets it)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, s, _ = x.shape
         qkv = self.qkv(x)
-        # the local head count: a tensor-parallel shard holds whole heads
+        # the local head count: a tensor-parallel shard holds whole heads; (batch, seq) from qkv, which
+        # covers every token of the micro-batch also where x holds a sequence-parallel share
+        b, s = qkv.shape[:2]
         qkv = qkv.view(b, s, qkv.shape[-1] // (3 * self.head_dim), 3, self.head_dim)
         if self.recompute_core and self.training:
             y = checkpoint(self.core, qkv, use_reentrant=False)
@@ -190,6 +191,9 @@ class GPT(nn.Module):
         self.final_layernorm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon)
         self.output_layer = OutputLayer(cfg.vocab_size, self.word_embeddings.weight)
         self.recompute_blocks = False  # full recompute (parallel/parallelize.py sets it)
+        # sequence parallelism's entry after the embeddings and exit after the final LayerNorm
+        # (parallel/tensor_parallel.py swaps them in; identities otherwise)
+        self.scatter_tokens, self.gather_tokens = nn.Identity(), nn.Identity()
         # pipeline stages (Megatron's names): the first embeds, the last ends with the final LayerNorm
         self.pre_process = self.post_process = True
 
@@ -210,34 +214,42 @@ class GPT(nn.Module):
             self.output_layer = None
 
     @torch.no_grad()
-    def init_weights(self, seed: int) -> None:
+    def init_weights(self, seed: int, tp_region=None) -> None:
         """Megatron's init: N(0, std) weights, output projections N(0, std / sqrt(2 L)), zero biases.
 
-        Each parameter's full tensor is drawn on the CPU from one generator in a fixed order (the
-        word embeddings at the real vocabulary's size, the padded rows zero), then this process
-        keeps its shard: the weights depend only on the seed, never on the device or the layout,
-        and host memory holds one parameter at a time.
+        Each element is drawn from a counter-based generator keyed by (seed, parameter name, its
+        index in the full tensor) (model/init_draw.py), so every process draws only what it holds
+        and the weights depend only on the seed, never on the layout: ``tp_region(name, full_shape)``
+        gives the part of the full tensor a tensor-parallel shard holds (None: all of it), and an
+        FSDP2 shard narrows it further. The word embeddings draw the real vocabulary's rows; the
+        padded rows are zero.
         """
+        from gptrain.model.init_draw import normal_region, uniform_stream
+        from gptrain.parallel.shards import local, local_region
+
         self.dropout_step.zero_()
-        gen = torch.Generator(device="cpu").manual_seed(seed)
         scaled_std = self.cfg.init_method_std / math.sqrt(2.0 * self.cfg.num_layers)
         held = dict(self.named_parameters())
-        # the whole model's parameters in their order, so a pipeline stage draws the same values
-        # as one process (the generator runs through the parameters other stages hold)
         for name, shape in full_parameter_shapes(self.cfg):
             param = held.get(name)
+            if param is None:  # another pipeline stage's
+                continue
+            region = local_region(param, tuple(shape), tp_region(name, tuple(shape)) if tp_region else None)
+            target = local(param)
             if name.endswith("bias"):
-                value = torch.zeros(shape)
+                target.zero_()
             elif "layernorm" in name or ".ln" in name:
-                value = torch.ones(shape)
+                target.fill_(1.0)
             elif name == "word_embeddings.weight":
-                value = torch.zeros(shape)
-                value[: self.cfg.vocab_size].normal_(0.0, self.cfg.init_method_std, generator=gen)
+                target.zero_()
+                rows = region[0]
+                real = slice(rows.start, max(rows.start, min(rows.stop, self.cfg.vocab_size)))
+                if real.stop > real.start:
+                    normal_region(seed, uniform_stream(name), (self.cfg.vocab_size, shape[1]), (real, *region[1:]),
+                                  self.cfg.init_method_std, out=target[: real.stop - real.start])
             else:
                 std = scaled_std if name.endswith(("attn.proj.weight", "mlp.fc2.weight")) else self.cfg.init_method_std
-                value = torch.empty(shape).normal_(0.0, std, generator=gen)
-            if param is not None:
-                copy_full_into(param, value)
+                normal_region(seed, uniform_stream(name), tuple(shape), region, std, out=target)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """Hidden states after the final LayerNorm, (batch, seq, hidden). A pipeline stage takes
@@ -261,13 +273,13 @@ class GPT(nn.Module):
             step = self.dropout_step.clone()
             self.dropout_step.add_(1)
         if embed:
-            x = self.embed(x, step)
+            x = self.scatter_tokens(self.embed(x, step))
         for block in blocks:
             if self.recompute_blocks and self.training:
                 x = checkpoint(block, x, step, use_reentrant=False)
             else:
                 x = block(x, step)
-        return self.final_layernorm(x) if final else x
+        return self.gather_tokens(self.final_layernorm(x)) if final else x
 
     def logits(self, tokens: torch.Tensor) -> torch.Tensor:
         """Logits over the real vocabulary (inference and tests)."""
@@ -278,17 +290,3 @@ def full_parameter_shapes(cfg: GPTConfig) -> list[tuple[str, torch.Size]]:
     """(name, shape) of every parameter of the whole model, in registration order."""
     with torch.device("meta"):
         return [(n, p.shape) for n, p in GPT(cfg).named_parameters()]
-
-
-@torch.no_grad()
-def copy_full_into(param: torch.Tensor, full: torch.Tensor) -> None:
-    """Copy a full CPU tensor into ``param``, keeping only this process's shard if it is a DTensor."""
-    from torch.distributed.tensor import DTensor, distribute_tensor
-
-    if isinstance(param, DTensor):
-        # every rank holds the same full tensor, so each cuts its own shard: no communication
-        local = distribute_tensor(full.to(param.dtype), param.device_mesh, param.placements,
-                                  src_data_rank=None).to_local()
-        param.to_local().copy_(local)
-    else:
-        param.copy_(full.to(param.dtype))

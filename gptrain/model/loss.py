@@ -20,7 +20,6 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.distributed.tensor import DTensor
 
 from gptrain.kernels.ops import linear_dgrad, linear_wgrad
 from gptrain.kernels.xent import linear_softmax_xent
@@ -155,10 +154,5 @@ class LMLoss(nn.Module):
 
     def forward(self, h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
                 loss_mask: torch.Tensor | None = None) -> torch.Tensor:
-        if isinstance(weight, DTensor) and any(p.is_shard(0) for p in weight.placements) \
-                and weight.device_mesh.mesh_dim_names == ("tp",):
-            # tensor parallel: the output layer is split by vocabulary rows
-            from gptrain.parallel.tensor_parallel import vocab_parallel_cross_entropy
-            return vocab_parallel_cross_entropy(h, weight, labels, self.vocab_size, loss_mask)
         return lm_cross_entropy(h, weight, labels, self.vocab_size, fused=self.fused, compiled=self.compiled,
                                 tuned=self.tuned, loss_mask=loss_mask)

@@ -17,26 +17,29 @@ def local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def _replicas(t: torch.Tensor, pp: int) -> int:
+def _replicas(t: torch.Tensor, pp: int, tp_split: bool, tp: int) -> int:
     """How many processes hold the same values as this one's. A pipeline stage's parameters live on
     world / pp ranks (its data- and tensor-parallel ranks): a plain tensor is the same on all of
-    them; a DTensor on its own mesh's Replicate dimensions and on the stage's ranks outside that
-    mesh (a tensor-parallel DTensor under plain data parallelism)."""
+    them, a tensor-parallel shard (``tp_split``) on 1/tp of them; a DTensor (an FSDP2 shard) on its
+    own mesh's Replicate dimensions and on the stage's ranks outside that mesh."""
     stage_ranks = (dist.get_world_size() if distributed() else 1) // pp
     if isinstance(t, DTensor):
         outside = stage_ranks // t.device_mesh.size()
-        return outside * math.prod(t.device_mesh.size(i) for i, p in enumerate(t.placements) if p.is_replicate())
-    return stage_ranks
+        stage_ranks = outside * math.prod(t.device_mesh.size(i) for i, p in enumerate(t.placements)
+                                          if p.is_replicate())
+    return stage_ranks // tp if tp_split else stage_ranks
 
 
-def global_norm_and_sum(grads: list[torch.Tensor], value: torch.Tensor, pp: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+def global_norm_and_sum(grads: list[torch.Tensor], value: torch.Tensor, pp: int = 1,
+                        tp_split: list[bool] | None = None, tp: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """The L2 norm of all gradients over every process, and ``value`` summed over every process,
     in one all-reduce over the world. Shards count once; replicated copies are divided by their
     number; each pipeline stage contributes its own parameters (a tied copy must be left out of
-    ``grads`` by the caller on all but one stage)."""
+    ``grads`` by the caller on all but one stage). ``tp_split[i]``: ``grads[i]`` is a
+    tensor-parallel shard."""
     by_replicas: dict[int, list[torch.Tensor]] = {}
-    for g in grads:
-        by_replicas.setdefault(_replicas(g, pp), []).append(local(g))
+    for g, split in zip(grads, tp_split or [False] * len(grads)):
+        by_replicas.setdefault(_replicas(g, pp, split, tp), []).append(local(g))
     squares = torch.zeros((), device=value.device, dtype=torch.float32)
     for replicas, tensors in by_replicas.items():
         norms = torch._foreach_norm(tensors)

@@ -10,7 +10,6 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
-from torch.distributed.tensor import DTensor
 
 
 def average_flat(flat: torch.Tensor, group, size: int) -> None:
@@ -19,10 +18,9 @@ def average_flat(flat: torch.Tensor, group, size: int) -> None:
 
 
 def average_gradients(grads: list[torch.Tensor], group, size: int) -> None:
-    """Average plain or tensor-parallel (DTensor: this rank's shard) gradients over ``group``."""
+    """Average plain gradients (a tensor-parallel rank's shards) over ``group``."""
     if not grads:
         return
-    grads = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
     flat = _flatten_dense_tensors(grads)
     average_flat(flat, group, size)
     torch._foreach_copy_(grads, list(_unflatten_dense_tensors(flat, grads)))

@@ -1,5 +1,5 @@
-"""Apply the layout and the run-time transformations to a built (meta-device) model, in
-torchtitan's order: activation recompute -> compile -> FSDP2.
+"""Apply the layout and the run-time transformations to a built (meta-device) model: activation
+recompute -> tensor parallelism -> compile -> FSDP2.
 
 Every ZeRO stage runs on FSDP2 ``fully_shard`` with a mixed-precision policy: the parameters the
 optimizer sees are fp32 shards (the main parameters), each block computes in bf16/fp16 on an
@@ -70,11 +70,20 @@ def parallelize(train_module: nn.Module, model: GPT, dims: ParallelDims, mesh: D
                 pipeline_chunks: list[nn.Module] | None = None):
     """Transform in place; returns the callable the trainer runs forward through:
     ``(tokens, labels, loss_mask) -> loss`` (None with pipeline parallelism: the schedule runs the
-    ``pipeline_chunks``)."""
+    ``pipeline_chunks``) and the tensor-parallel ``ShardLayout`` (empty without tensor parallelism)."""
+    from gptrain.parallel.tensor_parallel import ShardLayout, VocabParallelLMLoss, apply_tensor_parallel
+
     apply_recompute(model, recompute)
+    layout = ShardLayout()
     if dims.tp > 1:
-        from gptrain.parallel.tensor_parallel import apply_tensor_parallel
-        apply_tensor_parallel(model, mesh["tp"], sequence_parallel)
+        layout = apply_tensor_parallel(model, mesh, sequence_parallel)
+        loss = train_module.loss
+        train_module.loss = VocabParallelLMLoss(loss.vocab_size, layout.tp, tuned=loss.tuned)
+    return _compile_and_shard(train_module, model, dims, mesh, param_dtype, compile_model, compile_mode,
+                              pipeline_chunks), layout
+
+
+def _compile_and_shard(train_module, model, dims, mesh, param_dtype, compile_model, compile_mode, pipeline_chunks):
     if not dims.sharded and not pipeline_chunks:
         # one device or whole replicas: the whole step's forward compiles as one graph
         return torch.compile(train_module, mode=compile_mode) if compile_model else train_module

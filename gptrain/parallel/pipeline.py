@@ -145,13 +145,67 @@ def embedding_group(mesh: DeviceMesh, dims: ParallelDims):
     return mine
 
 
+@dataclass(frozen=True)
+class StageShapes:
+    """What travels between stages, known before the first step (no shape inference over the network
+    at start, so a stage starts alone in a simulated world): the first stage's token ids, the
+    hidden states between stages (this rank's share of the tokens with sequence parallelism), and the
+    last stage's output (every token again)."""
+    tokens: tuple[int, int]
+    hidden: tuple[int, ...]
+    final: tuple[int, int, int]
+    dtype: torch.dtype
+
+    @classmethod
+    def of(cls, micro_batch_size: int, seq_length: int, hidden_size: int, dtype: torch.dtype,
+           sequence_parallel_size: int = 1) -> "StageShapes":
+        final = (micro_batch_size, seq_length, hidden_size)
+        hidden = final if sequence_parallel_size == 1 else \
+            (1, micro_batch_size * seq_length // sequence_parallel_size, hidden_size)
+        return cls((micro_batch_size, seq_length), hidden, final, dtype)
+
+    def example(self, stage: int, num_stages: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(input, output) examples of a stage, on the meta device."""
+        meta = torch.device("meta")
+        x = torch.empty(self.tokens, dtype=torch.int64, device=meta) if stage == 0 else \
+            torch.empty(self.hidden, dtype=self.dtype, device=meta)
+        y = torch.empty(self.final if stage == num_stages - 1 else self.hidden, dtype=self.dtype, device=meta)
+        return x, y
+
+
+def _given_shapes(shapes: StageShapes, stage: int, num_stages: int, stage_cls) -> dict:
+    """PipelineStage's keyword arguments that give a stage its shapes (and, where this torch takes
+    them, its gradients' shapes: the same as the tensors')."""
+    x, y = shapes.example(stage, num_stages)
+    given = {"input_args": x, "output_args": y}
+    if "output_grads" in inspect.signature(stage_cls.__init__).parameters:
+        given["output_grads"] = None if stage == num_stages - 1 else y
+        given["input_grads"] = (None,) if stage == 0 else x
+    return given
+
+
+def _skip_warmup_vote(schedule) -> None:
+    """In a simulated world (the fake process group: receives leave their buffers as they were)
+    torch >= 2.13's warm-up vote, a tensor passed along the stages, would read zeros and send every
+    stage to shape inference over the network; the shapes are given, so each stage is told so."""
+    if not hasattr(schedule, "_warmup_p2p"):
+        return  # older torch: given shapes skip inference without a vote
+    from torch.distributed.pipelining.stage import InferenceMode
+
+    def static(stages, has_backward, p2p_done):
+        for stage in stages:
+            stage._inference_mode = InferenceMode.STATIC
+
+    schedule._warmup_p2p = static
+
+
 class Pipeline:
     """The schedule of this rank's stages and what the training loop asks of it: one step over a
     global batch's micro-batches, an evaluation pass, the tied embedding gradients' sum."""
 
     def __init__(self, model: GPT, loss: nn.Module, chunks: list[PipelineChunk], plan: StagePlan,
                  dims: ParallelDims, mesh: DeviceMesh, device: torch.device, n_micro: int,
-                 autocast_dtype: torch.dtype | None):
+                 autocast_dtype: torch.dtype | None, shapes: StageShapes):
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
 
         self.model, self.loss, self.plan, self.dims = model, loss, plan, dims
@@ -162,7 +216,13 @@ class Pipeline:
         self.factor = 1.0
         self.chunks = chunks
         group = mesh["pp"].get_group()
-        stages = [PipelineStage(c, s, plan.num_stages, device, group=group) for c, s in zip(self.chunks, plan.stages)]
+        # in a simulated world (the fake process group) the shapes are given, as nothing can be
+        # exchanged; real runs keep torch's shape inference at the first step: torch 2.13's
+        # given-shape mode gave the first stage wrong gradients in tests/test_pipeline_parallel.py
+        simulated = dist.get_backend(group) == "fake"
+        stages = [PipelineStage(c, s, plan.num_stages, device, group=group,
+                                **(_given_shapes(shapes, s, plan.num_stages, PipelineStage) if simulated else {}))
+                  for c, s in zip(self.chunks, plan.stages)]
         if len(stages) == 1:
             if n_micro < dims.pp:
                 raise ValueError(f"pipeline parallelism over {dims.pp} stages needs at least {dims.pp} micro-batches "
@@ -174,6 +234,8 @@ class Pipeline:
                                  f"multiple of --pipeline-model-parallel-size {dims.pp} (Megatron's rule)")
             self.schedule = ScheduleInterleaved1F1B(stages, n_micro, loss_fn=self._loss_fn, scale_grads=False)
         self.schedule_name = type(self.schedule).__name__
+        if simulated:
+            _skip_warmup_vote(self.schedule)
         # torch >= 2.8 can skip merging the last stage's outputs, which training never reads
         params = inspect.signature(self.schedule.step).parameters
         self._no_outputs = {"return_outputs": False} if "return_outputs" in params else {}

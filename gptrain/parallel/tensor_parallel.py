@@ -1,61 +1,295 @@
-"""Tensor parallelism on DTensor: Megatron's column/row split of each block, the vocabulary-parallel
-word embeddings, and a vocabulary-parallel cross-entropy that never gathers the logits.
+"""Tensor parallelism on plain tensors, as Megatron-LM does it: each rank holds its shard of a layer
+as an ordinary parameter and the layer calls the collectives itself.
 
-QKV and fc1 are column-parallel (each rank holds whole heads: the QKV rows are in per-head order),
-the attention projection and fc2 row-parallel (their outputs all-reduced), the word embeddings split
-by vocabulary rows. Between the blocks' parallel regions activations are whole, plain tensors on
-every rank, so LayerNorms, dropout and the model's own code stay as they are.
+QKV and fc1 are column-parallel (rows split: each rank holds whole heads, the QKV rows being in
+per-head order), the attention projection and fc2 row-parallel (columns split; their partial sums
+are all-reduced before the bias), the word embeddings split by vocabulary rows (masked lookups,
+all-reduced) and the loss vocabulary-parallel (max, sum of exponentials and the label's logit
+all-reduced, never the logits). With ``--sequence-parallel`` the residual stream between the
+regions holds 1/tp of the micro-batch's tokens on each rank: a region starts with an all-gather
+and ends with a reduce-scatter instead of an all-reduce (the tokens are split as one flat run of
+batch x sequence, so the collectives move contiguous memory).
+
+The collectives are PyTorch's functional ones (``_c10d_functional``), which ``torch.compile`` keeps
+inside one graph, and in the backward pass a column-parallel layer starts its input gradient's
+reduction before it computes its weight gradient and waits for it after (Megatron's
+``LinearWithGradAccumulationAndAsyncCommunication``). Parameter names stay those of one process;
+``ShardLayout`` says which dimension of which parameter is split, for the initialisation, the
+gradient norm, and checkpoints (where the shards become DTensors, so DCP reshards on load).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, PrepareModuleOutput,
-                                               RowwiseParallel, SequenceParallel, parallelize_module)
 
+from gptrain.kernels.ops import linear_bias_gelu, linear_dgelu, linear_dgrad, linear_fwd, linear_wgrad
 from gptrain.model.gpt import GPT
+from gptrain.model.linear import FusedBiasGeluMLP, TunedLinear, linear_weight
+
+_c10d = torch.ops._c10d_functional
+
+# ---- the collectives (asynchronous in eager mode until waited on; graph nodes when compiled)
 
 
-def apply_tensor_parallel(model: GPT, tp_mesh: DeviceMesh, sequence_parallel: bool = False) -> None:
-    """Megatron's split; with ``sequence_parallel`` the residual stream between the parallel regions,
-    its LayerNorms and dropout hold 1/tp of the sequence on each rank (the row-parallel outputs are
-    reduce-scattered instead of all-reduced, and gathered again before each column-parallel input)."""
-    if sequence_parallel:
-        plan = {"ln1": SequenceParallel(), "ln2": SequenceParallel(),
-                "attn.qkv": ColwiseParallel(input_layouts=Shard(1)),
-                "attn.proj": RowwiseParallel(output_layouts=Shard(1)),
-                "mlp.fc1": ColwiseParallel(input_layouts=Shard(1)),
-                "mlp.fc2": RowwiseParallel(output_layouts=Shard(1))}
-    else:
-        plan = {"attn.qkv": ColwiseParallel(), "attn.proj": RowwiseParallel(),
-                "mlp.fc1": ColwiseParallel(), "mlp.fc2": RowwiseParallel()}
-    # Megatron's dropout: the same masks on every tensor-parallel rank outside the parallel regions
-    # (hashed, per position of the whole sequence), a per-rank stream inside them (train/run.py)
-    model.hashed_dropout = True
-    shard = (tp_mesh.get_local_rank(), tp_mesh.size()) if sequence_parallel else (0, 1)
-    for block in model.layers.values():
-        parallelize_module(block, tp_mesh, plan)
-        block.dropout_shard = shard
-    if sequence_parallel and model.pre_process:
-        # the embeddings' sum (whole on every rank) enters the first block as this rank's sequence share
-        # (pipeline stages after the first receive the shares as they are)
-        # (the block's second input, the dropout step, passes as it is)
-        parallelize_module(model.layers["0"], tp_mesh, PrepareModuleInput(input_layouts=(Replicate(), None),
-                                                                         desired_input_layouts=(Shard(1), None),
-                                                                         use_local_output=True))
-    if sequence_parallel and model.post_process:
-        # the final LayerNorm runs on the shares and the loss gets the whole sequence back
-        parallelize_module(model.final_layernorm, tp_mesh, SequenceParallel())
-        parallelize_module(model.final_layernorm, tp_mesh, PrepareModuleOutput(
-            output_layouts=(Shard(1),), desired_output_layouts=(Replicate(),), use_local_output=True))
-    if model.word_embeddings is not None:
-        # vocabulary-parallel embedding: each rank looks up its rows, the partial sums are all-reduced
-        # (on the last pipeline rank it is the output layer's copy, split the same way)
-        parallelize_module(model.word_embeddings, tp_mesh, RowwiseParallel(input_layouts=Replicate()))
-    if model.output_layer is not None:
-        model.output_layer.weight = model.word_embeddings.weight  # the tie survives the swap to a DTensor
+def _all_reduce(t: torch.Tensor, group: str) -> torch.Tensor:
+    return _c10d.all_reduce(t.contiguous(), "sum", group)
+
+
+def _all_gather(t: torch.Tensor, size: int, group: str) -> torch.Tensor:
+    """The ranks' (n, ...) tensors stacked on dim 0 in rank order: (size x n, ...)."""
+    return _c10d.all_gather_into_tensor(t.contiguous(), size, group)
+
+
+def _reduce_scatter(t: torch.Tensor, size: int, group: str) -> torch.Tensor:
+    """Summed over the ranks, this rank's 1/size of dim 0."""
+    return _c10d.reduce_scatter_tensor(t.contiguous(), "sum", size, group)
+
+
+def _wait(t: torch.Tensor) -> torch.Tensor:
+    return _c10d.wait_tensor(t)
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1, t.shape[-1])
+
+
+# ---- the mappings between the regions (Megatron's mappings.py), autograd's both ways
+
+
+class _ExitRegion(torch.autograd.Function):
+    """Partial sums -> whole (all-reduce; backward: identity), or with sequence parallelism ->
+    this rank's tokens (reduce-scatter; backward: all-gather)."""
+
+    @staticmethod
+    def forward(ctx, y, group: str, size: int, sp: bool):
+        ctx.group, ctx.size, ctx.sp, ctx.shape = group, size, sp, y.shape
+        if not sp:
+            return _wait(_all_reduce(y, group))
+        return _wait(_reduce_scatter(_rows(y), size, group)).view(1, -1, y.shape[-1])
+
+    @staticmethod
+    def backward(ctx, g):
+        if not ctx.sp:
+            return g, None, None, None
+        return _wait(_all_gather(_rows(g), ctx.size, ctx.group)).view(ctx.shape), None, None, None
+
+
+class _ScatterTokens(torch.autograd.Function):
+    """Whole activations (the same on every rank) -> this rank's 1/size of the tokens; backward:
+    all-gather."""
+
+    @staticmethod
+    def forward(ctx, x, group: str, size: int, rank: int):
+        ctx.group, ctx.size, ctx.shape = group, size, x.shape
+        tokens = _rows(x)
+        n = tokens.shape[0] // size
+        return tokens[rank * n:(rank + 1) * n].reshape(1, n, x.shape[-1])
+
+    @staticmethod
+    def backward(ctx, g):
+        return _wait(_all_gather(_rows(g), ctx.size, ctx.group)).view(ctx.shape), None, None, None
+
+
+class _GatherTokens(torch.autograd.Function):
+    """This rank's tokens -> all of them, shaped (batch, seq, hidden); backward: this rank's part of
+    the gradient (what follows, the vocabulary-parallel loss, gives every rank the whole gradient)."""
+
+    @staticmethod
+    def forward(ctx, x, group: str, size: int, rank: int, seq: int):
+        ctx.rank, ctx.size = rank, size
+        return _wait(_all_gather(_rows(x), size, group)).view(-1, seq, x.shape[-1])
+
+    @staticmethod
+    def backward(ctx, g):
+        tokens = _rows(g)
+        n = tokens.shape[0] // ctx.size
+        return tokens[ctx.rank * n:(ctx.rank + 1) * n].reshape(1, n, g.shape[-1]), None, None, None, None
+
+
+def _enter(x2: torch.Tensor, group: str, size: int, sp: bool) -> torch.Tensor:
+    return _wait(_all_gather(x2, size, group)) if sp else x2
+
+
+def _start_input_grad_reduce(g2: torch.Tensor, group: str, size: int, sp: bool) -> torch.Tensor:
+    return _reduce_scatter(g2, size, group) if sp else _all_reduce(g2, group)
+
+
+def _matmuls(tuned: bool):
+    """(forward, input gradient, weight gradient) of a linear layer: the cuBLASLt ops or torch's."""
+    if tuned:
+        return linear_fwd, linear_dgrad, linear_wgrad
+    return (lambda x, w, b: F.linear(x, w, b)), (lambda g, w: g @ w), (lambda g, x: g.t() @ x)
+
+
+def _out_shape(x: torch.Tensor, rows: int, width: int, sp: bool, seq: int) -> tuple[int, ...]:
+    # with sequence parallelism the region's output covers every token of the micro-batch
+    return (rows // seq, seq, width) if sp else (*x.shape[:-1], width)
+
+
+class _ColumnParallel(torch.autograd.Function):
+    """Enter a region (copy, or all-gather the tokens) and ``x @ w.T + b`` on this rank's rows. The
+    backward starts the input gradient's all-reduce (reduce-scatter) before the weight gradient's
+    matmul and waits for it after, so the two overlap."""
+
+    @staticmethod
+    def forward(ctx, x, w, b, group: str, size: int, sp: bool, seq: int, tuned: bool):
+        fwd, _, _ = _matmuls(tuned)
+        x2 = _enter(_rows(x), group, size, sp)
+        ctx.save_for_backward(x2, w)
+        ctx.group, ctx.size, ctx.sp, ctx.tuned, ctx.x_shape = group, size, sp, tuned, x.shape
+        ctx.has_bias = b is not None
+        return fwd(x2, w, b).view(_out_shape(x, x2.shape[0], w.shape[0], sp, seq))
+
+    @staticmethod
+    def backward(ctx, g):
+        x2, w = ctx.saved_tensors
+        _, dgrad, wgrad = _matmuls(ctx.tuned)
+        g2 = _rows(g)
+        pending = _start_input_grad_reduce(dgrad(g2, w), ctx.group, ctx.size, ctx.sp)
+        grad_w = wgrad(g2, x2)
+        grad_b = g2.sum(0) if ctx.has_bias else None
+        grad_x = _wait(pending).view(ctx.x_shape)
+        return grad_x, grad_w, grad_b, None, None, None, None, None
+
+
+class _ColumnFusedMLP(torch.autograd.Function):
+    """The fused bias-GELU MLP's two matmuls on this rank's shard (kernels/ops.py), entered like
+    ``_ColumnParallel``: returns fc2's partial sums without its bias."""
+
+    @staticmethod
+    def forward(ctx, x, w1, b1, w2, group: str, size: int, sp: bool, seq: int):
+        x2 = _enter(_rows(x), group, size, sp)
+        act, pre = linear_bias_gelu(x2, w1, b1)
+        ctx.save_for_backward(x2, w1, w2, act, pre)
+        ctx.group, ctx.size, ctx.sp, ctx.x_shape = group, size, sp, x.shape
+        return linear_fwd(act, w2, None).view(_out_shape(x, x2.shape[0], w2.shape[0], sp, seq))
+
+    @staticmethod
+    def backward(ctx, g):
+        x2, w1, w2, act, pre = ctx.saved_tensors
+        g2 = _rows(g)
+        grad_pre = linear_dgelu(g2, w2, pre)
+        pending = _start_input_grad_reduce(linear_dgrad(grad_pre, w1), ctx.group, ctx.size, ctx.sp)
+        grad_w1, grad_b1, grad_w2 = linear_wgrad(grad_pre, x2), grad_pre.sum(0), linear_wgrad(g2, act)
+        grad_x = _wait(pending).view(ctx.x_shape)
+        return grad_x, grad_w1, grad_b1, grad_w2, None, None, None, None
+
+
+@dataclass(frozen=True)
+class TPGroup:
+    """What a tensor-parallel layer needs to talk: the group's name (for the functional
+    collectives), this rank, the size, and whether the residual stream is sequence-parallel."""
+    name: str
+    rank: int
+    size: int
+    sequence_parallel: bool
+    seq_length: int
+
+    @classmethod
+    def of(cls, group, sequence_parallel: bool, seq_length: int) -> "TPGroup":
+        return cls(group.group_name, dist.get_rank(group), dist.get_world_size(group), sequence_parallel, seq_length)
+
+
+def _shard(t: torch.Tensor, dim: int, tp: TPGroup) -> nn.Parameter:
+    """This rank's part of ``t`` along ``dim`` (on the meta device: only the shape matters)."""
+    return nn.Parameter(t.detach().chunk(tp.size, dim=dim)[tp.rank].clone(), requires_grad=t.requires_grad)
+
+
+class ColumnParallelLinear(nn.Module):
+    """``nn.Linear`` split by output rows; ``tuned``: on the cuBLASLt ops."""
+
+    def __init__(self, linear: nn.Linear, tp: TPGroup):
+        super().__init__()
+        self.tp, self.tuned = tp, isinstance(linear, TunedLinear)
+        self.weight = _shard(linear.weight, 0, tp)
+        self.bias = None if linear.bias is None else _shard(linear.bias, 0, tp)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tp = self.tp
+        return _ColumnParallel.apply(x, self.weight, self.bias, tp.name, tp.size, tp.sequence_parallel,
+                                     tp.seq_length, self.tuned)
+
+
+class RowParallelLinear(nn.Module):
+    """``nn.Linear`` split by input columns: this rank's partial sums, reduced, then the bias (whole
+    on every rank)."""
+
+    def __init__(self, linear: nn.Linear, tp: TPGroup):
+        super().__init__()
+        self.tp, self.tuned = tp, isinstance(linear, TunedLinear)
+        self.weight = _shard(linear.weight, 1, tp)
+        self.bias = linear.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = linear_weight(x, self.weight, self.tuned)
+        y = _ExitRegion.apply(y, self.tp.name, self.tp.size, self.tp.sequence_parallel)
+        return y if self.bias is None else y + self.bias
+
+
+class TensorParallelFusedMLP(nn.Module):
+    """``FusedBiasGeluMLP`` on this rank's shards of fc1 (rows) and fc2 (columns)."""
+
+    def __init__(self, mlp: FusedBiasGeluMLP, tp: TPGroup):
+        super().__init__()
+        self.tp = tp
+        self.fc1 = nn.Module()
+        self.fc1.weight, self.fc1.bias = _shard(mlp.fc1.weight, 0, tp), _shard(mlp.fc1.bias, 0, tp)
+        self.fc2 = nn.Module()
+        self.fc2.weight, self.fc2.bias = _shard(mlp.fc2.weight, 1, tp), mlp.fc2.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tp = self.tp
+        y = _ColumnFusedMLP.apply(x, self.fc1.weight, self.fc1.bias, self.fc2.weight, tp.name, tp.size,
+                                  tp.sequence_parallel, tp.seq_length)
+        return _ExitRegion.apply(y, tp.name, tp.size, tp.sequence_parallel) + self.fc2.bias
+
+
+class VocabParallelEmbedding(nn.Module):
+    """This rank's rows [rank x V/tp, (rank + 1) x V/tp) of the (padded) vocabulary: ids elsewhere
+    look up zeros, and the sum over the ranks is every id's row."""
+
+    def __init__(self, embedding: nn.Embedding, tp: TPGroup):
+        super().__init__()
+        self.tp = tp
+        self.weight = _shard(embedding.weight, 0, tp)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        rows = self.weight.shape[0]
+        local = ids - self.tp.rank * rows
+        outside = (local < 0) | (local >= rows)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight).masked_fill(outside[..., None], 0.0)
+        return _ExitRegion.apply(out, self.tp.name, self.tp.size, False)
+
+
+class ScatterTokens(nn.Module):
+    """Sequence parallelism's entry: the embeddings (whole on every rank) -> this rank's tokens."""
+
+    def __init__(self, tp: TPGroup):
+        super().__init__()
+        self.tp = tp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _ScatterTokens.apply(x, self.tp.name, self.tp.size, self.tp.rank)
+
+
+class GatherTokens(nn.Module):
+    """Sequence parallelism's exit, after the final LayerNorm: every token again, for the loss."""
+
+    def __init__(self, tp: TPGroup):
+        super().__init__()
+        self.tp = tp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tp = self.tp
+        return _GatherTokens.apply(x, tp.name, tp.size, tp.rank, tp.seq_length)
+
+
+# ---- the vocabulary-parallel loss
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
@@ -65,47 +299,172 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     (padding) get no probability."""
 
     @staticmethod
-    def forward(ctx, h, w_local, labels, vocab_size: int, group):
-        rank = dist.get_rank(group)
+    def forward(ctx, h, w_local, labels, vocab_size: int, group: str, rank: int, tuned: bool):
+        fwd, _, _ = _matmuls(tuned)
         width = w_local.shape[0]
         first = rank * width
-        logits = (h @ w_local.t()).float()
+        logits = fwd(h, w_local, None).float()
         column = torch.arange(first, first + width, device=h.device)
         logits = logits.masked_fill(column >= vocab_size, float("-inf"))
-        row_max = logits.max(dim=-1).values
-        dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
+        row_max = _c10d.wait_tensor(_c10d.all_reduce(logits.max(dim=-1).values, "max", group))
         exp = torch.exp(logits - row_max[:, None])
-        sum_exp = exp.sum(dim=-1)
-        dist.all_reduce(sum_exp, group=group)
         local = (labels >= first) & (labels < first + width)
         index = (labels - first).clamp(0, width - 1)
         target = torch.where(local, logits.gather(1, index[:, None]).squeeze(1), torch.zeros_like(row_max))
-        dist.all_reduce(target, group=group)
+        # the two sums in one all-reduce
+        sums = _wait(_all_reduce(torch.stack([exp.sum(dim=-1), target]), group))
+        sum_exp, target = sums[0], sums[1]
         losses = torch.log(sum_exp) + row_max - target
         probs = exp / sum_exp[:, None]
         ctx.save_for_backward(h, w_local, probs, index, local)
-        ctx.group = group
+        ctx.group, ctx.tuned = group, tuned
         return losses
 
     @staticmethod
     def backward(ctx, grad_losses):
         h, w_local, probs, index, local = ctx.saved_tensors
+        _, dgrad, wgrad = _matmuls(ctx.tuned)
         # minus the one-hot of each label this rank holds, as a scatter: boolean indexing's data-dependent
         # shape (nonzero) breaks the compiled graph and makes the host wait for the GPU
-        grad = probs.scatter_add_(1, index[:, None], -local.to(probs.dtype)[:, None])
+        grad = probs.scatter_add(1, index[:, None], -local.to(probs.dtype)[:, None])
         grad = (grad * grad_losses[:, None]).to(h.dtype)
-        grad_h = grad @ w_local
-        dist.all_reduce(grad_h, group=ctx.group)  # h feeds every rank's share of the vocabulary
-        return grad_h, grad.t() @ h, None, None, None
+        pending = _all_reduce(dgrad(grad, w_local), ctx.group)  # h feeds every rank's share of the vocabulary
+        grad_w = wgrad(grad, h)
+        return _wait(pending), grad_w, None, None, None, None, None
 
 
-def vocab_parallel_cross_entropy(h: torch.Tensor, weight: DTensor, labels: torch.Tensor, vocab_size: int,
-                                 loss_mask: torch.Tensor | None = None) -> torch.Tensor:
-    """Mean token cross-entropy with the output layer's weight split by vocabulary rows."""
-    h2, y = h.reshape(-1, h.shape[-1]), labels.reshape(-1)
-    group = weight.device_mesh.get_group()
-    losses = _VocabParallelCrossEntropy.apply(h2, weight.to_local(), y, vocab_size, group)
-    if loss_mask is None:
-        return losses.mean()
-    mask = loss_mask.reshape(-1).to(losses.dtype)
-    return (losses * mask).sum() / mask.sum().clamp(min=1.0)
+class VocabParallelLMLoss(nn.Module):
+    """The language-model loss with the output layer's weight split by vocabulary rows (the mean
+    token loss, or Megatron's masked mean with ``--eod-mask-loss``)."""
+
+    def __init__(self, vocab_size: int, tp: TPGroup, tuned: bool = False):
+        super().__init__()
+        self.vocab_size, self.tp, self.tuned = vocab_size, tp, tuned
+
+    def forward(self, h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                loss_mask: torch.Tensor | None = None) -> torch.Tensor:
+        losses = _VocabParallelCrossEntropy.apply(_rows(h), weight, labels.reshape(-1), self.vocab_size,
+                                                  self.tp.name, self.tp.rank, self.tuned)
+        if loss_mask is None:
+            return losses.mean()
+        mask = loss_mask.reshape(-1).to(losses.dtype)
+        return (losses * mask).sum() / mask.sum().clamp(min=1.0)
+
+
+# ---- which parameter is split where
+
+
+@dataclass
+class ShardLayout:
+    """Per parameter name, the dimension split over the tensor-parallel ranks (absent: whole on
+    every rank), and the parameters whose gradients are partial per rank under sequence
+    parallelism (LayerNorms and row-parallel biases see only this rank's tokens: Megatron
+    all-reduces them over the tensor-parallel group). Empty without tensor parallelism."""
+    tp: TPGroup | None = None
+    mesh: DeviceMesh | None = None  # the whole (pp, dp, tp) mesh
+    split_dim: dict[str, int] = field(default_factory=dict)
+    sequence_parallel_grads: list[str] = field(default_factory=list)
+    _tp_dp: DeviceMesh | None = None
+
+    def region(self, name: str, full_shape: tuple[int, ...]) -> tuple[slice, ...] | None:
+        """This rank's part of the full tensor ``name`` (the tensor-parallel split only; None: all)."""
+        dim = self.split_dim.get(name)
+        if dim is None:
+            return None
+        region = [slice(0, n) for n in full_shape]
+        n = full_shape[dim] // self.tp.size
+        region[dim] = slice(self.tp.rank * n, (self.tp.rank + 1) * n)
+        return tuple(region)
+
+    def is_split(self, name: str) -> bool:
+        return name in self.split_dim
+
+    def checkpoint_view(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        """``t`` (this rank's shard of parameter ``name``, or of its optimizer state) as a DTensor of
+        the full tensor sharing ``t``'s memory, so DCP writes and reads it in place at its offsets;
+        whole tensors and FSDP2 shards of whole tensors as they are."""
+        from torch.distributed.tensor import DTensor, Shard
+
+        dim = self.split_dim.get(name)
+        if dim is None or t.dim() == 0:  # whole, or AdamW's step count
+            return t
+        if isinstance(t, DTensor):  # an FSDP2 shard (over dp) of this rank's tensor-parallel shard
+            mesh, placements, local = self._tp_dp_mesh(), (Shard(dim), *t.placements), t.to_local()
+        else:
+            mesh, placements, local = self.mesh["tp"], (Shard(dim),), t
+        shape = list(t.shape)
+        shape[dim] *= self.tp.size
+        stride = torch.empty(shape, device="meta").stride()
+        return DTensor.from_local(local, mesh, placements, run_check=False, shape=torch.Size(shape), stride=stride)
+
+    def _tp_dp_mesh(self) -> DeviceMesh:
+        # tensor-parallel split first, then FSDP2's over dp inside it: a (tp, dp) mesh (every rank
+        # builds it, at the first checkpoint, as all ranks save together)
+        if self._tp_dp is None:
+            ranks = self.mesh.mesh.permute(0, 2, 1).contiguous()
+            whole = DeviceMesh(self.mesh.device_type, ranks, mesh_dim_names=("pp", "tp", "dp"))
+            self._tp_dp = whole["tp", "dp"]
+        return self._tp_dp
+
+    @torch.no_grad()
+    def reduce_sequence_parallel_grads(self, params: dict[str, torch.Tensor]) -> None:
+        """Sum over the tensor-parallel ranks the gradients that each rank took on its own tokens."""
+        from gptrain.parallel.shards import local
+
+        grads = [local(params[n].grad) for n in self.sequence_parallel_grads
+                 if n in params and params[n].grad is not None]
+        if not grads:
+            return
+        from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+        flat = _flatten_dense_tensors(grads)
+        dist.all_reduce(flat, group=self.mesh["tp"].get_group())
+        torch._foreach_copy_(grads, list(_unflatten_dense_tensors(flat, grads)))
+
+
+_SPLIT = {"attn.qkv.weight": 0, "attn.qkv.bias": 0, "attn.proj.weight": 1,
+          "mlp.fc1.weight": 0, "mlp.fc1.bias": 0, "mlp.fc2.weight": 1}
+
+
+def split_dim_of(name: str) -> int | None:
+    """Megatron's split of a gptrain parameter name (None: whole on every tensor-parallel rank)."""
+    if name == "word_embeddings.weight":
+        return 0
+    for suffix, dim in _SPLIT.items():
+        if name.endswith("." + suffix):
+            return dim
+    return None
+
+
+def apply_tensor_parallel(model: GPT, mesh: DeviceMesh, sequence_parallel: bool = False) -> ShardLayout:
+    """Megatron's split of ``model`` (on the meta device, after the kernel converter) over the
+    mesh's ``tp`` dimension: the blocks' linear layers, the word embeddings and, with
+    ``sequence_parallel``, the token split of the residual stream. Returns which parameter is
+    split where."""
+    tp = TPGroup.of(mesh["tp"].get_group(), sequence_parallel, model.cfg.seq_length)
+    # Megatron's dropout: the same masks on every tensor-parallel rank outside the parallel regions
+    # (hashed, per position in the micro-batch), a per-rank stream inside them (train/run.py)
+    model.hashed_dropout = True
+    shard = (tp.rank, tp.size) if sequence_parallel else (0, 1)
+    for block in model.layers.values():
+        block.attn.qkv = ColumnParallelLinear(block.attn.qkv, tp)
+        block.attn.proj = RowParallelLinear(block.attn.proj, tp)
+        if isinstance(block.mlp, FusedBiasGeluMLP):
+            block.mlp = TensorParallelFusedMLP(block.mlp, tp)
+        else:
+            block.mlp.fc1 = ColumnParallelLinear(block.mlp.fc1, tp)
+            block.mlp.fc2 = RowParallelLinear(block.mlp.fc2, tp)
+        block.dropout_shard = shard
+    if model.word_embeddings is not None:
+        model.word_embeddings = VocabParallelEmbedding(model.word_embeddings, tp)
+        if model.output_layer is not None:
+            model.output_layer.weight = model.word_embeddings.weight  # the tie survives the swap
+    if sequence_parallel:
+        model.scatter_tokens, model.gather_tokens = ScatterTokens(tp), GatherTokens(tp)
+    layout = ShardLayout(tp, mesh)
+    for name, _ in model.named_parameters():
+        if (dim := split_dim_of(name)) is not None:
+            layout.split_dim[name] = dim
+        elif sequence_parallel and name != "position_embeddings.weight":
+            layout.sequence_parallel_grads.append(name)
+    return layout

@@ -4,12 +4,12 @@
     FSDP2) -> to_empty -> init_weights -> (one device: fp32 main copies) -> optimizer
 
 The Trainer receives the parts. Weights are initialised after sharding, each process drawing
-every parameter's full tensor from the one CPU generator and keeping its shard (model/gpt.py), so
-for a seed the full weights are the same at every layout.
+only the elements it holds from a counter-based generator keyed by each element's place in the
+full tensor (model/init_draw.py), so for a seed the full weights are the same at every layout.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -23,7 +23,8 @@ from gptrain.model.gpt import GPT
 from gptrain.model.loss import LMLoss
 from gptrain.parallel.dims import ParallelDims
 from gptrain.parallel.parallelize import describe_sharding, parallelize
-from gptrain.parallel.pipeline import Pipeline, pipeline_chunks, prune_for_stage, stage_layer_counts, virtual_stages
+from gptrain.parallel.tensor_parallel import ShardLayout
+from gptrain.parallel.pipeline import Pipeline, StageShapes, pipeline_chunks, prune_for_stage, stage_layer_counts, virtual_stages
 from gptrain.train.checkpoint import init_optimizer_state
 from gptrain.train.main_params import MainParams
 
@@ -53,6 +54,7 @@ class TrainingParts:
     impls: dict[str, str]  # what runs, by part, for the log
     fp8_layers: int
     pipeline: Pipeline | None = None  # pipeline parallelism: the schedule runs forward and backward
+    layout: ShardLayout = field(default_factory=ShardLayout)  # which parameter is split over tensor-parallel ranks
 
 
 def parallel_dims(cfg: RunConfig, world_size: int) -> ParallelDims:
@@ -118,16 +120,15 @@ def build_training(cfg: RunConfig, device: torch.device, dims: ParallelDims, mes
     fp8_layers = convert_to_fp8(model, p.fp8, p.fp8_recipe, emulate=device.type != "cuda") if p.fp8 else 0
     impls = apply_kernels(model, loss, cfg.kernels, device, param_dtype or torch.float32,
                           cfg.train.micro_batch_size * cfg.model.seq_length, fp8=bool(p.fp8),
-                          compiled=cfg.train.compile, zero3=dims.sharded and dims.zero_stage == 3,
-                          tensor_parallel=dims.tp > 1)
-    forward = parallelize(train_module, model, dims, mesh, cfg.kernels.recompute, param_dtype,
+                          compiled=cfg.train.compile, zero3=dims.sharded and dims.zero_stage == 3)
+    forward, layout = parallelize(train_module, model, dims, mesh, cfg.kernels.recompute, param_dtype,
                           cfg.train.compile, cfg.train.compile_mode, cfg.parallel.sequence_parallel, chunks)
     impls["parameters"] = describe_sharding(dims)
     init_device = torch.device("cpu") if dims.cpu_offload else device
     train_module.to_empty(device=init_device)
     if model.output_layer is not None:
         model.output_layer.weight = model.word_embeddings.weight  # to_empty makes new tensors: tie again
-    model.init_weights(cfg.data.seed)
+    model.init_weights(cfg.data.seed, layout.region if dims.tp > 1 else None)
     main = None
     if p.half_params and not dims.sharded:
         # one device: bf16/fp16 model, fp32 main copies taken from the exact initialisation
@@ -142,25 +143,17 @@ def build_training(cfg: RunConfig, device: torch.device, dims: ParallelDims, mes
     pipeline = None
     if chunks:
         n_micro = cfg.train.micro_batches_per_step(dims.dp)
-        pipeline = Pipeline(model, loss, chunks, plan, dims, mesh, device, n_micro,
-                            None if p.half_params else compute_dtype if compute_dtype != torch.float32 else None)
+        shapes = StageShapes.of(cfg.train.micro_batch_size, cfg.model.seq_length, cfg.model.hidden_size,
+                                param_dtype or torch.float32, dims.tp if cfg.parallel.sequence_parallel else 1)
+        pipeline = Pipeline(model, train_module.loss, chunks, plan, dims, mesh, device, n_micro,
+                            None if p.half_params else compute_dtype if compute_dtype != torch.float32 else None,
+                            shapes)
         impls["pipeline"] = pipeline.describe()
     return TrainingParts(model, train_module, forward, main, opt_params, optimizer, dims, mesh, impls, fp8_layers,
-                         pipeline)
+                         pipeline, layout)
 
 
 def parameter_count(model: GPT) -> int:
     """Parameters of this (tensor, pipeline) model-parallel rank: tensor-parallel shards count what
     this rank holds, data-parallel (FSDP) shards count whole, as Megatron counts them."""
-    from torch.distributed.tensor import DTensor
-
-    total = 0
-    for p in model.parameters():
-        n = p.numel()
-        if isinstance(p, DTensor):
-            names = p.device_mesh.mesh_dim_names or ()
-            for dim, placement in enumerate(p.placements):
-                if placement.is_shard() and names[dim] == "tp":
-                    n //= p.device_mesh.size(dim)
-        total += n
-    return total
+    return sum(p.numel() for p in model.parameters())

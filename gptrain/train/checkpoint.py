@@ -42,7 +42,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.tensor import DTensor
 
-from gptrain.model.gpt import copy_full_into
+from gptrain.parallel.shards import copy_full_into
 from gptrain.parallel.collectives import barrier, distributed
 from gptrain.train.durable import crash_point, fsync_file, fsync_tree, replace_durable, write_durable
 from gptrain.train.signals import deferred_signals
@@ -120,12 +120,15 @@ def init_optimizer_state(params: dict[str, torch.Tensor], optimizer: torch.optim
 
 
 def _state_dict(params: dict[str, torch.Tensor], optimizer: torch.optim.Optimizer | None,
-                vocab_size: int, host: bool = True) -> dict[str, torch.Tensor]:
-    out = {f"model/{name}": _unpadded(name, p, vocab_size, host) for name, p in params.items()}
+                vocab_size: int, host: bool = True, layout=None) -> dict[str, torch.Tensor]:
+    """What DCP writes or reads in place. ``layout`` (parallel/tensor_parallel.ShardLayout) shows
+    tensor-parallel shards as DTensors of the full tensors (``checkpoint_view``)."""
+    view = layout.checkpoint_view if layout is not None else (lambda name, t: t)
+    out = {f"model/{name}": _unpadded(name, view(name, p), vocab_size, host) for name, p in params.items()}
     if optimizer is not None:
         for name, p in params.items():
             for key, value in optimizer.state.get(p, {}).items():
-                out[f"optim/{name}/{key}"] = _unpadded(name, value, vocab_size, host)
+                out[f"optim/{name}/{key}"] = _unpadded(name, view(name, value), vocab_size, host)
     return out
 
 
@@ -301,7 +304,7 @@ class PendingSave:
 
 def save_checkpoint(root: str | os.PathLike, iteration: int, params: dict[str, torch.Tensor],
                     optimizer: torch.optim.Optimizer, state: dict, vocab_size: int, *, async_save: bool = False,
-                    stager=None, process_group=None) -> Path | PendingSave:
+                    stager=None, process_group=None, layout=None) -> Path | PendingSave:
     """``params``: the name -> tensor map the optimizer updates (fp32 main copies, or FSDP2's
     fp32 shards). Every rank calls this. With ``async_save`` the tensors are staged in host memory,
     written by a background thread, and ``finish_save`` publishes the checkpoint once they are durable.
@@ -331,12 +334,13 @@ def save_checkpoint(root: str | os.PathLike, iteration: int, params: dict[str, t
             with warnings.catch_warnings():  # one process without a process group is a normal run here
                 warnings.filterwarnings("ignore", message=".*torch.distributed is disabled")
                 if async_save:
-                    state_dict = _state_dict(params, optimizer, vocab_size, host=not isinstance(stager, HostStager))
+                    state_dict = _state_dict(params, optimizer, vocab_size, host=not isinstance(stager, HostStager),
+                                             layout=layout)
                     future = dcp.async_save(state_dict, checkpoint_id=str(tmp),
                                             async_stager=stager, process_group=process_group,
                                             no_dist=not distributed())
                 else:
-                    dcp.save(_state_dict(params, optimizer, vocab_size), checkpoint_id=str(tmp))
+                    dcp.save(_state_dict(params, optimizer, vocab_size, layout=layout), checkpoint_id=str(tmp))
             rng_tensors, rng_scalars = _rng_state()
             save_file(rng_tensors, tmp / f"rng_rank{rank:05d}.safetensors")
             fsync_file(tmp / f"rng_rank{rank:05d}.safetensors")
@@ -410,7 +414,7 @@ def find_checkpoint(root: str | os.PathLike, log=None) -> Path | None:
 
 def load_checkpoint(root: str | os.PathLike, params: dict[str, torch.Tensor],
                     optimizer: torch.optim.Optimizer | None, vocab_size: int, load_rng: bool = True,
-                    log=None) -> dict | None:
+                    log=None, layout=None) -> dict | None:
     """Restore into ``params`` (as for saving) and ``optimizer``; return the saved state dict, or
     None if there is no checkpoint."""
     path = find_checkpoint(root, log)
@@ -422,7 +426,7 @@ def load_checkpoint(root: str | os.PathLike, params: dict[str, torch.Tensor],
         optimizer = None
     if optimizer is not None:
         init_optimizer_state(params, optimizer)
-    targets = _state_dict(params, optimizer, vocab_size)
+    targets = _state_dict(params, optimizer, vocab_size, layout=layout)
     missing = sorted(k for k in targets if k not in stored and (k.startswith("model/") or optimizer is not None))
     if missing:
         raise ValueError(f"{path}: checkpoint does not fit the model (missing {missing[:3]}): check the model flags "
@@ -443,7 +447,7 @@ def load_checkpoint(root: str | os.PathLike, params: dict[str, torch.Tensor],
         dest = params[name] if key.startswith("model/") else optimizer.state[params[name]][key.rsplit("/", 1)[1]]
         padded = torch.zeros(dest.shape, dtype=torch.float32)
         padded[:vocab_size] = value
-        copy_full_into(dest, padded)
+        copy_full_into(dest, padded, layout.region(name, tuple(padded.shape)) if layout is not None else None)
     state = json.loads((path / "state.json").read_text())
     rng = path / f"rng_rank{_rank():05d}.safetensors"
     if load_rng and rng.is_file():
@@ -511,12 +515,12 @@ class Checkpointer:
         self._group = None
 
     def save(self, root, iteration: int, params: dict[str, torch.Tensor], optimizer, state: dict,
-             vocab_size: int) -> None:
+             vocab_size: int, layout=None) -> None:
         self.finish()
         start = time.perf_counter()
         self.log(f"saving checkpoint at iteration {iteration:7d} to {root}" + (" (asynchronously)" if self.async_save else ""))
         if not self.async_save:
-            save_checkpoint(root, iteration, params, optimizer, state, vocab_size)
+            save_checkpoint(root, iteration, params, optimizer, state, vocab_size, layout=layout)
             self.log(f"  successfully saved checkpoint at iteration {iteration:7d} to {root} "
                      f"({time.perf_counter() - start:.2f} s)")
             return
@@ -526,7 +530,7 @@ class Checkpointer:
             self._stager = HostStager(pin=any(p.is_cuda for p in params.values()))
         with deferred_signals():  # a signal while staging takes effect once the save is recorded as pending
             self.pending = save_checkpoint(root, iteration, params, optimizer, state, vocab_size, async_save=True,
-                                           stager=self._stager, process_group=self._group)
+                                           stager=self._stager, process_group=self._group, layout=layout)
             self._started = start
         self.log(f"  training blocked {time.perf_counter() - start:.2f} s; the checkpoint is written in the background")
 

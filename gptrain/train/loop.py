@@ -17,7 +17,6 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from torch.distributed.tensor import DTensor
 
 from gptrain.config import RunConfig
 from gptrain.parallel.collectives import all_reduce_, global_norm_and_sum, world_size
@@ -198,7 +197,7 @@ class Trainer:
         if not self.cfg.train.save:
             return
         self.checkpointer.save(self.cfg.train.save, self.iteration, self.opt_params, self.optimizer, self.state(),
-                               self.cfg.model.vocab_size)
+                               self.cfg.model.vocab_size, self.parts.layout)
 
     def load(self) -> None:
         t = self.cfg.train
@@ -211,13 +210,14 @@ class Trainer:
             self._load_megatron()
             return
         if is_hf_folder(t.load):  # a Hugging Face GPT-2 folder: weights only
-            load_hf(t.load, self.opt_params, self.cfg)
+            load_hf(t.load, self.opt_params, self.cfg, self.parts.layout)
             if self.main is not None:
                 self.main.copy_to_model()
             self.log(f"  loaded Hugging Face GPT-2 weights from {t.load}; iteration 0, optimizer state starts fresh")
             return
         state = load_checkpoint(t.load, self.opt_params, None if (t.no_load_optim or t.finetune) else self.optimizer,
-                                self.cfg.model.vocab_size, load_rng=not (t.no_load_rng or t.finetune), log=self.log)
+                                self.cfg.model.vocab_size, load_rng=not (t.no_load_rng or t.finetune), log=self.log,
+                                layout=self.parts.layout)
         if self.main is not None and state is not None:
             self.main.copy_to_model()
         if state is None:
@@ -240,7 +240,7 @@ class Trainer:
 
     def _load_megatron(self) -> None:
         t = self.cfg.train
-        state = load_megatron(t.load, self.opt_params, self.cfg)
+        state = load_megatron(t.load, self.opt_params, self.cfg, self.parts.layout)
         if self.main is not None:
             self.main.copy_to_model()
         self.log(f"  loaded Megatron-LM checkpoint from {t.load} at iteration {state['iteration']} ({state['layout']}); "
@@ -289,27 +289,26 @@ class Trainer:
         lr = self.schedule.lr()
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        if self.main is None and self.parts.dims.tp > 1:
-            for p in self.params:  # gradients laid out as their parameters (main_params.local_grad)
-                if isinstance(p.grad, DTensor) and p.grad.placements != p.placements:
-                    p.grad = p.grad.redistribute(p.device_mesh, p.placements)
-        grads = [p.grad for p in self.params if p.grad is not None]
+        layout = self.parts.layout
+        layout.reduce_sequence_parallel_grads(self.opt_params)
+        named = [(n, p.grad) for n, p in self.opt_params.items() if p.grad is not None]
         dims = self.parts.dims
         if dims.replicated:  # plain data parallelism: average the whole gradients over the replicas
             group = self.parts.mesh["dp"].get_group()
             if self.main is not None:
                 average_flat(self.main.grad_flat, group, dims.dp)
             else:
-                average_gradients(grads, group, dims.dp)
+                average_gradients([g for _, g in named], group, dims.dp)
         if self.pipeline is not None:
             self.pipeline.sum_tied_gradients(self._tied_gradient())
             if self.pipeline.last and not self.pipeline.first:  # the tied copy counts once, on the first stage
                 tied = self._tied_gradient()
-                grads = [g for g in grads if g is not tied]
+                named = [(n, g) for n, g in named if g is not tied]
         if self.main is not None and dims.tp == 1 and dims.pp == 1:  # whole main gradients, equal on every replica
             grad_norm, loss_sum = self.main.grad_norm(), all_reduce_(loss_acc.clone())
         else:  # one all-reduce gives every rank the global gradient norm and the global batch's loss
-            grad_norm, loss_sum = global_norm_and_sum(grads, loss_acc, dims.pp)
+            grad_norm, loss_sum = global_norm_and_sum([g for _, g in named], loss_acc, dims.pp,
+                                                      [layout.is_split(n) for n, _ in named], dims.tp)
         loss_acc = loss_sum / (world_size() // dims.pp)  # the loss is summed where the last stage holds it
         if self.scaler is not None:
             # the norm of the scaled gradients is non-finite exactly when one of them is, on any rank

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from gptrain.config import RunConfig
-from gptrain.model.gpt import copy_full_into
+from gptrain.parallel.shards import copy_full_into
 from gptrain.train.checkpoint import TRACKER, iteration_dir, read_tracker
 
 # Megatron's args -> (gptrain's config attribute, the flag a user writes)
@@ -40,10 +40,22 @@ def check_architecture(args: dict, cfg: RunConfig, where: str) -> None:
             raise ValueError(f"{flag} {ours} contradicts the checkpoint's {key} {theirs} ({where})")
 
 
+def _full_shape(name: str, target: torch.Tensor, layout) -> tuple[int, ...]:
+    """The whole tensor's shape of a parameter that may be a tensor-parallel shard."""
+    shape = list(target.shape)
+    if layout is not None and (dim := layout.split_dim.get(name)) is not None:
+        shape[dim] *= layout.tp.size
+    return tuple(shape)
+
+
+def _region(name: str, shape: tuple[int, ...], layout):
+    return layout.region(name, shape) if layout is not None else None
+
+
 @torch.no_grad()
-def load_megatron(root, params: dict[str, torch.Tensor], cfg: RunConfig) -> dict:
-    """Copy a Megatron checkpoint's weights into ``params`` (plain or sharded); returns the trainer
-    state it implies (iteration, consumed samples)."""
+def load_megatron(root, params: dict[str, torch.Tensor], cfg: RunConfig, layout=None) -> dict:
+    """Copy a Megatron checkpoint's weights into ``params`` (plain or sharded: ``layout`` is the
+    tensor-parallel ShardLayout); returns the trainer state it implies (iteration, consumed samples)."""
     from gptrain.interop.megatron import read_megatron_checkpoint
 
     ckpt = read_megatron_checkpoint(root)
@@ -54,15 +66,16 @@ def load_megatron(root, params: dict[str, torch.Tensor], cfg: RunConfig) -> dict
         raise ValueError(f"{root}: the Megatron checkpoint lacks {missing[:3]} ({len(missing)} in all)")
     for name, target in params.items():
         full = ckpt.state[name].float()
-        if name == "word_embeddings.weight" and full.shape[0] != target.shape[0]:
+        shape = _full_shape(name, target, layout)
+        if name == "word_embeddings.weight" and full.shape[0] != shape[0]:
             # another tensor-parallel padding: the real vocabulary's rows carry over, the rest is zero
-            rows = min(full.shape[0], target.shape[0], cfg.model.padded_vocab_size)
-            padded = torch.zeros(tuple(target.shape))
+            rows = min(full.shape[0], shape[0], cfg.model.padded_vocab_size)
+            padded = torch.zeros(shape)
             padded[:rows] = full[:rows]
             full = padded
-        if tuple(full.shape) != tuple(target.shape):
-            raise ValueError(f"{root}: {name} is {tuple(full.shape)} in the checkpoint, {tuple(target.shape)} here")
-        copy_full_into(target, full)
+        if tuple(full.shape) != shape:
+            raise ValueError(f"{root}: {name} is {tuple(full.shape)} in the checkpoint, {shape} here")
+        copy_full_into(target, full, _region(name, shape, layout))
     args = ckpt.args
     return {"iteration": ckpt.iteration, "consumed_train_samples": int(args.get("consumed_train_samples") or 0),
             "consumed_valid_samples": int(args.get("consumed_valid_samples") or 0),
@@ -75,7 +88,7 @@ def is_hf_folder(root) -> bool:
 
 
 @torch.no_grad()
-def load_hf(root, params: dict[str, torch.Tensor], cfg: RunConfig) -> None:
+def load_hf(root, params: dict[str, torch.Tensor], cfg: RunConfig, layout=None) -> None:
     """``--load`` of a Hugging Face GPT-2 folder: its weights into ``params`` (plain or sharded);
     a flag contradicting its config.json is an error naming both values."""
     from gptrain.interop.hf import load_hf_folder
@@ -89,8 +102,9 @@ def load_hf(root, params: dict[str, torch.Tensor], cfg: RunConfig) -> None:
     weights = dict(model.named_parameters())
     for name, target in params.items():
         full = weights[name].float()
+        shape = _full_shape(name, target, layout)
         if name == "word_embeddings.weight":  # the real vocabulary's rows; this layout's padding is zero
-            rows = min(full.shape[0], target.shape[0])
-            full, padded = torch.zeros(tuple(target.shape)), full
+            rows = min(full.shape[0], shape[0])
+            full, padded = torch.zeros(shape), full
             full[:rows] = padded[:rows]
-        copy_full_into(target, full)
+        copy_full_into(target, full, _region(name, shape, layout))

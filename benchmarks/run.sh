@@ -10,6 +10,9 @@
 #   scaling     train_throughput.py under torchrun at the DP/ZeRO/TP/PP layouts beside a 1-GPU row of the
 #               same run (nccl_bench.py first); 2-GPU layouts from 2 GPUs, 4-GPU layouts from 4; with
 #               one GPU it says so and exits 0
+#   ranks       the rank simulator on one GPU: one rank of TP2 / TP2+SP (345M, micro-batch 16) beside the
+#               1-GPU step, a TP8+SP rank of a 175B pipeline stage (12 layers, 8 micro-batches), and the
+#               start-up of a rank of the 175B TP8 x PP8 plan (world 64)
 #   decode      decode_speed.py: the 345M (bf16, random init) at batch 1 and 32, 32-token prompts,
 #               256 new tokens, greedy: fused loop, CUDA-graph loop, eager and HF generate (if
 #               transformers is installed), --profile
@@ -18,7 +21,7 @@
 #   checkpoint  ckpt_save.py: the 345M training state saved (sync, async) and loaded, 3 times each
 #   preprocess  preprocess.py: `gptrain preprocess` against raw tiktoken on 100 MB of text (CPU)
 #   lane        the GPU test lane (pytest -m gpu on the kernel and decode tests), then `gptrain demo`
-#   all         lane train decode serve checkpoint preprocess scaling, in turn (no extra args)
+#   all         lane train ranks decode serve checkpoint preprocess scaling, in turn (no extra args)
 #
 # Extra args go to the suite's benchmark command(s) and, given last, override its defaults (e.g.
 # `run.sh train --iters 30`, `run.sh preprocess --mb 20`, `run.sh decode --batch-sizes 1`).
@@ -113,13 +116,7 @@ suite_scaling() {
   if [ "$n" -lt 2 ]; then
     echo "scaling: $n GPU visible; the parallel layouts need several (DP2, ZeRO-3, TP2, PP2 on 2 GPUs;"
     echo "DP4, TP2 x DP2, TP2 x PP2, TP4, PP4, ZeRO-3 on 4). Nothing to run here."
-    # >>> RANK SIMULATOR (placeholder) ------------------------------------------------------------
-    # A rank simulator is being added to gptrain bench (`--simulate-world-size N`: N ranks' layouts
-    # on one GPU). When it lands, run the layouts below on this one GPU through it here, e.g.
-    #   run scaling/sim_tp2.txt "$PY" benchmarks/train_throughput.py "${BENCH[@]}" --simulate-world-size 2 \
-    #     --micro-batch-size 32 --global-batch-size 32 --tensor-model-parallel-size 2 --no-baseline "$@"
-    # and label those rows simulated in RESULTS.md (they time one GPU's share, not the links).
-    # <<< RANK SIMULATOR ---------------------------------------------------------------------------
+    echo "(the per-rank cost of any layout on one GPU: run.sh ranks)"
     return 0
   fi
   run scaling/nccl.txt "${TORCHRUN[@]}" "$n" benchmarks/nccl_bench.py || rc=1
@@ -141,6 +138,37 @@ suite_scaling() {
     IFS=: read -r gpus mbs gbs name flags <<< "$v"
     echo "-- $name ($gpus GPUs, micro-batch $mbs, global batch $gbs)"; bench_rows "$OUT/scaling/$name.txt"
   done
+  return $rc
+}
+
+# the seeds/002 GPT-3 175B shape (96 heads of 128, seq 2048) and one of its TP8 x PP8 ranks
+G175=(--hidden-size 12288 --num-attention-heads 96 --seq-length 2048 --max-position-embeddings 2048
+      --hidden-dropout 0 --attention-dropout 0 --bf16)
+
+suite_ranks() {
+  # one rank of a larger world alone on this GPU (gptrain's rank simulator: the fake process group,
+  # every collective returns at once): the layout's own compute and host cost, without the network
+  need_gpu ranks || return
+  local rc=0
+  run ranks/1gpu_mb16.txt "$PY" benchmarks/train_throughput.py "${BENCH[@]}" --warmup 4 --iters 10 \
+    --micro-batch-size 16 --global-batch-size 16 "$@" || rc=1
+  for v in "tp2::" "tp2_sp::--sequence-parallel"; do
+    IFS=: read -r name _ flags <<< "$v"
+    # shellcheck disable=SC2086
+    run ranks/sim_${name}_mb16.txt "$PY" benchmarks/train_throughput.py "${BENCH[@]}" --warmup 4 --iters 10 \
+      --micro-batch-size 16 --global-batch-size 16 --tensor-model-parallel-size 2 $flags \
+      --simulate-world-size 2 "$@" || rc=1
+  done
+  # a TP8 + SP rank of one 175B pipeline stage: 12 layers, 8 micro-batches of 1
+  run ranks/sim_175b_tp8_sp_12layers.txt "$PY" benchmarks/train_throughput.py "${G175[@]}" --compile --num-layers 12 \
+    --micro-batch-size 1 --global-batch-size 8 --tensor-model-parallel-size 8 --sequence-parallel \
+    --recompute-activations --simulate-world-size 8 --warmup 3 --iters 6 "$@" || rc=1
+  # start-up of a rank of the whole 175B plan (96 layers, TP8 x PP8, world 64): build, initialise, one
+  # evaluation iteration
+  run ranks/sim_175b_tp8_pp8_startup.txt /usr/bin/time -v "$PY" -m gptrain train "${G175[@]}" --num-layers 96 \
+    --tensor-model-parallel-size 8 --pipeline-model-parallel-size 8 --sequence-parallel --recompute-activations \
+    --micro-batch-size 1 --global-batch-size 8 --mock-data --train-iters 1 --skip-train --eval-iters 1 \
+    --simulate-world-size 64 "$@" || rc=1
   return $rc
 }
 
@@ -229,7 +257,7 @@ suite_lane() {
 suite=${1:-}
 [ $# -gt 0 ] && shift
 case $suite in
-  train|scaling|decode|serve|checkpoint|preprocess|lane)
+  train|scaling|ranks|decode|serve|checkpoint|preprocess|lane)
     device_info
     "suite_$suite" "$@"
     exit $? ;;
@@ -237,7 +265,7 @@ case $suite in
     [ $# -gt 0 ] && echo "all: extra args are ignored ($*); give them to one suite"
     device_info
     failed=()
-    for s in lane train decode serve checkpoint preprocess scaling; do
+    for s in lane train ranks decode serve checkpoint preprocess scaling; do
       echo "==== $s"
       "suite_$s" || failed+=("$s")
     done

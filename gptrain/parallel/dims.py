@@ -105,5 +105,8 @@ def init_distributed(device: torch.device) -> torch.device:
 
 
 def is_logging_rank() -> bool:
-    """Rank 0 speaks; before the process group exists, torchrun's RANK says who that is."""
-    return (dist.get_rank() if dist.is_initialized() else world_from_env()[1]) == 0
+    """Rank 0 speaks (and a simulated rank, alone in its fake world); before the process group
+    exists, torchrun's RANK says who that is."""
+    if dist.is_initialized():
+        return dist.get_rank() == 0 or dist.get_backend() == "fake"
+    return world_from_env()[1] == 0

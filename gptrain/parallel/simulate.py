@@ -51,7 +51,8 @@ def simulated_world(world_size: int | None, rank: int = 0):
     try:
         yield
     finally:
-        dist.destroy_process_group()
+        if dist.is_initialized():
+            dist.destroy_process_group()
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)

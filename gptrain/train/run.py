@@ -14,6 +14,7 @@ from gptrain.data.gpt_dataset import GPTDataset, MockGPTDataset, parse_split
 from gptrain.data.indexed import IndexedDataset
 from gptrain.data.provenance import check_tokenizer
 from gptrain.model.gpt import GPT
+from gptrain.parallel import simulate
 from gptrain.parallel.dims import init_distributed, is_logging_rank, world_from_env
 from gptrain.parallel.layout import parameter_counts
 from gptrain.parallel.parallelize import describe_sharding
@@ -151,10 +152,12 @@ def _report_parameters(parts, log) -> None:
     count = parameter_count(parts.model)
     counts = {(0, 0): count}
     if parts.mesh is not None:
-        gathered = [None] * torch.distributed.get_world_size()
         coords = (parts.mesh["tp"].get_local_rank(), parts.mesh["pp"].get_local_rank())
-        torch.distributed.all_gather_object(gathered, (coords, count))
-        counts = dict(gathered)
+        counts = {coords: count}
+        if torch.distributed.get_backend() != "fake":  # a simulated rank reports its own only
+            gathered = [None] * torch.distributed.get_world_size()
+            torch.distributed.all_gather_object(gathered, (coords, count))
+            counts = dict(gathered)
     for (t, p), n in sorted(counts.items(), key=lambda kv: (kv[0][1], kv[0][0])):
         log(f" > number of parameters on (tensor, pipeline) model parallel rank ({t}, {p}): {n}")
 
@@ -187,12 +190,27 @@ def _cpu_precision_warning(cfg: RunConfig, device: torch.device) -> str | None:
 
 
 def train_main(argv: list[str], log=None) -> int:
+    """``gptrain train``; with ``--simulate-world-size N [--simulate-rank R]`` one rank of that world
+    alone through the fake process group (parallel/simulate.py)."""
+    world, rank, argv = simulate.split_flags(argv)
+    if world is not None:
+        try:
+            with simulate.simulated_world(world, rank):
+                return _train_main(argv, log)
+        except ValueError as err:
+            print(f"gptrain: error: {err}", file=sys.stderr)
+            return 2
+    return _train_main(argv, log)
+
+
+def _train_main(argv: list[str], log=None) -> int:
     log = log or (lambda s: print(s, flush=True))
     trainer = cfg = None
     signals.install(exit_handler="--exit-signal-handler" in argv)
     try:
         world, rank, _ = world_from_env()
-        if rank != 0:  # one rank speaks; every rank still runs the same code
+        simulated = torch.distributed.is_initialized() and torch.distributed.get_backend() == "fake"
+        if rank != 0 and not simulated:  # one rank speaks; every rank still runs the same code
             log = lambda s: None  # noqa: E731
         cfg, tokenizer = setup(argv, log)
         if cfg.train.dry_run:
@@ -248,8 +266,8 @@ def train_main(argv: list[str], log=None) -> int:
         return 2
     finally:
         signals.uninstall()
-        if torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
+        if torch.distributed.is_initialized() and torch.distributed.get_backend() != "fake":
+            torch.distributed.destroy_process_group()  # a simulated world ends with its context
     return 0
 
 

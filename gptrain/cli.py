@@ -104,7 +104,7 @@ def cmd_data(argv: list[str]) -> int:
             tokenizer = GPT2Tokenizer(args.vocab_file, args.merge_file) if args.document is not None else None
             print(describe(args.prefix, args.document, tokenizer))
         elif args.action == "build-cache":
-            from gptrain.train.run import build_cache
+            from gptrain.data.assemble import build_cache
 
             return build_cache(rest)
     except (OSError, ValueError, IndexError) as err:

@@ -1,7 +1,7 @@
 """gptrain's training datasets against megatron-core's (BlendedMegatronDatasetBuilder, GPTDataset,
 BlendedDataset, helpers.build_blending_indices): the same document order, sample boundaries, sample
 order and tokens for train/valid/test, for one dataset and for blends, over seeds, splits and epoch
-counts. gptrain's side is built the way `gptrain train` builds it (train/run.py's build_datasets)."""
+counts. gptrain's side is built the way `gptrain train` builds it (data/assemble.py's build_datasets)."""
 import warnings
 from types import SimpleNamespace
 
@@ -11,7 +11,7 @@ import pytest
 from gptrain.config import parse_megatron_args
 from gptrain.data.blend import BlendedDataset, blending_indices, normalize, parse_data_path
 from gptrain.data.indexed import IndexedDatasetWriter
-from gptrain.train.run import build_datasets, target_samples
+from gptrain.data.assemble import build_datasets, target_samples
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")

@@ -1,7 +1,7 @@
 """``gptrain data samples``: the token ids training reads at given positions of a split.
 
 Takes the training flags as they are and builds the datasets exactly as ``gptrain train`` does
-(train/run.py), so a user can see what the model saw: iteration k (from 0) of training reads the
+(data/assemble.py), so a user can see what the model saw: iteration k (from 0) of training reads the
 train split's positions [k x global batch, (k + 1) x global batch). Positions past the end wrap
 around, as the training loader does."""
 from __future__ import annotations
@@ -33,7 +33,7 @@ def read_samples(dataset, start: int, count: int) -> np.ndarray:
 
 
 def samples_main(argv: list[str]) -> int:
-    from gptrain.train.run import build_datasets, setup
+    from gptrain.data.assemble import build_datasets, setup
 
     args, train_argv = _parser().parse_known_args(argv)
     try:

@@ -1,108 +1,23 @@
 """``gptrain train``: build tokenizer, data, model and trainer from pretrain_gpt.py flags, and run."""
 from __future__ import annotations
 
-import os
 import random
 import sys
 
 import numpy as np
 import torch
 
-from gptrain.config import RunConfig, parse_megatron_args, planned_world_size
-from gptrain.data.blend import BlendedDataset, parse_data_path, samples_per_dataset
-from gptrain.data.gpt_dataset import GPTDataset, MockGPTDataset, parse_split
-from gptrain.data.indexed import IndexedDataset
-from gptrain.data.provenance import check_tokenizer
+from gptrain.config import RunConfig, planned_world_size
+from gptrain.data.assemble import build_datasets, setup
 from gptrain.model.gpt import GPT
 from gptrain.parallel import simulate
 from gptrain.parallel.dims import init_distributed, is_logging_rank, world_from_env
 from gptrain.parallel.layout import parameter_counts
 from gptrain.parallel.parallelize import describe_sharding
-from gptrain.tokenizer import GPT2Tokenizer
 from gptrain.train.build import build_training, parallel_dims, parameter_count
 from gptrain.train import signals
 from gptrain.train.checkpoint import CheckpointError, newest_complete
 from gptrain.train.loop import Trainer, TrainingStopped
-
-
-def target_samples(cfg: RunConfig) -> tuple[int, int, int]:
-    """Megatron's dataset target sizes for train / validation / test."""
-    t = cfg.train
-    train = t.train_iters * t.global_batch_size
-    valid = (t.train_iters // t.eval_interval + 1) * t.eval_iters * t.global_batch_size if t.eval_interval else 0
-    test = t.eval_iters * t.global_batch_size
-    return train, valid, test
-
-
-class IndexCacheLines:
-    """A log that collapses the index-cache file lines (three per split) into one summary line;
-    --verbose keeps each."""
-
-    def __init__(self, log, verbose: bool):
-        self.log, self.verbose, self.paths = log, verbose, []
-
-    def __call__(self, line: str) -> None:
-        if line.startswith(" > loading ") and "-idx mapping from " in line:
-            self.paths.append(line.split("-idx mapping from ", 1)[1])
-            if not self.verbose:
-                return
-        self.log(line)
-
-    def summary(self) -> str | None:
-        if not self.paths:
-            return None
-        folders = sorted({os.path.dirname(p) or "." for p in self.paths})
-        return (f" > index cache: {len(self.paths)} files in {', '.join(folders)}"
-                + ("" if self.verbose else " (--verbose lists them)"))
-
-
-def build_datasets(cfg: RunConfig, tokenizer: GPT2Tokenizer, log=print):
-    targets = target_samples(cfg)
-    cache_log = IndexCacheLines(log, cfg.train.verbose)
-    log("> building train, validation, and test datasets ...")
-    log(" > datasets target sizes (minimum size):")
-    log(f"    train:      {targets[0]}\n    validation: {targets[1]}\n    test:       {targets[2]}")
-    if cfg.data.mock_data:
-        return [MockGPTDataset(name, max(n, 1), cfg.model.seq_length, tokenizer.vocab_size, cfg.data.seed)
-                if n else None for name, n in zip(("train", "valid", "test"), targets)]
-    weights, prefixes = parse_data_path(cfg.data.data_path)
-    blended = len(cfg.data.data_path) > 1  # weights given (even for one prefix): megatron-core blends
-    per_split: list[list] = [[], [], []]
-    for weight, prefix in zip(weights, prefixes):
-        indexed = IndexedDataset(prefix)
-        warning = check_tokenizer(prefix, tokenizer)
-        if warning:
-            log(f"WARNING: {warning}")
-        if tokenizer.vocab_size > np.iinfo(indexed.dtype).max + 1:
-            raise ValueError(f"{prefix}: token dtype {indexed.dtype} cannot hold a {tokenizer.vocab_size} vocabulary")
-        # Megatron splits and counts a GPT dataset by sequence (a non-empty document here)
-        log(f"    number of documents: {indexed.num_sequences}")
-        ranges = parse_split(cfg.data.split, indexed.num_sequences)
-        log(" > dataset split:")
-        for name, (lo, hi) in zip(("train", "validation", "test"), ranges):
-            log(f"    {name}:\n     document indices in [{lo}, {hi}) total of {hi - lo} documents")
-        for i, (name, (lo, hi)) in enumerate(zip(("train", "valid", "test"), ranges)):
-            n = samples_per_dataset([weight], targets[i])[0] if blended else targets[i]
-            if n == 0 or hi == lo:
-                per_split[i].append(None)
-                continue
-            per_split[i].append(GPTDataset(name, indexed, np.arange(lo, hi, dtype=np.int32), n,
-                                           cfg.model.seq_length, cfg.data.seed, cfg.data.split,
-                                           cfg.data.data_cache_path, cache_log))
-    out = []
-    for i, parts in enumerate(per_split):
-        if any(p is None for p in parts) or targets[i] == 0:
-            out.append(None)
-        elif not blended:
-            out.append(parts[0])
-        else:
-            out.append(BlendedDataset(parts, weights, targets[i]))
-    if out[0] is None:
-        raise ValueError(f"--split {cfg.data.split} leaves no training documents")
-    if cache_log.summary():
-        log(cache_log.summary())
-    log("> finished creating GPT datasets ...")
-    return out
 
 
 def pick_device(requested: str | None) -> torch.device:
@@ -126,16 +41,6 @@ def build_model(cfg: RunConfig, device: torch.device, log=print) -> GPT:
     model = GPT(cfg.model)
     model.init_weights(cfg.data.seed)
     return model.to(device)
-
-
-def setup(argv: list[str], log=print):
-    cfg, notes = parse_megatron_args(argv)
-    for note in notes:
-        log(f" > {note}")
-    tokenizer = GPT2Tokenizer(cfg.data.vocab_file, cfg.data.merge_file)
-    cfg = cfg.with_tokenizer(tokenizer.vocab_size, tokenizer.eod)  # a new config, checked again
-    log("> building GPT2BPETokenizer tokenizer ...")
-    return cfg, tokenizer
 
 
 def _precision_line(cfg: RunConfig, parts, device: torch.device) -> str:
@@ -268,15 +173,4 @@ def _train_main(argv: list[str], log=None) -> int:
         signals.uninstall()
         if torch.distributed.is_initialized() and torch.distributed.get_backend() != "fake":
             torch.distributed.destroy_process_group()  # a simulated world ends with its context
-    return 0
-
-
-def build_cache(argv: list[str]) -> int:
-    """``gptrain data build-cache`` with the training flags: build the index maps, train nothing."""
-    try:
-        cfg, tokenizer = setup(argv)
-        build_datasets(cfg, tokenizer)
-    except (ValueError, FileNotFoundError) as err:
-        print(f"gptrain: error: {err}", file=sys.stderr)
-        return 2
     return 0

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from gptrain.config import parse_megatron_args
 from gptrain.data.gpt_dataset import MockGPTDataset
+from gptrain.device import pick_device
 from gptrain.parallel import simulate
 from gptrain.parallel.dims import init_distributed, is_logging_rank, world_from_env
 from gptrain.train import metrics
@@ -107,7 +108,7 @@ def synthetic_trainer(argv: list[str], iters: int) -> tuple[Trainer, MicroBatchL
     world = world_from_env()[0]
     cfg, _ = parse_megatron_args(argv + ["--mock-data", "--train-iters", str(iters)], world_size=world)
     dims = parallel_dims(cfg, world)
-    device = init_distributed(torch.device(cfg.train.device or ("cuda" if torch.cuda.is_available() else "cpu")))
+    device = init_distributed(pick_device(cfg.train.device))
     parts = build_training(cfg, device, dims, dims.build_mesh(device.type), log=lambda s: None)
     data = MockGPTDataset("train", 10 ** 9, cfg.model.seq_length, cfg.model.vocab_size, cfg.data.seed)
     trainer = Trainer(cfg, parts, data, None, None, device, log=lambda s: None)

@@ -20,7 +20,8 @@ def load_from_flags(args):
     """The model of ``--load`` (this rank's shard under tensor parallelism: the process group is
     joined here; ``close_distributed`` leaves it)."""
     from gptrain.inference.load import load_for_inference
-    from gptrain.inference.text import pick_device, pick_dtype
+    from gptrain.device import pick_device
+    from gptrain.inference.text import pick_dtype
 
     device = pick_device(args.device)
     dtype = pick_dtype(args.dtype, device)

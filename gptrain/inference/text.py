@@ -25,12 +25,6 @@ class TextStream:
         return delta
 
 
-def pick_device(name: str | None) -> torch.device:
-    if name:
-        return torch.device(name)
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-
 def pick_dtype(name: str | None, device: torch.device) -> torch.dtype:
     """--dtype: bf16 on a GPU by default (fp32 on the CPU)."""
     name = name or ("bf16" if device.type == "cuda" else "fp32")

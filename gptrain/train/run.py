@@ -9,7 +9,7 @@ import torch
 
 from gptrain.config import RunConfig, planned_world_size
 from gptrain.data.assemble import build_datasets, setup
-from gptrain.model.gpt import GPT
+from gptrain.device import pick_device
 from gptrain.parallel import simulate
 from gptrain.parallel.dims import init_distributed, is_logging_rank, world_from_env
 from gptrain.parallel.layout import parameter_counts
@@ -20,12 +20,6 @@ from gptrain.train.checkpoint import CheckpointError, newest_complete
 from gptrain.train.loop import Trainer, TrainingStopped
 
 
-def pick_device(requested: str | None) -> torch.device:
-    if requested:
-        return torch.device(requested)
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-
 def seed_everything(seed: int, tp_rank: int | None = None) -> None:
     """With tensor parallelism (``tp_rank`` given) the process generator takes Megatron's
     tensor-model-parallel seed, seed + 2718 + tp_rank: it only draws the attention dropout, inside
@@ -34,13 +28,6 @@ def seed_everything(seed: int, tp_rank: int | None = None) -> None:
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed if tp_rank is None else seed + 2718 + tp_rank)
-
-
-def build_model(cfg: RunConfig, device: torch.device, log=print) -> GPT:
-    """A plain single-process model with the seed's initial weights (generation, the demo's sample)."""
-    model = GPT(cfg.model)
-    model.init_weights(cfg.data.seed)
-    return model.to(device)
 
 
 def _precision_line(cfg: RunConfig, parts, device: torch.device) -> str:

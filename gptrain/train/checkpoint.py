@@ -445,9 +445,12 @@ def load_checkpoint(root: str | os.PathLike, params: dict[str, torch.Tensor],
         if name != UNPADDED or value.dim() != 2:
             continue
         dest = params[name] if key.startswith("model/") else optimizer.state[params[name]][key.rsplit("/", 1)[1]]
-        padded = torch.zeros(dest.shape, dtype=torch.float32)
+        shape = list(dest.shape)
+        if layout is not None and (dim := layout.split_dim.get(name)) is not None:
+            shape[dim] *= layout.tp.size  # a tensor-parallel shard of the padded table
+        padded = torch.zeros(shape, dtype=torch.float32)
         padded[:vocab_size] = value
-        copy_full_into(dest, padded, layout.region(name, tuple(padded.shape)) if layout is not None else None)
+        copy_full_into(dest, padded, layout.region(name, tuple(shape)) if layout is not None else None)
     state = json.loads((path / "state.json").read_text())
     rng = path / f"rng_rank{_rank():05d}.safetensors"
     if load_rng and rng.is_file():

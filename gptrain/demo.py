@@ -45,10 +45,6 @@ CPU = dict(flags="--num-layers 4 --hidden-size 128 --num-attention-heads 4 --seq
                  "--attention-dropout 0.0 --log-interval 5 --eval-interval 1000 --eval-iters 6",
            train_iters=150, minutes=1.25, new_tokens=48)
 
-ITERATION = re.compile(r"^ iteration\s+(\d+)/\s*\d+ \|.*?\| lm loss: (\S+) \|")
-VALIDATION = re.compile(r"validation loss at (?:iteration (\d+)|the end of training for (val|test) data) "
-                        r"\| lm loss value: (\S+) \|")
-
 
 def flatten_whitespace(text: str) -> str:
     """Indentation and runs of spaces out, hard-wrapped prose paragraphs joined into one line: GPT-2's
@@ -78,18 +74,9 @@ def write_demo_corpus(path: Path) -> tuple[int, int]:
     return docs, path.stat().st_size
 
 
-def train_losses(lines: list[str]) -> list[tuple[int, float]]:
-    """(iteration, lm loss) of each logged interval."""
-    return [(int(m.group(1)), float(m.group(2))) for m in map(ITERATION.match, lines) if m]
-
-
-def validation_losses(lines: list[str], last_iteration: int) -> dict[str, list[tuple[int, float]]]:
-    """{"val": [(iteration, loss), ...], "test": [...]}: the end-of-training values at ``last_iteration``."""
-    out: dict[str, list[tuple[int, float]]] = {"val": [], "test": []}
-    for m in filter(None, map(VALIDATION.search, lines)):
-        it = int(m.group(1)) if m.group(1) else last_iteration
-        out[m.group(2) or "val"].append((it, float(m.group(3))))
-    return out
+def final_test(result) -> list[tuple[int, float]]:
+    """The end of training's test loss as the loss curve's one test point (none without one)."""
+    return [] if result.test_loss is None else [(result.iteration, result.test_loss)]
 
 
 def loss_fell(losses: list[tuple[int, float]], final_validation: float | None = None,
@@ -209,31 +196,24 @@ def _demo(args: argparse.Namespace) -> int:
              "--clip-grad", "1.0", "--exit-duration-in-mins", str(minutes), "--device", "cuda" if on_gpu else "cpu"])
     flags_train = flags + ["--save", str(out / "checkpoints"), "--tensorboard-dir", str(out / "tensorboard")]
     print("== gptrain train " + " ".join(flags_train))
-    lines: list[str] = []
-
-    def log(line: str) -> None:
-        lines.append(line)
-        print(line, flush=True)
-
-    rc = train_main(flags_train, log=log)
-    if rc:
-        return rc
-    losses = train_losses(lines)
-    saved = [int(m.group(1)) for m in (re.match(r"saving checkpoint at iteration\s+(\d+)", x) for x in lines) if m]
-    last_iteration = saved[-1] if saved else losses[-1][0] if losses else 0
-    if any(line.startswith("exiting program after") for line in lines):
+    trained = train_main(flags_train, log=lambda line: print(line, flush=True))
+    if trained.exit_code:
+        return trained.exit_code
+    losses = trained.train_losses
+    val = {"val": list(trained.validation_losses), "test": final_test(trained)}
+    if trained.exit_reason:
         # Megatron's time limit skips the final evaluation: evaluate the saved checkpoint instead
-        print(f"== the {minutes}-minute limit stopped training at iteration {last_iteration}; "
+        print(f"== the {minutes}-minute limit stopped training at iteration {trained.iteration}; "
               "evaluating the checkpoint")
-        evaluation: list[str] = []
+        lines: list[str] = []
         eval_flags = [f for f in flags if f != "--compile"]  # evaluation alone is not worth compiling
-        rc = train_main(eval_flags + ["--load", str(out / "checkpoints"), "--skip-train"], log=evaluation.append)
-        if rc:
-            return rc
-        for line in evaluation:
+        evaluated = train_main(eval_flags + ["--load", str(out / "checkpoints"), "--skip-train"], log=lines.append)
+        if evaluated.exit_code:
+            return evaluated.exit_code
+        for line in lines:
             if "validation loss at" in line or line.startswith("-" * 20):
-                log(line)
-    val = validation_losses(lines, last_iteration)
+                print(line, flush=True)
+        val = {"val": val["val"] + evaluated.validation_losses, "test": final_test(evaluated)}
     print(f"== TensorBoard logs: {out / 'tensorboard'} (open with: tensorboard --logdir {out / 'tensorboard'}, "
           "then http://localhost:6006)")
     if losses:

@@ -20,7 +20,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
 def _train(argv):
     lines: list[str] = []
-    assert train_main(argv, log=lines.append) == 0, lines[-5:]
+    assert train_main(argv, log=lines.append).exit_code == 0, lines[-5:]
     return lines
 
 
@@ -202,7 +202,7 @@ def test_a_signal_during_a_background_save_still_publishes_it(tmp_path, monkeypa
             os.kill(os.getpid(), signal.SIGTERM)
 
     ck = tmp_path / "ck"
-    rc = train_main(RUN + ["--train-iters", "100", "--async-save", "--save", str(ck)], log=log)
+    rc = train_main(RUN + ["--train-iters", "100", "--async-save", "--save", str(ck)], log=log).exit_code
     assert rc == 128 + signal.SIGTERM
     assert not any("successfully saved checkpoint at iteration       2" in x for x in lines[:-1])
     assert lines[-2].startswith("  waiting for the background save of iteration 2"), "\n".join(lines[-6:])
@@ -232,7 +232,7 @@ def test_a_signal_while_a_background_save_is_staged_still_publishes_it(tmp_path,
     monkeypatch.setattr(ckpt.HostStager, "stage", stage)
     lines: list[str] = []
     ck = tmp_path / "ck"
-    rc = train_main(RUN + ["--train-iters", "100", "--async-save", "--save", str(ck)], log=lines.append)
+    rc = train_main(RUN + ["--train-iters", "100", "--async-save", "--save", str(ck)], log=lines.append).exit_code
     assert rc == 128 + signal.SIGTERM
     assert "finished after the signal" in lines[-1] and "iteration       4" in lines[-1], "\n".join(lines[-6:])
     assert read_tracker(ck) == 4 and is_complete(ck / "iter_0000004")[0]

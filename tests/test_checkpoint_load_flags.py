@@ -16,7 +16,7 @@ RUN = TINY + ["--lr-decay-iters", "6"]
 
 def _train(argv):
     lines: list[str] = []
-    rc = train_main(argv, log=lines.append)
+    rc = train_main(argv, log=lines.append).exit_code
     assert rc == 0, lines[-5:]
     return lines
 

@@ -15,8 +15,8 @@ RUN = TINY + ["--lr-decay-iters", "6"]  # one schedule for the 4-iteration save 
 def saved_by_one_process(tmp_path_factory):
     root = tmp_path_factory.mktemp("reshard")
     lines: list[str] = []
-    assert train_main(RUN + ["--train-iters", "6"], log=lines.append) == 0
-    assert train_main(RUN + ["--train-iters", "4", "--save", str(root / "ck")], log=lambda s: None) == 0
+    assert train_main(RUN + ["--train-iters", "6"], log=lines.append).exit_code == 0
+    assert train_main(RUN + ["--train-iters", "4", "--save", str(root / "ck")], log=lambda s: None).exit_code == 0
     straight = losses("\n".join(lines))
     return straight, root / "ck"
 

@@ -26,7 +26,7 @@ RUN = TINY + SCHEDULE + ["--save-interval", "2"]
 
 def _train(argv: list[str]) -> tuple[int, list[str]]:
     lines: list[str] = []
-    return train_main(argv, log=lines.append), lines
+    return train_main(argv, log=lines.append).exit_code, lines
 
 
 def _subprocess(argv: list[str], env: dict | None = None, **kw) -> subprocess.CompletedProcess:

@@ -22,7 +22,7 @@ TEXT = "Checkpoints that never lose work, read by transformers without a network
 
 def _train(argv):
     lines: list[str] = []
-    rc = train_main(argv, log=lines.append)
+    rc = train_main(argv, log=lines.append).exit_code
     return rc, lines
 
 

@@ -1,4 +1,4 @@
-"""`gptrain demo`: what it reads from the training log, its loss curve, and two short CPU runs (one
+"""`gptrain demo`: its verdict on the training run's result, its loss curve, and two short CPU runs (one
 bounded by iterations, one stopped by its time limit and evaluated from the checkpoint)."""
 from __future__ import annotations
 
@@ -8,26 +8,10 @@ import struct
 import pytest
 
 from gptrain import demo
-from gptrain.train import metrics
 
 
-def _log(losses: dict[int, float], validation: dict[int, float], end_val: float, end_test: float) -> list[str]:
-    lines = []
-    for it, loss in losses.items():  # the trainer's own line formats
-        lines.append(metrics.iteration_line(it, 100, it * 4, 12.0, 1e-3, 4, loss, 1.0, 0.5, 0, 0)
-                     + metrics.throughput_suffix(1000.0, 0.0, None, 1.0, "cpu"))
-        if it in validation:
-            lines += metrics.validation_block(f"iteration {it}", validation[it]).splitlines()
-    lines += metrics.validation_block("the end of training for val data", end_val).splitlines()
-    lines += metrics.validation_block("the end of training for test data", end_test).splitlines()
-    return lines
-
-
-def test_losses_read_from_the_log_and_the_verdict():
-    lines = _log({5: 10.5, 10: 9.0, 15: 7.25}, {10: 9.5}, 7.5, 7.75)
-    assert demo.train_losses(lines) == [(5, 10.5), (10, 9.0), (15, 7.25)]
-    assert demo.validation_losses(lines, 15) == {"val": [(10, 9.5), (15, 7.5)], "test": [(15, 7.75)]}
-    assert demo.loss_fell(demo.train_losses(lines)) == (
+def test_the_verdict():
+    assert demo.loss_fell([(5, 10.5), (10, 9.0), (15, 7.25)]) == (
         True, "lm loss 10.500 (first training interval) -> 7.250 (last training interval): fell by 3.250; "
               "the demo requires 2.0")
     assert demo.loss_fell([(5, 10.5), (10, 9.0)])[0] is False

@@ -269,7 +269,7 @@ def test_compiled_kernel_path_trains_like_the_plain_path(tmp_path):
     losses = {}
     for name, extra in (("plain", PLAIN), ("kernels", KERNELS + ["--compile"])):
         lines: list[str] = []
-        assert train_main(base + extra, log=lines.append) == 0
+        assert train_main(base + extra, log=lines.append).exit_code == 0
         losses[name] = [float(m.group(1)) for m in (re.search(r"\| lm loss: (\S+) \|", x) for x in lines) if m]
         if name == "kernels":
             assert " > linear layers: cuBLASLt, autotuned, bias-GELU fused" in lines

@@ -31,7 +31,7 @@ def prefix(tmp_path_factory):
 
 def _run(prefix, extra):
     lines: list[str] = []
-    assert train_main(TINY + ["--data-path", prefix] + extra, log=lines.append) == 0
+    assert train_main(TINY + ["--data-path", prefix] + extra, log=lines.append).exit_code == 0
     return lines
 
 

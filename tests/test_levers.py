@@ -207,15 +207,17 @@ def test_bf16_and_autocast_checkpoints_load_each_other(tmp_path):
     base = FLAGS[: FLAGS.index("--train-iters")] + ["--mock-data", "--device", "cpu", "--log-interval", "1",
                                                      "--eval-iters", "0"]
     lines = []
-    assert train_main(base + ["--bf16", "--train-iters", "2", "--save", str(tmp_path / "a")], log=lines.append) == 0
+    assert train_main(base + ["--bf16", "--train-iters", "2", "--save", str(tmp_path / "a")],
+                      log=lines.append).exit_code == 0
     saved = dcp.FileSystemReader(tmp_path / "a" / "iter_0000002").read_metadata().state_dict_metadata
     weights = {k: v for k, v in saved.items() if k.startswith("model/")}
     assert weights and all(v.properties.dtype == torch.float32 for v in weights.values())
     lines = []
     assert train_main(base + ["--bf16", "--bf16-autocast", "--train-iters", "3", "--load", str(tmp_path / "a"),
-                              "--save", str(tmp_path / "b")], log=lines.append) == 0
+                              "--save", str(tmp_path / "b")], log=lines.append).exit_code == 0
     assert any("successfully loaded checkpoint" in line and "iteration 2" in line for line in lines)
     assert [line.split("/")[0].split()[-1] for line in lines if line.startswith(" iteration")] == ["3"]
     lines = []
-    assert train_main(base + ["--bf16", "--train-iters", "4", "--load", str(tmp_path / "b")], log=lines.append) == 0
+    assert train_main(base + ["--bf16", "--train-iters", "4", "--load", str(tmp_path / "b")],
+                      log=lines.append).exit_code == 0
     assert any("successfully loaded checkpoint" in line and "iteration 3" in line for line in lines)

@@ -56,10 +56,11 @@ def _gptrain_losses(lines: list[str]) -> tuple[float, float]:
 @pytest.mark.parametrize("name", ["dev_tp1", "dev_pp2"])
 def test_fixture_evaluates_to_megatrons_losses_in_one_process(name, builtin_prefix, tmp_path):
     lines: list[str] = []
-    rc = train_main(FLAGS + ["--data-path", builtin_prefix, "--data-cache-path", str(tmp_path),
-                             "--load", str(FIXTURES / name)], log=lines.append)
-    assert rc == 0, lines[-5:]
-    valid, test = _gptrain_losses(lines)
+    result = train_main(FLAGS + ["--data-path", builtin_prefix, "--data-cache-path", str(tmp_path),
+                                 "--load", str(FIXTURES / name)], log=lines.append)
+    assert result.exit_code == 0, lines[-5:]
+    assert len(result.validation_losses) == 1, result
+    valid, test = result.validation_losses[-1][1], result.test_loss
     ref_valid, ref_test = megatron_losses(name)
     assert valid == pytest.approx(ref_valid, rel=2e-5) and test == pytest.approx(ref_test, rel=2e-5), \
         (valid, test, ref_valid, ref_test)

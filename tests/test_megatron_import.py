@@ -439,7 +439,7 @@ def test_load_megatron_folder_and_evaluate(name, data_prefix):
 
     lines = []
     rc = train_main(_train_flags(data_prefix) + ["--load", str(FIXTURES / name), "--skip-train",
-                                                 "--softmax-over-padded-vocab"], log=lines.append)
+                                                 "--softmax-over-padded-vocab"], log=lines.append).exit_code
     assert rc == 0
     assert any(f"loaded Megatron-LM checkpoint from {FIXTURES / name} at iteration 20" in line for line in lines)
     values = [float(line.split("lm loss value: ")[1].split()[0]) for line in lines if "lm loss value" in line]
@@ -454,5 +454,5 @@ def test_load_megatron_refuses_a_contradicting_flag(data_prefix, capsys):
 
     flags = _train_flags(data_prefix)
     flags[flags.index("--hidden-size") + 1] = "32"
-    assert train_main(flags + ["--load", str(FIXTURES / "dev_tp1"), "--skip-train"], log=lambda s: None) == 2
+    assert train_main(flags + ["--load", str(FIXTURES / "dev_tp1"), "--skip-train"], log=lambda s: None).exit_code == 2
     assert "--hidden-size 32 contradicts the checkpoint's hidden_size 64" in capsys.readouterr().err

@@ -100,7 +100,7 @@ def _fp16_run(rank: int, bad_call: int, out_path: str) -> None:
     Model.forward = forward
     lines = []
     rc = train_main(TINY + ["--fp16", "--train-iters", "5", "--initial-loss-scale", "1024", "--hysteresis", "1"],
-                    log=lines.append)
+                    log=lines.append).exit_code
     if rank == 0:
         with open(out_path, "w") as f:
             json.dump({"rc": rc, "lines": lines}, f)

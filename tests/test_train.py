@@ -98,7 +98,7 @@ def data_prefix(tmp_path_factory):
 
 
 def run_train(args, lines):
-    rc = train_main(args, log=lines.append)
+    rc = train_main(args, log=lines.append).exit_code
     return rc
 
 
@@ -134,11 +134,16 @@ def test_exact_resume_with_dropout(tmp_path, data_prefix, precision):
 
 def test_thirty_iterations_loss_falls_and_logs(tmp_path, data_prefix):
     lines = []
-    assert run_train(TINY + ["--data-path", data_prefix, "--data-cache-path", str(tmp_path / "cache"),
-                             "--train-iters", "30", "--eval-interval", "30", "--eval-iters", "2",
-                             "--tensorboard-dir", str(tmp_path / "tb"), "--device", "cpu"], lines) == 0
-    values = {k: float(v) for k, v in losses(lines).items()}
+    result = train_main(TINY + ["--data-path", data_prefix, "--data-cache-path", str(tmp_path / "cache"),
+                                "--train-iters", "30", "--eval-interval", "30", "--eval-iters", "2",
+                                "--tensorboard-dir", str(tmp_path / "tb"), "--device", "cpu"], log=lines.append)
+    assert result.exit_code == 0 and result.iteration == 30 and result.exit_reason is None
+    values = dict(result.train_losses)
+    assert sorted(values) == list(range(1, 31)) and result.last_train_loss == values[30]
+    assert {k: f"{v:.6E}" for k, v in values.items()} == losses(lines)  # the values the log shows
     assert values[1] > 10.0 and np.mean([values[i] for i in range(26, 31)]) < values[1] - 1.0
+    # validation at iteration 30 (--eval-interval) and at the end of training, then the test split
+    assert [it for it, _ in result.validation_losses] == [30, 30] and result.test_loss is not None
     assert any(line.startswith(" > padded vocab (size: 50257) with 47 dummy tokens (new size: 50304)")
                for line in lines)
     assert any("validation loss at the end of training for test data" in line for line in lines)

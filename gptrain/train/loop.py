@@ -146,6 +146,12 @@ class Trainer:
         self.memory_reported = False
         self.last_train_loss: float | None = None
         self.first_train_loss: float | None = None
+        # what the run's result reports (train/run.py's TrainResult): (iteration, lm loss) per logged
+        # interval and per validation, the end-of-training test loss, why training stopped early
+        self.train_losses: list[tuple[int, float]] = []
+        self.validation_losses: list[tuple[int, float]] = []
+        self.test_loss: float | None = None
+        self.exit_reason: str | None = None
         self.checkpointer = Checkpointer(cfg.train.async_save, self.log)
 
     def loader(self, dataset, start: int) -> MicroBatchLoader | NoData:
@@ -391,6 +397,7 @@ class Trainer:
         loss = self.evaluate(self.valid_ds, self.consumed_valid, t.eval_iters)
         self.consumed_valid += t.eval_iters * t.global_batch_size
         self.log(metrics.validation_block(where, loss))
+        self.validation_losses.append((self.iteration, loss))
         self.tb.scalars({"lm loss validation": loss, "lm loss validation ppl": math.exp(min(20.0, loss))},
                         self.iteration, self.consumed_train)
 
@@ -422,6 +429,7 @@ class Trainer:
             self.memory_reported = True
         if avg_loss is not None:
             self.last_train_loss = avg_loss
+            self.train_losses.append((self.iteration, avg_loss))
             if self.first_train_loss is None:
                 self.first_train_loss = avg_loss
         self.tb.scalars({"learning-rate": self.schedule.lr(), "batch-size": t.global_batch_size, "lm loss": avg_loss,
@@ -499,12 +507,13 @@ class Trainer:
             self.save()
         self.checkpointer.close()  # the last save is published before the run goes on or ends
         if exit_reason:
+            self.exit_reason = exit_reason
             self.log(exit_reason)
             return
         if t.eval_iters > 0:
             if self.valid_ds is not None:
                 self._validate("the end of training for val data")
             if self.test_ds is not None:
-                loss = self.evaluate(self.test_ds, 0, t.eval_iters)
+                loss = self.test_loss = self.evaluate(self.test_ds, 0, t.eval_iters)
                 self.log(metrics.validation_block("the end of training for test data", loss))
         self.tb.close()

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import random
 import sys
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -18,6 +19,29 @@ from gptrain.train.build import build_training, parallel_dims, parameter_count
 from gptrain.train import signals
 from gptrain.train.checkpoint import CheckpointError, newest_complete
 from gptrain.train.loop import Trainer, TrainingStopped
+
+
+@dataclass
+class TrainResult:
+    """What a ``gptrain train`` run did, for its callers (the demo, tests) to read instead of its log
+    lines; the losses are those the logging rank logs."""
+    exit_code: int  # the process's exit code: 0, 1 (training stopped, checkpoint error), 2 (bad flags), signals'
+    iteration: int = 0  # the last iteration trained (or loaded, with --skip-train)
+    train_losses: list[tuple[int, float]] = field(default_factory=list)  # (iteration, lm loss) per log interval
+    validation_losses: list[tuple[int, float]] = field(default_factory=list)  # (iteration, lm loss), end's last
+    test_loss: float | None = None  # the end of training's test loss
+    exit_reason: str | None = None  # "exiting program ...": a time, iteration or signal limit ended training
+
+    @classmethod
+    def of(cls, exit_code: int, trainer: Trainer | None) -> TrainResult:
+        if trainer is None:
+            return cls(exit_code)
+        return cls(exit_code, trainer.iteration, list(trainer.train_losses), list(trainer.validation_losses),
+                   trainer.test_loss, trainer.exit_reason)
+
+    @property
+    def last_train_loss(self) -> float | None:
+        return self.train_losses[-1][1] if self.train_losses else None
 
 
 def seed_everything(seed: int, tp_rank: int | None = None) -> None:
@@ -81,9 +105,10 @@ def _cpu_precision_warning(cfg: RunConfig, device: torch.device) -> str | None:
     return None
 
 
-def train_main(argv: list[str], log=None) -> int:
-    """``gptrain train``; with ``--simulate-world-size N [--simulate-rank R]`` one rank of that world
-    alone through the fake process group (parallel/simulate.py)."""
+def train_main(argv: list[str], log=None) -> TrainResult:
+    """``gptrain train``: the run's result (its exit code, losses, where it stopped); with
+    ``--simulate-world-size N [--simulate-rank R]`` one rank of that world alone through the fake
+    process group (parallel/simulate.py)."""
     world, rank, argv = simulate.split_flags(argv)
     if world is not None:
         try:
@@ -91,11 +116,16 @@ def train_main(argv: list[str], log=None) -> int:
                 return _train_main(argv, log)
         except ValueError as err:
             print(f"gptrain: error: {err}", file=sys.stderr)
-            return 2
+            return TrainResult(2)
     return _train_main(argv, log)
 
 
-def _train_main(argv: list[str], log=None) -> int:
+def train_command(argv: list[str]) -> int:
+    """``gptrain train`` as a command: its exit code."""
+    return train_main(argv).exit_code
+
+
+def _train_main(argv: list[str], log=None) -> TrainResult:
     log = log or (lambda s: print(s, flush=True))
     trainer = cfg = None
     signals.install(exit_handler="--exit-signal-handler" in argv)
@@ -107,7 +137,7 @@ def _train_main(argv: list[str], log=None) -> int:
         cfg, tokenizer = setup(argv, log)
         if cfg.train.dry_run:
             dry_run(cfg, planned_world_size(argv), log)
-            return 0
+            return TrainResult.of(0, trainer)
         dims = parallel_dims(cfg, world)
         device = init_distributed(pick_device(cfg.train.device))
         mesh = dims.build_mesh(device.type)
@@ -140,24 +170,24 @@ def _train_main(argv: list[str], log=None) -> int:
     except TrainingStopped as err:
         if is_logging_rank():
             print(f"gptrain: training stopped: {err}", file=sys.stderr)
-        return 1
+        return TrainResult.of(1, trainer)
     except CheckpointError as err:
         if is_logging_rank():
             print(f"gptrain: error: {err}", file=sys.stderr)
-        return 1
+        return TrainResult.of(1, trainer)
     except signals.Interrupted as err:  # without --exit-signal-handler: one line, no traceback
         if is_logging_rank():
             where = f" at iteration {trainer.iteration}" if trainer is not None else ""
             saved = newest_complete(cfg.train.save or cfg.train.load) if cfg and (cfg.train.save or cfg.train.load) \
                 else "no checkpoint is written without --save"
             print(f"gptrain: stopped by {err.name}{where}; {saved}", file=sys.stderr)
-        return err.exit_code
+        return TrainResult.of(err.exit_code, trainer)
     except (ValueError, FileNotFoundError) as err:
         if is_logging_rank():
             print(f"gptrain: error: {err}", file=sys.stderr)
-        return 2
+        return TrainResult.of(2, trainer)
     finally:
         signals.uninstall()
         if torch.distributed.is_initialized() and torch.distributed.get_backend() != "fake":
             torch.distributed.destroy_process_group()  # a simulated world ends with its context
-    return 0
+    return TrainResult.of(0, trainer)

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from gptrain.interop.megatron import find_checkpoint, read_megatron_checkpoint
+from gptrain.interop.megatron import find_megatron_iteration_dir, read_megatron_checkpoint
 from gptrain.interop.safe_unpickle import InertGlobal, UnsafeCheckpointError, load_pickle_safely
 from gptrain.model.gpt import GPT, GPTConfig
 
@@ -355,7 +355,7 @@ def test_tracker_release_and_ckpt_step(tmp_path):
     ref = reference_state()
     files = legacy_rank_files(ref, 3.0, old_names=False, tp=1, pp=1)
     release = _layout_checkpoint(tmp_path / "rel", files, iteration="release")
-    assert find_checkpoint(tmp_path / "rel") == (release, "release")
+    assert find_megatron_iteration_dir(tmp_path / "rel") == (release, "release")
     ck = read_megatron_checkpoint(tmp_path / "rel")
     assert ck.iteration == "release" and ck.tp == 1 and ck.pp == 1
     assert torch.equal(ck.state["layers.1.mlp.fc2.weight"], ref["layers.1.mlp.fc2.weight"])
@@ -367,25 +367,25 @@ def test_tracker_release_and_ckpt_step(tmp_path):
         "word_embeddings": {"weight": torch.zeros_like(ref["word_embeddings.weight"])},
         "position_embeddings": {"weight": ref["position_embeddings.weight"]}}
     it20 = _layout_checkpoint(root, later, iteration=20)
-    assert find_checkpoint(root) == (it20, 20)  # the tracker says 20
-    assert find_checkpoint(root, 10) == (root / "iter_0000010", 10)  # --ckpt-step 10
-    assert find_checkpoint(root, "10") == (root / "iter_0000010", 10)
-    assert find_checkpoint(it20) == (it20, 20)  # an iteration folder itself
+    assert find_megatron_iteration_dir(root) == (it20, 20)  # the tracker says 20
+    assert find_megatron_iteration_dir(root, 10) == (root / "iter_0000010", 10)  # --ckpt-step 10
+    assert find_megatron_iteration_dir(root, "10") == (root / "iter_0000010", 10)
+    assert find_megatron_iteration_dir(it20) == (it20, 20)  # an iteration folder itself
     assert torch.equal(read_megatron_checkpoint(root, 10).state["word_embeddings.weight"],
                        ref["word_embeddings.weight"])
     assert read_megatron_checkpoint(root).state["word_embeddings.weight"].abs().sum() == 0
     with pytest.raises(FileNotFoundError, match=r"iter_0000015.*available: iter_0000010, iter_0000020"):
-        find_checkpoint(root, 15)
+        find_megatron_iteration_dir(root, 15)
     (root / "latest_checkpointed_iteration.txt").unlink()
-    assert find_checkpoint(root) == (it20, 20)  # no tracker: the latest iteration folder
+    assert find_megatron_iteration_dir(root) == (it20, 20)  # no tracker: the latest iteration folder
     (root / "latest_checkpointed_iteration.txt").write_text("soon\n")
     with pytest.raises(ValueError, match="latest_checkpointed_iteration.txt: expected an iteration number"):
-        find_checkpoint(root)
+        find_megatron_iteration_dir(root)
     with pytest.raises(FileNotFoundError, match="no such checkpoint directory"):
-        find_checkpoint(tmp_path / "nowhere")
+        find_megatron_iteration_dir(tmp_path / "nowhere")
     (tmp_path / "empty").mkdir()
     with pytest.raises(FileNotFoundError, match="not a Megatron checkpoint"):
-        find_checkpoint(tmp_path / "empty")
+        find_megatron_iteration_dir(tmp_path / "empty")
 
 
 def test_missing_rank_file_is_named(tmp_path):

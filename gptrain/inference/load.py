@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from gptrain.checkpoint_kind import checkpoint_kind
 from gptrain.model.gpt import GPT, GPTConfig
 from gptrain.tokenizer import GPT2Tokenizer
 
@@ -37,29 +38,24 @@ def load_for_inference(path: str | Path, device: torch.device | str = "cpu", dty
     """The model in eval mode on ``device`` in ``dtype``; with ``tp_mesh`` (a 1-D DeviceMesh over the
     tensor-parallel ranks) this rank's shard of it."""
     path = Path(path)
-    if not path.exists():
-        raise FileNotFoundError(f"{path}: no such checkpoint")
+    kind = checkpoint_kind(path)  # NoCheckpoint (a FileNotFoundError) where there is none
     tokenizer = GPT2Tokenizer(vocab_file, merge_file) if vocab_file or merge_file else None
     full, root = None, None  # the whole model (read on the CPU), or a gptrain checkpoint to read into shards
-    if (path / "config.json").is_file():
+    if kind == "huggingface":
         full = _load_hf(path)
-        cfg, kind = full.cfg, "huggingface"
+        cfg = full.cfg
+    elif kind == "megatron":
+        from gptrain.interop.megatron import read_megatron_checkpoint
+
+        ckpt = read_megatron_checkpoint(path)
+        cfg = _inference_config(ckpt.gpt_config(tokenizer.vocab_size if tokenizer else None))
+        full = GPT(cfg)
+        full.load_state_dict({k: v.float() for k, v in ckpt.model_state_dict().items()}, strict=True)
     else:
-        from gptrain.train.megatron_load import is_megatron_checkpoint
-
-        if is_megatron_checkpoint(path):
-            from gptrain.interop.megatron import read_megatron_checkpoint
-
-            ckpt = read_megatron_checkpoint(path)
-            cfg = _inference_config(ckpt.gpt_config(tokenizer.vocab_size if tokenizer else None))
-            full = GPT(cfg)
-            full.load_state_dict({k: v.float() for k, v in ckpt.model_state_dict().items()}, strict=True)
-            kind = "megatron"
-        else:
-            cfg, data = _gptrain_config(path)
-            root, kind = path, "gptrain"
-            if tokenizer is None and data.get("vocab_file"):
-                tokenizer = GPT2Tokenizer(data["vocab_file"], data.get("merge_file"))
+        cfg, data = _gptrain_config(path)
+        root = path
+        if tokenizer is None and data.get("vocab_file"):
+            tokenizer = GPT2Tokenizer(data["vocab_file"], data.get("merge_file"))
     tokenizer = tokenizer or GPT2Tokenizer()
     if tokenizer.vocab_size != cfg.vocab_size:
         raise ValueError(f"{path}: the model's vocabulary has {cfg.vocab_size} tokens, the tokenizer "
@@ -125,10 +121,7 @@ def _gptrain_config(root: Path) -> tuple[GPTConfig, dict]:
     """The architecture and data settings of the run that wrote a gptrain checkpoint."""
     from gptrain.train.checkpoint import iteration_dir, read_tracker
 
-    iteration = read_tracker(root)
-    if iteration is None:
-        raise FileNotFoundError(f"{root}: neither a gptrain/Megatron checkpoint (no latest_checkpointed_iteration.txt) "
-                                "nor a Hugging Face folder (no config.json)")
+    iteration = read_tracker(root)  # checkpoint_kind found the tracker
     state_file = iteration_dir(root, iteration) / "state.json"
     if not state_file.is_file():
         raise FileNotFoundError(f"{state_file}: missing (not a gptrain checkpoint)")

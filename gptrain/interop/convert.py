@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from gptrain.checkpoint_kind import checkpoint_kind
 from gptrain.interop.hf import HF_WEIGHTS, hf_config_dict, load_hf_folder, to_hf_state_dict
 from gptrain.model.gpt import GPT, GPTConfig
 from gptrain.tokenizer import GPT2Tokenizer
@@ -68,10 +69,10 @@ def _publish(tmp: Path, out: Path) -> None:
 # ---- gptrain checkpoints
 def read_gptrain(root) -> tuple[GPT, dict]:
     """A plain fp32 GPT from a gptrain checkpoint folder (any layout it was saved at), and its state."""
-    from gptrain.train.checkpoint import find_checkpoint, load_checkpoint
+    from gptrain.train.checkpoint import find_gptrain_iteration_dir, load_checkpoint
 
     root = Path(root)
-    path = find_checkpoint(root)
+    path = find_gptrain_iteration_dir(root)
     if path is None:
         raise FileNotFoundError(f"{root}: no gptrain checkpoint (no latest_checkpointed_iteration.txt)")
     state = json.loads((path / "state.json").read_text())
@@ -238,7 +239,13 @@ def convert_main(argv: list[str]) -> int:
     p.add_argument("output")
     args = p.parse_args(argv)
     run = to_hf if args.to else from_hf if args.source == "hf" else from_megatron
+    expected = "gptrain" if args.to else {"hf": "huggingface", "megatron": "megatron"}[args.source]
     try:
+        # None, or a tracker without mp_rank_* folders read as Megatron's: the reader says what is missing
+        kind = checkpoint_kind(args.input, none_ok=True)
+        if kind not in (None, expected) and not (kind == "gptrain" and expected == "megatron"):
+            way = "--to hf" if kind == "gptrain" else f"--from {'hf' if kind == 'huggingface' else kind}"
+            raise ValueError(f"{args.input} is a {kind} checkpoint, not a {expected} one (convert it with {way})")
         run(args.input, args.output, log=lambda s: print(s, flush=True))
     except (ValueError, OSError) as err:
         print(f"gptrain: error: {err}", file=sys.stderr)

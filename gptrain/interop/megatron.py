@@ -20,13 +20,13 @@ from pathlib import Path
 
 import torch
 
+from gptrain.checkpoint_kind import TRACKER as TRACKER_FILENAME  # the one name, Megatron's
 from gptrain.interop.megatron_keys import flatten, layout_of, legacy_qkv_to_per_head, map_key, merge_shards
 from gptrain.interop.safe_unpickle import load_pickle_lazily
 
-TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
 CHECKPOINT_FILENAME = "model_optim_rng.pt"
 
-__all__ = ["MegatronCheckpoint", "find_checkpoint", "read_megatron_checkpoint"]
+__all__ = ["MegatronCheckpoint", "find_megatron_iteration_dir", "read_megatron_checkpoint"]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -60,7 +60,7 @@ def _normalize_iteration(iteration, where) -> int | str:
     raise ValueError(f"{where}: iteration must be a number or 'release', got {iteration!r}")
 
 
-def find_checkpoint(root, iteration: int | str | None = None) -> tuple[Path, int | str]:
+def find_megatron_iteration_dir(root, iteration: int | str | None = None) -> tuple[Path, int | str]:
     """The folder holding one iteration's ``mp_rank_*`` folders, and that iteration.
 
     ``root`` is what Megatron's ``--load`` names: the iteration comes from ``iteration`` (like
@@ -213,7 +213,7 @@ def read_megatron_checkpoint(root, iteration=None, *, overrides: dict | None = N
     least ``num_attention_heads`` for a legacy QKV reorder; tensor/pipeline sizes are otherwise
     taken from the ``mp_rank_*`` folders).
     """
-    folder, it = find_checkpoint(root, iteration)
+    folder, it = find_megatron_iteration_dir(root, iteration)
     entries = [p.name for p in folder.iterdir() if p.is_dir()]
     if not any(n.startswith("mp_rank_") for n in entries):
         if any(n.endswith(".distcp") for n in entries + [p.name for p in folder.iterdir()]) or \

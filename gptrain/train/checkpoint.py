@@ -42,13 +42,13 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.tensor import DTensor
 
+from gptrain.checkpoint_kind import TRACKER
 from gptrain.parallel.shards import copy_full_into
 from gptrain.parallel.collectives import barrier, distributed
 from gptrain.train.durable import crash_point, fsync_file, fsync_tree, replace_durable, write_durable
 from gptrain.train.signals import deferred_signals
 from gptrain.train.safe_dcp import load_safely, read_metadata_safely
 
-TRACKER = "latest_checkpointed_iteration.txt"
 FORMAT = "gptrain-checkpoint/2"
 UNPADDED = "word_embeddings.weight"  # stored without the vocabulary padding
 # one process without a process group is a normal run here; --async-save's writer thread would
@@ -388,7 +388,7 @@ def _publish(pending: PendingSave) -> None:
         shutil.rmtree(aside)
 
 
-def find_checkpoint(root: str | os.PathLike, log=None) -> Path | None:
+def find_gptrain_iteration_dir(root: str | os.PathLike, log=None) -> Path | None:
     """The folder to load: the tracker's, or, if that one is missing or incomplete, the newest
     complete one (said loudly). None without a tracker."""
     root = Path(root)
@@ -417,7 +417,7 @@ def load_checkpoint(root: str | os.PathLike, params: dict[str, torch.Tensor],
                     log=None, layout=None) -> dict | None:
     """Restore into ``params`` (as for saving) and ``optimizer``; return the saved state dict, or
     None if there is no checkpoint."""
-    path = find_checkpoint(root, log)
+    path = find_gptrain_iteration_dir(root, log)
     if path is None:
         return None
     stored = read_metadata_safely(path).state_dict_metadata

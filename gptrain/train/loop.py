@@ -26,7 +26,8 @@ from gptrain.train import metrics
 from gptrain.train.build import TrainingParts
 from gptrain.train import signals
 from gptrain.train.checkpoint import Checkpointer, iteration_dir, load_checkpoint, recover
-from gptrain.train.megatron_load import is_hf_folder, is_megatron_checkpoint, load_hf, load_megatron
+from gptrain.checkpoint_kind import checkpoint_kind
+from gptrain.train.megatron_load import load_hf, load_megatron
 from gptrain.train.precision import LossScaler
 from gptrain.train.schedule import LRSchedule
 
@@ -207,15 +208,15 @@ class Trainer:
 
     def load(self) -> None:
         t = self.cfg.train
-        for root in dict.fromkeys(r for r in (t.save, t.load) if r and not is_megatron_checkpoint(r)
-                                  and not is_hf_folder(r)):
+        kinds = {r: checkpoint_kind(r, none_ok=True) for r in (t.save, t.load) if r}  # None: none there yet
+        for root in (r for r, kind in kinds.items() if kind in ("gptrain", None)):
             recover(root, self.log)  # put back what a killed save moved aside, drop its temporary files
         if not t.load:
             return
-        if is_megatron_checkpoint(t.load):
+        if kinds[t.load] == "megatron":
             self._load_megatron()
             return
-        if is_hf_folder(t.load):  # a Hugging Face GPT-2 folder: weights only
+        if kinds[t.load] == "huggingface":  # a Hugging Face GPT-2 folder: weights only
             load_hf(t.load, self.opt_params, self.cfg, self.parts.layout)
             if self.main is not None:
                 self.main.copy_to_model()

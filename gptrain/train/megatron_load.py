@@ -12,25 +12,13 @@ import torch
 
 from gptrain.config import RunConfig
 from gptrain.parallel.shards import copy_full_into
-from gptrain.train.checkpoint import TRACKER, iteration_dir, read_tracker
+from gptrain.train.checkpoint import TRACKER
 
 # Megatron's args -> (gptrain's config attribute, the flag a user writes)
 _ARCHITECTURE = {"num_layers": ("num_layers", "--num-layers"), "hidden_size": ("hidden_size", "--hidden-size"),
                  "num_attention_heads": ("num_attention_heads", "--num-attention-heads"),
                  "ffn_hidden_size": ("ffn_hidden_size", "--ffn-hidden-size"),
                  "max_position_embeddings": ("max_position_embeddings", "--max-position-embeddings")}
-
-
-def is_megatron_checkpoint(root) -> bool:
-    """A tracker naming a folder of ``mp_rank_*`` subfolders (gptrain's own folders hold DCP files)."""
-    try:
-        iteration = read_tracker(root)
-    except ValueError:
-        return False
-    if iteration is None:
-        return False
-    folder = iteration_dir(root, iteration)
-    return folder.is_dir() and any(p.name.startswith("mp_rank_") for p in folder.iterdir())
 
 
 def check_architecture(args: dict, cfg: RunConfig, where: str) -> None:
@@ -80,11 +68,6 @@ def load_megatron(root, params: dict[str, torch.Tensor], cfg: RunConfig, layout=
     return {"iteration": ckpt.iteration, "consumed_train_samples": int(args.get("consumed_train_samples") or 0),
             "consumed_valid_samples": int(args.get("consumed_valid_samples") or 0),
             "layout": f"TP{ckpt.tp} x PP{ckpt.pp}, {ckpt.layout} layout"}
-
-
-def is_hf_folder(root) -> bool:
-    """A Hugging Face model folder (``config.json`` beside the weights) rather than a checkpoint."""
-    return (Path(root) / "config.json").is_file() and not (Path(root) / TRACKER).is_file()
 
 
 @torch.no_grad()

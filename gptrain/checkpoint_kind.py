@@ -1,0 +1,59 @@
+"""Which kind of checkpoint a folder holds: the one decision that training's ``--load``, inference
+(generate, serve, evaluate) and ``gptrain convert`` make.
+
+- ``"megatron"``: Megatron-LM's tracker naming an iteration folder of ``mp_rank_*`` subfolders
+  (interop/megatron.py reads it; train/megatron_load.py loads it into a run);
+- ``"huggingface"``: a Hugging Face GPT-2 folder, ``config.json`` beside the weights and no tracker
+  (interop/hf.py);
+- ``"gptrain"``: gptrain's own tracker naming a DCP iteration folder (train/checkpoint.py).
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+TRACKER = "latest_checkpointed_iteration.txt"  # Megatron's name, which gptrain's checkpoints use too
+KINDS = ("gptrain", "megatron", "huggingface")
+
+
+class NoCheckpoint(FileNotFoundError):
+    """The path holds no checkpoint of any kind gptrain reads."""
+
+
+def _tracked_folder(root: Path) -> Path | None:
+    """The iteration folder the tracker names (None without a readable tracker)."""
+    tracker = root / TRACKER
+    if not tracker.is_file():
+        return None
+    text = tracker.read_text().strip()
+    if text == "release":
+        return root / "release"
+    try:
+        return root / f"iter_{int(text):07d}"
+    except ValueError:
+        return None  # not Megatron's; gptrain's reader names the bad tracker
+
+
+def _is_megatron(root: Path) -> bool:
+    folder = _tracked_folder(root)
+    return folder is not None and folder.is_dir() and any(p.name.startswith("mp_rank_") for p in folder.iterdir())
+
+
+def checkpoint_kind(path: str | os.PathLike, none_ok: bool = False) -> str | None:
+    """``"gptrain"``, ``"megatron"`` or ``"huggingface"``; a path holding none of them raises
+    NoCheckpoint saying what is missing, or with ``none_ok`` (training's --load and --save folders,
+    which may not exist yet) gives None."""
+    root = Path(path)
+    tracked = (root / TRACKER).is_file()
+    if _is_megatron(root):
+        return "megatron"
+    if (root / "config.json").is_file() and not tracked:
+        return "huggingface"
+    if tracked:
+        return "gptrain"
+    if none_ok:
+        return None
+    if not root.exists():
+        raise NoCheckpoint(f"{root}: no such checkpoint")
+    raise NoCheckpoint(f"{root}: neither a gptrain/Megatron checkpoint (no {TRACKER}) "
+                       "nor a Hugging Face folder (no config.json)")

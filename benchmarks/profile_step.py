@@ -5,6 +5,7 @@ DTensor dispatches and compiled-region calls per step. Under torchrun rank 0 pri
 
     python benchmarks/profile_step.py --micro-batch-size 16 --bf16 --compile [model flags]
     torchrun --nproc-per-node 2 benchmarks/profile_step.py ... --tensor-model-parallel-size 2
+    python benchmarks/profile_step.py ... --tensor-model-parallel-size 2 --simulate-world-size 2  # one rank alone
 """
 import os
 import sys
@@ -15,6 +16,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from gptrain.bench import synthetic_trainer
+from gptrain.parallel import simulate
 
 M345 = ("--num-layers 24 --hidden-size 1024 --num-attention-heads 16 --seq-length 1024 "
         "--max-position-embeddings 1024 --hidden-dropout 0 --attention-dropout 0").split()
@@ -118,4 +120,6 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    world, rank, rest = simulate.split_flags(sys.argv[1:])
+    with simulate.simulated_world(world, rank):
+        main(rest)

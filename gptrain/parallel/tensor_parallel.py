@@ -296,41 +296,46 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     """Megatron's vocabulary-parallel cross-entropy of ``h @ w.T`` where each rank holds the rows
     [rank x V/tp, (rank + 1) x V/tp) of w: max, sum of exponentials and the label's logit are
     all-reduced, never the logits. Returns each token's loss. Columns from ``vocab_size`` on
-    (padding) get no probability."""
+    (padding) get no probability. Only the logits in their own dtype are kept for the backward,
+    which recomputes the softmax: every pass over them is a reduction or an elementwise map that
+    the compiler fuses into one kernel."""
 
     @staticmethod
     def forward(ctx, h, w_local, labels, vocab_size: int, group: str, rank: int, tuned: bool):
         fwd, _, _ = _matmuls(tuned)
         width = w_local.shape[0]
         first = rank * width
-        logits = fwd(h, w_local, None).float()
-        column = torch.arange(first, first + width, device=h.device)
-        logits = logits.masked_fill(column >= vocab_size, float("-inf"))
-        row_max = _c10d.wait_tensor(_c10d.all_reduce(logits.max(dim=-1).values, "max", group))
-        exp = torch.exp(logits - row_max[:, None])
-        local = (labels >= first) & (labels < first + width)
+        logits = fwd(h, w_local, None)
         index = (labels - first).clamp(0, width - 1)
-        target = torch.where(local, logits.gather(1, index[:, None]).squeeze(1), torch.zeros_like(row_max))
-        # the two sums in one all-reduce
-        sums = _wait(_all_reduce(torch.stack([exp.sum(dim=-1), target]), group))
-        sum_exp, target = sums[0], sums[1]
-        losses = torch.log(sum_exp) + row_max - target
-        probs = exp / sum_exp[:, None]
-        ctx.save_for_backward(h, w_local, probs, index, local)
-        ctx.group, ctx.tuned = group, tuned
+        local = (labels >= first) & (labels < first + width)
+        masked = _masked(logits, first, vocab_size)
+        row_max = _wait(_c10d.all_reduce(masked.max(dim=-1).values, "max", group))
+        sum_exp = torch.exp(masked - row_max[:, None]).sum(dim=-1)
+        target = torch.where(local, masked.gather(1, index[:, None]).squeeze(1), torch.zeros_like(row_max))
+        sums = _wait(_all_reduce(torch.stack([sum_exp, target]), group))  # the two sums in one all-reduce
+        losses = torch.log(sums[0]) + row_max - sums[1]
+        ctx.save_for_backward(h, w_local, logits, row_max, sums[0], index, local)
+        ctx.group, ctx.tuned, ctx.first, ctx.vocab_size = group, tuned, first, vocab_size
         return losses
 
     @staticmethod
     def backward(ctx, grad_losses):
-        h, w_local, probs, index, local = ctx.saved_tensors
+        h, w_local, logits, row_max, sum_exp, index, local = ctx.saved_tensors
         _, dgrad, wgrad = _matmuls(ctx.tuned)
-        # minus the one-hot of each label this rank holds, as a scatter: boolean indexing's data-dependent
-        # shape (nonzero) breaks the compiled graph and makes the host wait for the GPU
-        grad = probs.scatter_add(1, index[:, None], -local.to(probs.dtype)[:, None])
-        grad = (grad * grad_losses[:, None]).to(h.dtype)
+        probs = torch.exp(_masked(logits, ctx.first, ctx.vocab_size) - row_max[:, None]) / sum_exp[:, None]
+        # minus the one-hot of each label this rank holds, elementwise (no scatter, no data-dependent shape)
+        column = torch.arange(logits.shape[1], device=logits.device)
+        onehot = ((column[None, :] == index[:, None]) & local[:, None]).to(probs.dtype)
+        grad = ((probs - onehot) * grad_losses[:, None]).to(h.dtype)
         pending = _all_reduce(dgrad(grad, w_local), ctx.group)  # h feeds every rank's share of the vocabulary
         grad_w = wgrad(grad, h)
         return _wait(pending), grad_w, None, None, None, None, None
+
+
+def _masked(logits: torch.Tensor, first: int, vocab_size: int) -> torch.Tensor:
+    """The logits in fp32 with the padding columns at -inf."""
+    column = torch.arange(first, first + logits.shape[1], device=logits.device)
+    return logits.float().masked_fill(column >= vocab_size, float("-inf"))
 
 
 class VocabParallelLMLoss(nn.Module):

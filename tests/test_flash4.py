@@ -62,10 +62,11 @@ def test_trainer_choice_and_flag():
             "--num-attention-heads", "4", "--seq-length", "16", "--micro-batch-size", "2", "--bf16",
             "--attention-dropout", "0"]
     cpu = torch.device("cpu")
-    for backend, expect in [("auto", "SDPA, PyTorch's pick (FlashAttention-4 not usable: cpu device"),
-                            ("fused", "SDPA (--attention-backend fused)")]:
+    for backend, impl, reason in [("auto", "SDPA, PyTorch's pick", "FlashAttention-4 not usable: cpu device"),
+                                  ("fused", "SDPA", "--attention-backend fused")]:
         cfg, _ = parse_megatron_args(base + ["--attention-backend", backend])
-        assert attention_choice(GPT(cfg.model), cfg.kernels, cpu, torch.bfloat16).startswith(expect)
+        choice = attention_choice(GPT(cfg.model), cfg.kernels, cpu, torch.bfloat16)
+        assert choice.impl == impl and choice.reason.startswith(reason), choice
     cfg, _ = parse_megatron_args(base + ["--attention-backend", "flash4"])
     with pytest.raises(ValueError, match="flash4 cannot run: cpu device"):  # asked for by name: no silent fallback
         attention_choice(GPT(cfg.model), cfg.kernels, cpu, torch.bfloat16)

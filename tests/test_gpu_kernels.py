@@ -231,7 +231,7 @@ def test_kernel_path_step_as_close_to_fp32_as_the_plain_bf16_step():
                         ("plain", ["--bf16"] + PLAIN), ("kernels", ["--bf16"] + KERNELS)):
         parts, trainer = _parts(extra)
         if name == "kernels":
-            assert trainer.linear_impl.startswith("cuBLASLt"), trainer.linear_impl
+            assert trainer.linear_impl.impl.startswith("cuBLASLt"), trainer.linear_impl
         data = MockGPTDataset("train", 64, 512, 50257, 7)
         batch = torch.from_numpy(__import__("numpy").stack([data[i] for i in range(32)])).to(CUDA)
         weights = {n: p.detach().float().clone() for n, p in parts.model.named_parameters()}

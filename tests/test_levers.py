@@ -6,6 +6,7 @@ import torch
 from gptrain.bench import bench_main
 from gptrain.config import parse_megatron_args
 from gptrain.data.gpt_dataset import MockGPTDataset
+from gptrain.kernels.convert import KernelChoice
 from gptrain.model import loss as loss_module
 from gptrain.model.gpt import GPT, GPTConfig
 from gptrain.model.loss import LMLoss
@@ -130,7 +131,8 @@ def test_bf16_main_params_track_autocast_and_fp32():
     _, autocast = _train_losses(FLAGS + ["--bf16", "--bf16-autocast"])
     assert trainer.main is not None and trainer.model.word_embeddings.weight.dtype == torch.bfloat16
     assert trainer.optimizer.param_groups[0]["params"][0].dtype == torch.float32
-    assert trainer.linear_impl.startswith("torch (auto: ")  # tiny micro-batches stay on torch's matmuls
+    # tiny micro-batches stay on torch's matmuls
+    assert trainer.linear_impl.impl == "torch" and trainer.linear_impl.reason.startswith("auto: ")
     assert fp32[-1] < fp32[0] - 2
     for a, b, c in zip(fp32, main, autocast):
         assert abs(a - b) < 0.005 * a and abs(a - c) < 0.005 * a
@@ -144,7 +146,7 @@ def test_fp8_converts_the_block_linears_and_trains():
 
     fp8 = [n for n, m in trainer.model.named_modules() if isinstance(m, Float8Linear)]
     assert trainer.fp8_layers == 8 and len(fp8) == 8 and all(n.startswith("layers.") for n in fp8)
-    assert trainer.linear_impl == "torch (fp8 layers do their own matmuls)"
+    assert trainer.linear_impl == KernelChoice("torch", "fp8 layers do their own matmuls")
     _, bf16 = _train_losses(FLAGS + ["--bf16"])
     assert all(abs(a - b) < 0.02 * b for a, b in zip(losses, bf16)) and losses[-1] < losses[0] - 2
     with pytest.raises(ValueError, match="needs --bf16"):

@@ -100,9 +100,9 @@ def test_flags():
 def test_auto_picks_torch_for_small_micro_batches():
     base = ["--mock-data", "--train-iters", "1", "--num-layers", "1", "--hidden-size", "32",
             "--num-attention-heads", "4", "--seq-length", "1024", "--bf16"]
-    for mbs, impl, expect in [(8, "auto", "torch (auto: 8192 tokens"), (16, "auto", "torch (cuBLASLt not usable: cpu"),
-                              (8, "cublaslt", "torch (cuBLASLt not usable: cpu"), (16, "torch", "torch (--linear-impl")]:
+    for mbs, impl, expect in [(8, "auto", "auto: 8192 tokens"), (16, "auto", "cuBLASLt not usable: cpu"),
+                              (8, "cublaslt", "cuBLASLt not usable: cpu"), (16, "torch", "--linear-impl torch")]:
         cfg, _ = parse_megatron_args(base + ["--micro-batch-size", str(mbs), "--linear-impl", impl])
         tokens = cfg.train.micro_batch_size * cfg.model.seq_length
         choice = linear_choice(GPT(cfg.model), None, cfg.kernels, torch.device("cpu"), torch.bfloat16, tokens, False)
-        assert choice.startswith(expect)
+        assert choice.impl == "torch" and choice.reason.startswith(expect), choice

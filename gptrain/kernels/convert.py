@@ -8,6 +8,8 @@ run is an error, not a silent fallback.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn as nn
 from torch.nn.attention import SDPBackend
@@ -33,6 +35,21 @@ SDPA_BACKENDS = {
 # ZeRO-3 adds FSDP2's per-block gathers on the host, so it needs larger micro-batches to hide them
 AUTO_CUBLASLT_MIN_TOKENS = 16384
 AUTO_CUBLASLT_MIN_TOKENS_ZERO3 = 32768
+
+
+@dataclass(frozen=True)
+class KernelChoice:
+    """What runs for one part of the model (linear layers, attention) and, where it is not the fast
+    path or was forced by a flag, why; ``str()`` is the run log's text, "impl (reason)"."""
+    impl: str  # "torch", "cuBLASLt, autotuned[, bias-GELU fused]", "SDPA", "SDPA, PyTorch's pick", ...
+    reason: str | None = None
+
+    def __str__(self) -> str:
+        return self.impl if self.reason is None else f"{self.impl} ({self.reason})"
+
+    def brief(self, verbose: bool) -> str:
+        """The log line's text without the reason, which --verbose keeps."""
+        return str(self) if verbose or self.reason is None else f"{self.impl} (--verbose: why)"
 
 
 class Flash4Attention(nn.Module):
@@ -82,38 +99,38 @@ def use_flash4(model: GPT, device: torch.device, dtype: torch.dtype, allow_refer
 
 def linear_choice(model: GPT, loss: LMLoss | None, kernels, device: torch.device, dtype: torch.dtype,
                   tokens_per_micro_batch: int, fp8: bool,
-                  min_tokens: int = AUTO_CUBLASLT_MIN_TOKENS) -> str:
+                  min_tokens: int = AUTO_CUBLASLT_MIN_TOKENS) -> KernelChoice:
     if kernels.linear_impl == "torch":
-        return "torch (--linear-impl torch)"
+        return KernelChoice("torch", "--linear-impl torch")
     if fp8:
-        return "torch (fp8 layers do their own matmuls)"
+        return KernelChoice("torch", "fp8 layers do their own matmuls")
     if kernels.linear_impl == "auto" and tokens_per_micro_batch < min_tokens:
-        return (f"torch (auto: {tokens_per_micro_batch} tokens per micro-batch; cuBLASLt's host cost shows "
-                f"below {min_tokens}{' under ZeRO-3' if min_tokens != AUTO_CUBLASLT_MIN_TOKENS else ''}, "
-                "--linear-impl cublaslt forces it)")
+        zero3 = " under ZeRO-3" if min_tokens != AUTO_CUBLASLT_MIN_TOKENS else ""
+        return KernelChoice("torch", f"auto: {tokens_per_micro_batch} tokens per micro-batch; cuBLASLt's host cost "
+                            f"shows below {min_tokens}{zero3}, --linear-impl cublaslt forces it")
     reason = use_cublaslt(model, loss, device, dtype, fuse_bias_gelu=kernels.bias_gelu_fusion)
     if reason is not None:
-        return f"torch (cuBLASLt not usable: {reason})"
-    return "cuBLASLt, autotuned" + (", bias-GELU fused" if kernels.bias_gelu_fusion else "")
+        return KernelChoice("torch", f"cuBLASLt not usable: {reason}")
+    return KernelChoice("cuBLASLt, autotuned" + (", bias-GELU fused" if kernels.bias_gelu_fusion else ""))
 
 
-def attention_choice(model: GPT, kernels, device: torch.device, dtype: torch.dtype) -> str:
+def attention_choice(model: GPT, kernels, device: torch.device, dtype: torch.dtype) -> KernelChoice:
     backend = kernels.attention_backend
     if backend not in ("auto", "flash4"):
         for block in model.layers.values():
             block.attn.core.backends = SDPA_BACKENDS[backend]
-        return f"SDPA (--attention-backend {backend})"
+        return KernelChoice("SDPA", f"--attention-backend {backend}")
     reason = use_flash4(model, device, dtype)
     if reason is None:
-        return "FlashAttention-4 on packed QKV"
+        return KernelChoice("FlashAttention-4 on packed QKV")
     if backend == "flash4":
         raise ValueError(f"--attention-backend flash4 cannot run: {reason}")
-    return f"SDPA, PyTorch's pick (FlashAttention-4 not usable: {reason})"
+    return KernelChoice("SDPA, PyTorch's pick", f"FlashAttention-4 not usable: {reason}")
 
 
 def apply_kernels(model: GPT, loss: LMLoss, kernels, device: torch.device, dtype: torch.dtype,
                   tokens_per_micro_batch: int, fp8: bool = False, compiled: bool = False,
-                  zero3: bool = False) -> dict[str, str]:
+                  zero3: bool = False) -> dict[str, KernelChoice]:
     """Install the kernels the config asks for where they can run; returns what runs, by part."""
     loss.compiled = compiled
     min_tokens = AUTO_CUBLASLT_MIN_TOKENS_ZERO3 if zero3 else AUTO_CUBLASLT_MIN_TOKENS

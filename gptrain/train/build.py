@@ -17,7 +17,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from gptrain.config import RunConfig
-from gptrain.kernels.convert import apply_kernels
+from gptrain.kernels.convert import KernelChoice, apply_kernels
 from gptrain.model.fp8 import convert_to_fp8
 from gptrain.model.gpt import GPT
 from gptrain.model.loss import LMLoss
@@ -51,7 +51,7 @@ class TrainingParts:
     optimizer: torch.optim.Optimizer
     dims: ParallelDims
     mesh: DeviceMesh | None
-    impls: dict[str, str]  # what runs, by part, for the log
+    impls: dict[str, KernelChoice | str]  # what runs, by part, for the log (kernels' choices typed)
     fp8_layers: int
     pipeline: Pipeline | None = None  # pipeline parallelism: the schedule runs forward and backward
     layout: ShardLayout = field(default_factory=ShardLayout)  # which parameter is split over tensor-parallel ranks

@@ -92,12 +92,6 @@ def dry_run(cfg: RunConfig, world: int, log) -> None:
     log(f" > parameters: {describe_sharding(dims)}")
 
 
-def _brief(impl: str, verbose: bool) -> str:
-    """A kernel choice ("choice (why)") without its reason, which --verbose keeps."""
-    choice, cut, _ = impl.partition(" (")
-    return impl if verbose or not cut else f"{choice} (--verbose: why)"
-
-
 def _cpu_precision_warning(cfg: RunConfig, device: torch.device) -> str | None:
     if device.type == "cpu" and cfg.precision.fp16:
         return ("WARNING: --fp16 on a CPU runs about 38x slower than fp32 (no fast fp16 matmuls there): "
@@ -162,8 +156,8 @@ def _train_main(argv: list[str], log=None) -> TrainResult:
         log(f" > parameters: {parts.impls['parameters']}")
         if parts.pipeline is not None:
             log(f" > pipeline: {parts.impls['pipeline']}")
-        log(f" > linear layers: {_brief(trainer.linear_impl, cfg.train.verbose)}")
-        log(f" > attention: {_brief(trainer.attention_impl, cfg.train.verbose)}")
+        log(f" > linear layers: {trainer.linear_impl.brief(cfg.train.verbose)}")
+        log(f" > attention: {trainer.attention_impl.brief(cfg.train.verbose)}")
         trainer.load()
         log("training ...")
         trainer.train()

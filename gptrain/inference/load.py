@@ -110,7 +110,7 @@ def _load_sharded(cfg: GPTConfig, mesh, device: torch.device, full: GPT | None, 
             for name, param in model.named_parameters():
                 source = whole[name]
                 if name == "word_embeddings.weight":  # re-padded for this tensor-parallel size
-                    padded = torch.zeros(param.shape, dtype=source.dtype)
+                    padded = torch.zeros((cfg.padded_vocab_size, source.shape[1]), dtype=source.dtype)
                     padded[: cfg.vocab_size] = source[: cfg.vocab_size]
                     source = padded
                 copy_full_into(param, source, layout.region(name, tuple(source.shape)))

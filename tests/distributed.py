@@ -12,7 +12,9 @@ import sys
 import torch
 import torch.multiprocessing as mp
 
-TINY = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 32 --max-position-embeddings 32 "
+from tiny import TINY_FLAGS
+
+TINY = TINY_FLAGS + ("--seq-length 32 --max-position-embeddings 32 "
         "--micro-batch-size 2 --global-batch-size 8 --lr 3e-3 --lr-decay-style cosine --lr-warmup-iters 1 "
         "--min-lr 1e-4 --weight-decay 0.01 --clip-grad 1.0 --log-interval 1 --seed 7 --mock-data --device cpu "
         "--attention-dropout 0 --hidden-dropout 0 --eval-iters 1 --eval-interval 1000").split()

@@ -2,12 +2,12 @@
 import pytest
 import torch
 
-from gptrain.model.gpt import GPT, GPTConfig
+from gptrain.model.gpt import GPT
+from tiny import tiny_config
 from gptrain.model.loss import LMLoss
 from gptrain.train.build import TrainModule
 
-TINY = GPTConfig(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16, vocab_size=100,
-                 attention_dropout=0.0, hidden_dropout=0.0)
+TINY = tiny_config(seq_length=16, vocab_size=100)
 
 
 def tiny_train_module(seed: int = 7) -> TrainModule:

@@ -14,12 +14,12 @@ from pathlib import Path
 
 import torch
 
-from gptrain.model.gpt import GPT, GPTConfig
+from gptrain.model.gpt import GPT
+from tiny import tiny_config
 
 
 def tiny_gpt(positions: int = 128, seed: int = 11, std: float = 0.2) -> GPT:
-    cfg = GPTConfig(num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_size=128, seq_length=positions,
-                    vocab_size=50257, hidden_dropout=0.0, attention_dropout=0.0, init_method_std=std)
+    cfg = tiny_config(ffn_hidden_size=128, seq_length=positions, vocab_size=50257, init_method_std=std)
     model = GPT(cfg)
     model.init_weights(seed)
     return model.eval()

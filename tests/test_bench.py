@@ -5,8 +5,9 @@ from __future__ import annotations
 import re
 
 from gptrain.bench import bench_main
+from tiny import TINY_FLAGS
 
-TINY = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 32 --micro-batch-size 2 "
+TINY = TINY_FLAGS + ("--seq-length 32 --micro-batch-size 2 "
         "--hidden-dropout 0 --attention-dropout 0 --device cpu").split()
 
 

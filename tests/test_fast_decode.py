@@ -10,13 +10,13 @@ import torch
 from gptrain.inference.fast import Decoder, bucket, decoder_for, graph_generate, length_bucket
 from gptrain.inference.generate import EolIds, SamplingParams, generate
 from gptrain.inference.rows import fused_generate
-from gptrain.model.gpt import GPT, GPTConfig
+from gptrain.model.gpt import GPT
+from tiny import tiny_config
 
 
 def tiny_model(seed: int = 0, std: float = 0.2, positions: int = 256) -> GPT:
     # a large init std makes the next-token distributions peaked (no near-ties between implementations)
-    cfg = GPTConfig(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=positions, vocab_size=300,
-                    init_method_std=std, hidden_dropout=0.0, attention_dropout=0.0, make_vocab_size_divisible_by=64)
+    cfg = tiny_config(seq_length=positions, vocab_size=300, init_method_std=std, make_vocab_size_divisible_by=64)
     model = GPT(cfg)
     model.init_weights(seed)
     return model.eval()

@@ -6,11 +6,13 @@ import re
 
 import pytest
 
+from tiny import TINY_FLAGS
+
 from gptrain.data.preprocess import PreprocessConfig, preprocess
 from gptrain.train import metrics
 from gptrain.train.run import train_main
 
-TINY = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 32 --max-position-embeddings 32 "
+TINY = TINY_FLAGS + ("--seq-length 32 --max-position-embeddings 32 "
         "--micro-batch-size 2 --train-iters 2 --log-interval 1 --eval-iters 1 --eval-interval 1000 "
         "--split 80,10,10 --device cpu --attention-dropout 0.1").split()
 

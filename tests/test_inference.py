@@ -10,14 +10,13 @@ import torch
 from gptrain.inference.generate import EolIds, SamplingParams, generate, greedy
 from gptrain.inference.kv_cache import KVCache, forward_cached, logits_of
 from gptrain.inference.sampling import filter_logits, gumbel_noise, sample
-from gptrain.model.gpt import GPT, GPTConfig
+from gptrain.model.gpt import GPT
+from tiny import tiny_config
 
 
 def tiny_model(seed: int = 0, std: float = 0.2, vocab: int = 300, positions: int = 64) -> GPT:
     # a large init std makes the random model's next-token distributions peaked (no near-ties)
-    cfg = GPTConfig(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=positions, vocab_size=vocab,
-                    init_method_std=std, hidden_dropout=0.0, attention_dropout=0.0,
-                    make_vocab_size_divisible_by=64)
+    cfg = tiny_config(seq_length=positions, vocab_size=vocab, init_method_std=std, make_vocab_size_divisible_by=64)
     model = GPT(cfg)
     model.init_weights(seed)
     return model.eval()

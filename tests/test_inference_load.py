@@ -10,15 +10,15 @@ import torch
 from gptrain.cli import main
 from gptrain.inference.load import load_for_inference
 from gptrain.model.gpt import GPT, GPTConfig
+from tiny import tiny_config
 from gptrain.tokenizer import GPT2Tokenizer
 
 transformers = pytest.importorskip("transformers")
 
 
 def tiny_cfg(**kw) -> GPTConfig:
-    return GPTConfig(num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_size=128, seq_length=16,
-                     max_position_embeddings=16, vocab_size=50257, hidden_dropout=0.0, attention_dropout=0.0,
-                     init_method_std=0.2, **kw)
+    return tiny_config(ffn_hidden_size=128, seq_length=16, max_position_embeddings=16, vocab_size=50257,
+                       init_method_std=0.2, **kw)
 
 
 @pytest.fixture(scope="module")

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from conftest import random_text, write_jsonl
+from tiny import TINY_FLAGS
 from gptrain.config import OptimConfig, TrainConfig, parse_megatron_args
 from gptrain.data.preprocess import PreprocessConfig, preprocess
 from gptrain.train.checkpoint import read_tracker
@@ -19,7 +20,7 @@ SEED_000_FLAGS = """--num-layers 24 --hidden-size 1024 --num-attention-heads 16 
  --clip-grad 1.0 --fp16 --data-path PREFIX --vocab-file V --merge-file M --data-impl mmap --split 700,200,100
  --log-interval 100 --save-interval 10000 --eval-interval 1000 --eval-iters 10 --save CK --load CK""".split()
 
-TINY = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 32 --max-position-embeddings 32 "
+TINY = TINY_FLAGS + ("--seq-length 32 --max-position-embeddings 32 "
         "--micro-batch-size 2 --global-batch-size 4 --lr 3e-3 --lr-decay-style cosine --lr-warmup-iters 2 "
         "--min-lr 1e-4 --weight-decay 0.01 --clip-grad 1.0 --split 90,8,2 --log-interval 1 --seed 7").split()
 

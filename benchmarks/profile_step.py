@@ -99,6 +99,10 @@ def main(argv):
         print(f"host per step: {key}: {matches / steps:.1f}")
     if cuda:
         timeline(prof, steps)
+        print("top host operations (self CPU time per step):")
+        cpu = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CPU]
+        for e in sorted(cpu, key=lambda e: -e.self_cpu_time_total)[:25]:
+            print(f"{e.self_cpu_time_total / steps / 1000:8.2f} ms/step {e.count // steps:5d}x  {e.key[:110]}")
     kind = torch.autograd.DeviceType.CUDA if cuda else torch.autograd.DeviceType.CPU
     events = [e for e in prof.key_averages() if e.device_type == kind]
     if not cuda:  # on the CPU the "kernels" are operators; only a smoke check of the script

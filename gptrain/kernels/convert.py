@@ -99,15 +99,18 @@ def use_flash4(model: GPT, device: torch.device, dtype: torch.dtype, allow_refer
 
 def linear_choice(model: GPT, loss: LMLoss | None, kernels, device: torch.device, dtype: torch.dtype,
                   tokens_per_micro_batch: int, fp8: bool,
-                  min_tokens: int = AUTO_CUBLASLT_MIN_TOKENS) -> KernelChoice:
+                  min_tokens: int = AUTO_CUBLASLT_MIN_TOKENS, tensor_parallel: int = 1) -> KernelChoice:
     if kernels.linear_impl == "torch":
         return KernelChoice("torch", "--linear-impl torch")
     if fp8:
         return KernelChoice("torch", "fp8 layers do their own matmuls")
-    if kernels.linear_impl == "auto" and tokens_per_micro_batch < min_tokens:
+    # a tensor-parallel rank's matmuls do 1/tp of the work for the same host cost per call
+    work = tokens_per_micro_batch // tensor_parallel
+    if kernels.linear_impl == "auto" and work < min_tokens:
         zero3 = " under ZeRO-3" if min_tokens != AUTO_CUBLASLT_MIN_TOKENS else ""
-        return KernelChoice("torch", f"auto: {tokens_per_micro_batch} tokens per micro-batch; cuBLASLt's host cost "
-                            f"shows below {min_tokens}{zero3}, --linear-impl cublaslt forces it")
+        per_rank = f" / tensor-parallel size {tensor_parallel}" if tensor_parallel > 1 else ""
+        return KernelChoice("torch", f"auto: {tokens_per_micro_batch} tokens per micro-batch{per_rank}; cuBLASLt's "
+                            f"host cost shows below {min_tokens}{zero3}, --linear-impl cublaslt forces it")
     reason = use_cublaslt(model, loss, device, dtype, fuse_bias_gelu=kernels.bias_gelu_fusion)
     if reason is not None:
         return KernelChoice("torch", f"cuBLASLt not usable: {reason}")
@@ -130,10 +133,10 @@ def attention_choice(model: GPT, kernels, device: torch.device, dtype: torch.dty
 
 def apply_kernels(model: GPT, loss: LMLoss, kernels, device: torch.device, dtype: torch.dtype,
                   tokens_per_micro_batch: int, fp8: bool = False, compiled: bool = False,
-                  zero3: bool = False) -> dict[str, KernelChoice]:
+                  zero3: bool = False, tensor_parallel: int = 1) -> dict[str, KernelChoice]:
     """Install the kernels the config asks for where they can run; returns what runs, by part."""
     loss.compiled = compiled
     min_tokens = AUTO_CUBLASLT_MIN_TOKENS_ZERO3 if zero3 else AUTO_CUBLASLT_MIN_TOKENS
     return {"linear layers": linear_choice(model, loss, kernels, device, dtype, tokens_per_micro_batch, fp8,
-                                           min_tokens=min_tokens),
+                                           min_tokens=min_tokens, tensor_parallel=tensor_parallel),
             "attention": attention_choice(model, kernels, device, dtype)}

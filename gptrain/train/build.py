@@ -120,7 +120,8 @@ def build_training(cfg: RunConfig, device: torch.device, dims: ParallelDims, mes
     fp8_layers = convert_to_fp8(model, p.fp8, p.fp8_recipe, emulate=device.type != "cuda") if p.fp8 else 0
     impls = apply_kernels(model, loss, cfg.kernels, device, param_dtype or torch.float32,
                           cfg.train.micro_batch_size * cfg.model.seq_length, fp8=bool(p.fp8),
-                          compiled=cfg.train.compile, zero3=dims.sharded and dims.zero_stage == 3)
+                          compiled=cfg.train.compile, zero3=dims.sharded and dims.zero_stage == 3,
+                          tensor_parallel=dims.tp)
     forward, layout = parallelize(train_module, model, dims, mesh, cfg.kernels.recompute, param_dtype,
                           cfg.train.compile, cfg.train.compile_mode, cfg.parallel.sequence_parallel, chunks)
     impls["parameters"] = describe_sharding(dims)

@@ -35,8 +35,9 @@ def one_process(tmp_path_factory):
     return losses(out), _weights(path, TINY)
 
 
-@pytest.mark.parametrize("flags", [[], ["--use-distributed-optimizer"], ["--zero-stage", "2"], ["--zero-stage", "3"]],
-                         ids=["dp2", "zero1", "zero2", "zero3"])
+@pytest.mark.parametrize("flags", [[], ["--overlap-grad-reduce", "--ddp-bucket-size", "20000"],
+                                   ["--use-distributed-optimizer"], ["--zero-stage", "2"], ["--zero-stage", "3"]],
+                         ids=["dp2", "dp2-overlap", "zero1", "zero2", "zero3"])
 @pytest.mark.slow
 def test_data_parallel_and_zero_equal_one_process(flags, one_process, tmp_path):
     ref_losses, ref_weights = one_process
@@ -222,3 +223,37 @@ def test_fp16_checkpoint_before_the_first_update_resumes(tmp_path):
     out = single(flags + ["--load", str(tmp_path), "--save", str(tmp_path)])
     assert "successfully loaded checkpoint" in out and sorted(losses(out)) in ([], [3])
     assert "number of skipped iterations:   1" in next(l for l in out.splitlines() if l.startswith(" iteration"))
+
+
+@pytest.mark.slow
+def test_overlapped_reduction_equals_the_reduction_after_the_backward_in_bf16():
+    """bf16 parameters, fp32 main gradients: reducing bucket by bucket during the last micro-batch's
+    backward gives the same numbers as one all-reduce after it."""
+    flags = TINY + ["--train-iters", "3", "--bf16"]
+    plain = losses(torchrun(2, flags))
+    overlapped = torchrun(2, flags + ["--overlap-grad-reduce", "--ddp-bucket-size", "20000", "--verbose"])
+    assert losses(overlapped) == plain
+    assert "overlapped with the backward in buckets of 20,000 elements" in overlapped
+
+
+def test_buckets_launch_as_their_gradients_arrive():
+    from gptrain.parallel import simulate
+    from gptrain.parallel.grad_buckets import GradBuckets
+
+    flat = torch.ones(100)
+    views = [flat[0:30], flat[30:60], flat[60:90], flat[90:100]]
+    with simulate.simulated_world(2, 0):  # collectives return at once
+        buckets = GradBuckets(flat, views, torch.distributed.group.WORLD, 2, bucket_size=60)
+        # from the end of the buffer (the backward's first gradients): [60, 100) then [0, 60)
+        assert buckets.spans == [(60, 100), (0, 60)]
+        buckets.arm(False)
+        buckets.arrived(3)
+        assert buckets._pending == []  # not the step's last micro-batch: nothing reduced
+        buckets.arm(True)
+        buckets.arrived(3)
+        assert buckets._pending == []
+        buckets.arrived(2)  # the last bucket is complete: averaged and launched at once
+        assert len(buckets._pending) == 1 and torch.all(flat[60:] == 0.5) and torch.all(flat[:60] == 1)
+        buckets.arrived(1)
+        buckets.wait()  # a bucket whose gradients did not all arrive is launched by wait()
+        assert torch.all(flat == 0.5) and buckets._pending == []

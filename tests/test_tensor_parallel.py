@@ -34,8 +34,9 @@ def one_process(tmp_path_factory):
 @pytest.mark.slow
 @pytest.mark.parametrize("nproc, tp, flags", [
     (2, 2, []), (2, 2, ["--sequence-parallel"]), (4, 2, []), (4, 2, ["--zero-stage", "3"]), (4, 4, []),
-    (4, 2, ["--pipeline-model-parallel-size", "2", "--sequence-parallel"])],
-    ids=["tp2", "tp2+sp", "tp2xdp2", "tp2xzero3", "tp4", "tp2xpp2+sp"])
+    (4, 2, ["--pipeline-model-parallel-size", "2", "--sequence-parallel"]),
+    (4, 2, ["--sequence-parallel", "--overlap-grad-reduce", "--ddp-bucket-size", "5000"])],
+    ids=["tp2", "tp2+sp", "tp2xdp2", "tp2xzero3", "tp4", "tp2xpp2+sp", "tp2+spxdp2-overlap"])
 def test_tensor_parallel_equals_one_process(nproc, tp, flags, one_process, tmp_path):
     out = torchrun(nproc, TINY + STEPS + ["--tensor-model-parallel-size", str(tp), "--save", str(tmp_path),
                                           "--verbose"] + flags)

@@ -67,10 +67,12 @@ def apply_fsdp(roots: list[nn.Module], model: GPT, mesh: DeviceMesh, dims: Paral
 def parallelize(train_module: nn.Module, model: GPT, dims: ParallelDims, mesh: DeviceMesh | None,
                 recompute: str | None, param_dtype: torch.dtype | None, compile_model: bool,
                 compile_mode: str | None, sequence_parallel: bool = False,
-                pipeline_chunks: list[nn.Module] | None = None):
+                pipeline_chunks: list[nn.Module] | None = None, per_block: bool = False):
     """Transform in place; returns the callable the trainer runs forward through:
     ``(tokens, labels, loss_mask) -> loss`` (None with pipeline parallelism: the schedule runs the
-    ``pipeline_chunks``) and the tensor-parallel ``ShardLayout`` (empty without tensor parallelism)."""
+    ``pipeline_chunks``) and the tensor-parallel ``ShardLayout`` (empty without tensor parallelism).
+    ``per_block``: compile block by block even on one device or whole replicas, so gradients reach
+    their hooks as each block's backward ends (overlapped data-parallel reduction)."""
     from gptrain.parallel.tensor_parallel import ShardLayout, VocabParallelLMLoss, apply_tensor_parallel
 
     apply_recompute(model, recompute)
@@ -80,11 +82,12 @@ def parallelize(train_module: nn.Module, model: GPT, dims: ParallelDims, mesh: D
         loss = train_module.loss
         train_module.loss = VocabParallelLMLoss(loss.vocab_size, layout.tp, tuned=loss.tuned)
     return _compile_and_shard(train_module, model, dims, mesh, param_dtype, compile_model, compile_mode,
-                              pipeline_chunks), layout
+                              pipeline_chunks, per_block), layout
 
 
-def _compile_and_shard(train_module, model, dims, mesh, param_dtype, compile_model, compile_mode, pipeline_chunks):
-    if not dims.sharded and not pipeline_chunks:
+def _compile_and_shard(train_module, model, dims, mesh, param_dtype, compile_model, compile_mode, pipeline_chunks,
+                       per_block):
+    if not dims.sharded and not pipeline_chunks and not per_block:
         # one device or whole replicas: the whole step's forward compiles as one graph
         return torch.compile(train_module, mode=compile_mode) if compile_model else train_module
     if compile_model:

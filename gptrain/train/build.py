@@ -55,6 +55,7 @@ class TrainingParts:
     fp8_layers: int
     pipeline: Pipeline | None = None  # pipeline parallelism: the schedule runs forward and backward
     layout: ShardLayout = field(default_factory=ShardLayout)  # which parameter is split over tensor-parallel ranks
+    grad_buckets: object = None  # --overlap-grad-reduce: parallel/grad_buckets.GradBuckets
 
 
 def parallel_dims(cfg: RunConfig, world_size: int) -> ParallelDims:
@@ -123,7 +124,8 @@ def build_training(cfg: RunConfig, device: torch.device, dims: ParallelDims, mes
                           compiled=cfg.train.compile, zero3=dims.sharded and dims.zero_stage == 3,
                           tensor_parallel=dims.tp)
     forward, layout = parallelize(train_module, model, dims, mesh, cfg.kernels.recompute, param_dtype,
-                          cfg.train.compile, cfg.train.compile_mode, cfg.parallel.sequence_parallel, chunks)
+                                  cfg.train.compile, cfg.train.compile_mode, cfg.parallel.sequence_parallel, chunks,
+                                  per_block=overlap_grad_reduce(cfg, dims))
     impls["parameters"] = describe_sharding(dims)
     init_device = torch.device("cpu") if dims.cpu_offload else device
     train_module.to_empty(device=init_device)
@@ -137,6 +139,16 @@ def build_training(cfg: RunConfig, device: torch.device, dims: ParallelDims, mes
         if chunks:  # the schedule runs every micro-batch's backward: accumulate in fp32 as they come
             main.accumulate_on_backward()
     opt_params = main.named() if main else dict(model.named_parameters())
+    buckets = None
+    if overlap_grad_reduce(cfg, dims):
+        from gptrain.parallel.grad_buckets import overlap_reduction
+
+        buckets = overlap_reduction(list(opt_params.values()), main, mesh["dp"].get_group(), dims.dp,
+                                    cfg.parallel.ddp_bucket_size,
+                                    torch.bfloat16 if cfg.parallel.grad_reduce_in_bf16 else None)
+        impls["gradient reduction"] = (f"overlapped with the backward in buckets of "
+                                       f"{cfg.parallel.ddp_bucket_size or 40_000_000:,} elements "
+                                       f"({len(buckets.spans)} buckets), blocks compiled one by one")
     optimizer = build_optimizer(opt_params, cfg)
     # AdamW's state exists from the start (what fused AdamW would create at its first step), so a
     # checkpoint written before the first update (fp16's first steps are skipped) holds it all
@@ -151,7 +163,13 @@ def build_training(cfg: RunConfig, device: torch.device, dims: ParallelDims, mes
                             shapes)
         impls["pipeline"] = pipeline.describe()
     return TrainingParts(model, train_module, forward, main, opt_params, optimizer, dims, mesh, impls, fp8_layers,
-                         pipeline, layout)
+                         pipeline, layout, buckets)
+
+
+def overlap_grad_reduce(cfg: RunConfig, dims: ParallelDims) -> bool:
+    """--overlap-grad-reduce where gptrain does it: plain data parallelism without pipelines (ZeRO's
+    FSDP2 reduce-scatters during the backward anyway; a pipeline reduces after its schedule)."""
+    return cfg.parallel.overlap_grad_reduce and dims.replicated and dims.pp == 1
 
 
 def parameter_count(model: GPT) -> int:

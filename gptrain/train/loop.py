@@ -269,13 +269,16 @@ class Trainer:
             mask = self._loss_mask(tokens) if self.pipeline.last else None
             return self.pipeline.train_step(tokens, labels, mask, scale, self.device)
         loss_acc = torch.zeros((), device=self.device)
+        buckets = self.parts.grad_buckets
         for i in range(n_micro):
             self._before_micro_batch(last=i == n_micro - 1)
+            if buckets is not None:  # reduce during the last micro-batch's backward
+                buckets.arm(i == n_micro - 1)
             tokens, labels = loader.next()
             with self._autocast():
                 loss = self.forward(tokens, labels, self._loss_mask(tokens)) / n_micro
             (loss * scale if self.scaler else loss).backward()
-            if self.main is not None:
+            if self.main is not None and buckets is None:  # with buckets, hooks took each gradient
                 self.main.accumulate_grads()
             loss_acc += loss.detach().float()
         return loss_acc
@@ -300,7 +303,9 @@ class Trainer:
         layout.reduce_sequence_parallel_grads(self.opt_params)
         named = [(n, p.grad) for n, p in self.opt_params.items() if p.grad is not None]
         dims = self.parts.dims
-        if dims.replicated:  # plain data parallelism: average the whole gradients over the replicas
+        if self.parts.grad_buckets is not None:  # reduced during the backward: wait for the last buckets
+            self.parts.grad_buckets.wait()
+        elif dims.replicated:  # plain data parallelism: average the whole gradients over the replicas
             group = self.parts.mesh["dp"].get_group()
             if self.main is not None:
                 average_flat(self.main.grad_flat, group, dims.dp)
@@ -361,7 +366,8 @@ class Trainer:
 
     def _end_step(self, updated: bool) -> None:
         """Drop the gradients; with half-precision parameters, copy the updated main weights in."""
-        self.optimizer.zero_grad(set_to_none=True)
+        # overlapped reduction keeps fp32 gradients as views of its buffer: zeroed, not dropped
+        self.optimizer.zero_grad(set_to_none=self.parts.grad_buckets is None or self.main is not None)
         if self.main is not None:
             self.main.release_grads()
             if updated:

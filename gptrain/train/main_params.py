@@ -32,6 +32,8 @@ class MainParams:
         self.model_params = [params[n] for n in self.names]
         self.dtype = dtype
         self.grad_flat: torch.Tensor | None = None
+        self._keep = False  # keep_flat_grads: one buffer for the whole run
+        self._arrived = None
 
     def named(self) -> dict[str, torch.Tensor]:
         return dict(zip(self.names, self.main))
@@ -67,11 +69,21 @@ class MainParams:
         for p in self.model_params:
             p.grad = None
 
-    def accumulate_on_backward(self) -> None:
-        """For pipeline schedules, which run every micro-batch's backward inside one call: each
-        model gradient is added to its fp32 main gradient as soon as autograd has accumulated it."""
+    def accumulate_on_backward(self, arrived=None) -> None:
+        """For pipeline schedules, which run every micro-batch's backward inside one call, and for
+        overlapped data-parallel reduction: each model gradient is added to its fp32 main gradient
+        as soon as autograd has accumulated it, then ``arrived(i)`` is told (parallel/grad_buckets.py)."""
+        self._arrived = arrived
         for i, p in enumerate(self.model_params):
             p.register_post_accumulate_grad_hook(lambda p, i=i: self._take_grad(i, p))
+
+    def keep_flat_grads(self) -> list[torch.Tensor]:
+        """Allocate the flat fp32 gradient buffer now and keep it from step to step (zeroed after
+        each), so its views stay put for the reduction buckets; returns the views."""
+        views = self._attach_flat_grads()
+        self.grad_flat.zero_()
+        self._keep = True
+        return views
 
     @torch.no_grad()
     def _take_grad(self, i: int, p: torch.Tensor) -> None:
@@ -80,12 +92,17 @@ class MainParams:
             self.grad_flat.zero_()
         self.main[i].grad.add_(p.grad)
         p.grad = None
+        if self._arrived is not None:
+            self._arrived(i)
 
     def grad_norm(self) -> torch.Tensor:
         """This rank's gradient norm (the whole norm when no parameter is sharded)."""
         return torch.linalg.vector_norm(self.grad_flat)
 
     def release_grads(self) -> None:
+        if self._keep:
+            self.grad_flat.zero_()
+            return
         for m in self.main:
             m.grad = None
         self.grad_flat = None

@@ -1,0 +1,121 @@
+"""Overlapped data-parallel gradient reduction (Megatron's ``--overlap-grad-reduce``): the gradients
+live in one flat buffer cut into buckets of about ``--ddp-bucket-size`` elements, in the order the
+backward pass produces them (last layer first); during the step's last micro-batch each bucket is
+averaged over the data-parallel group (an asynchronous all-reduce) as soon as all its gradients
+have arrived, while the backward pass goes on with the layers before it. The step waits for the
+last ones before the gradient norm.
+
+Gradients arrive through post-accumulate-grad hooks, so the blocks are compiled one by one
+(parallel/parallelize.py): one graph for the whole model would hand autograd every gradient at its
+end, with nothing left to overlap.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+DEFAULT_BUCKET_SIZE = 40_000_000  # elements, Megatron's default
+
+
+class GradBuckets:
+    """``views[i]``: where gradient ``i`` accumulates (a view of ``flat``); ``arrived(i)`` is called
+    when it holds the micro-batch's contribution (in backward order, any order works)."""
+
+    def __init__(self, flat: torch.Tensor, views: list[torch.Tensor], group, size: int,
+                 bucket_size: int | None = None, reduce_dtype: torch.dtype | None = None):
+        self.flat, self.group, self.size = flat, group, size
+        self.reduce_dtype = reduce_dtype
+        limit = bucket_size or DEFAULT_BUCKET_SIZE
+        offsets = [v.data_ptr() - flat.data_ptr() for v in views]
+        # buckets over the flat buffer from its end (the last layers, whose gradients come first)
+        order = sorted(range(len(views)), key=lambda i: -offsets[i])
+        self.bucket_of: list[int] = [0] * len(views)
+        self.spans: list[tuple[int, int]] = []
+        self.members: list[int] = []
+        start = end = None
+        count = 0
+        itemsize = flat.element_size()
+        for i in order:
+            first = offsets[i] // itemsize
+            last = first + views[i].numel()
+            if end is None:
+                start, end, count = first, last, 0
+            elif end - first > limit:  # close the bucket before this gradient
+                self.spans.append((start, end))
+                self.members.append(count)
+                start, end, count = first, last, 0
+            start = min(start, first)
+            self.bucket_of[i] = len(self.spans)
+            count += 1
+        if end is not None:
+            self.spans.append((start, end))
+            self.members.append(count)
+        self.armed = False
+        self._arrived = [0] * len(self.spans)
+        self._pending: list[tuple] = []
+
+    def arm(self, last_micro_batch: bool) -> None:
+        """Reduce during this micro-batch's backward only if it is the step's last."""
+        self.armed = last_micro_batch
+
+    def arrived(self, i: int) -> None:
+        if not self.armed:
+            return
+        b = self.bucket_of[i]
+        self._arrived[b] += 1
+        if self._arrived[b] == self.members[b]:
+            self._launch(b)
+
+    def _launch(self, b: int) -> None:
+        start, end = self.spans[b]
+        part = self.flat[start:end]
+        if self.reduce_dtype is not None and self.reduce_dtype != part.dtype:  # --grad-reduce-in-bf16
+            low = part.to(self.reduce_dtype).div_(self.size)
+            self._pending.append((dist.all_reduce(low, group=self.group, async_op=True), part, low))
+        else:
+            part.div_(self.size)
+            self._pending.append((dist.all_reduce(part, group=self.group, async_op=True), None, None))
+        self._arrived[b] = -1  # launched
+
+    @torch.no_grad()
+    def wait(self) -> None:
+        """Every bucket reduced (one whose gradients did not all arrive, e.g. unused parameters, is
+        launched now), and the counts reset for the next step."""
+        for b, n in enumerate(self._arrived):
+            if n != -1:
+                self._launch(b)
+        for work, part, low in self._pending:
+            work.wait()
+            if part is not None:
+                part.copy_(low)
+        self._pending.clear()
+        self._arrived = [0] * len(self.spans)
+        self.armed = False
+
+
+def flat_grads(params: list[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """fp32 parameters' gradients as views of one zeroed flat buffer (autograd accumulates into a
+    gradient that exists in place, so they stay views; the optimizer must zero them, not drop them)."""
+    flat = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device)
+    views, offset = [], 0
+    for p in params:
+        p.grad = flat[offset:offset + p.numel()].view(p.shape)
+        views.append(p.grad)
+        offset += p.numel()
+    return flat, views
+
+
+def overlap_reduction(params: list[torch.Tensor], main, group, size: int, bucket_size: int | None,
+                      reduce_dtype: torch.dtype | None) -> GradBuckets:
+    """Buckets over the step's gradients (``main``'s fp32 main gradients, or ``params``' own for fp32
+    parameters) and the hooks that report each one's arrival."""
+    if main is not None:
+        views = main.keep_flat_grads()
+        buckets = GradBuckets(main.grad_flat, views, group, size, bucket_size, reduce_dtype)
+        main.accumulate_on_backward(buckets.arrived)
+        return buckets
+    flat, views = flat_grads(params)
+    buckets = GradBuckets(flat, views, group, size, bucket_size, reduce_dtype)
+    for i, p in enumerate(params):
+        p.register_post_accumulate_grad_hook(lambda p, i=i: buckets.arrived(i))
+    return buckets

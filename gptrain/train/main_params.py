@@ -32,7 +32,7 @@ class MainParams:
         self.model_params = [params[n] for n in self.names]
         self.dtype = dtype
         self.grad_flat: torch.Tensor | None = None
-        self._keep = False  # keep_flat_grads: one buffer for the whole run
+        self._keep: list[torch.Tensor] | None = None  # keep_flat_grads: the views of one buffer for the run
         self._arrived = None
 
     def named(self) -> dict[str, torch.Tensor]:
@@ -80,10 +80,9 @@ class MainParams:
     def keep_flat_grads(self) -> list[torch.Tensor]:
         """Allocate the flat fp32 gradient buffer now and keep it from step to step (zeroed after
         each), so its views stay put for the reduction buckets; returns the views."""
-        views = self._attach_flat_grads()
+        self._keep = self._attach_flat_grads()
         self.grad_flat.zero_()
-        self._keep = True
-        return views
+        return self._keep
 
     @torch.no_grad()
     def _take_grad(self, i: int, p: torch.Tensor) -> None:
@@ -100,8 +99,10 @@ class MainParams:
         return torch.linalg.vector_norm(self.grad_flat)
 
     def release_grads(self) -> None:
-        if self._keep:
+        if self._keep:  # the optimizer's zero_grad dropped the views: zero the buffer, attach them again
             self.grad_flat.zero_()
+            for m, view in zip(self.main, self._keep):
+                m.grad = view
             return
         for m in self.main:
             m.grad = None

@@ -10,7 +10,8 @@ from distributed import TINY
 from gptrain.config import parse_megatron_args
 from gptrain.model.gpt import GPT
 from gptrain.train.checkpoint import (CheckpointError, Checkpointer, HostStager, finish_save, init_optimizer_state,
-                                      is_complete, load_checkpoint, read_tracker, save_checkpoint)
+                                      load_checkpoint, save_checkpoint)
+from gptrain.train.checkpoint_files import is_complete, read_tracker
 from gptrain.train.run import train_main
 
 RUN = TINY + ["--save-interval", "2", "--lr-decay-iters", "6"]

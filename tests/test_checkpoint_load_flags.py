@@ -8,7 +8,8 @@ import torch
 from distributed import TINY, losses
 from gptrain.config import parse_megatron_args
 from gptrain.model.gpt import GPT
-from gptrain.train.checkpoint import load_checkpoint, read_tracker
+from gptrain.train.checkpoint import load_checkpoint
+from gptrain.train.checkpoint_files import read_tracker
 from gptrain.train.run import train_main
 
 RUN = TINY + ["--lr-decay-iters", "6"]

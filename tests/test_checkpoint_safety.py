@@ -17,7 +17,9 @@ import torch
 from distributed import TINY, _env, free_port, losses
 from gptrain.config import parse_megatron_args
 from gptrain.model.gpt import GPT
-from gptrain.train.checkpoint import TRACKER, is_complete, load_checkpoint, read_tracker
+from gptrain.checkpoint_kind import TRACKER
+from gptrain.train.checkpoint import load_checkpoint
+from gptrain.train.checkpoint_files import is_complete, read_tracker
 from gptrain.train.run import train_main
 
 SCHEDULE = ["--lr-decay-iters", "6"]  # one schedule for runs of 4 and 6 iterations

@@ -13,7 +13,7 @@ from distributed import TINY, losses
 from gptrain.cli import main
 from gptrain.interop.convert import read_gptrain
 from gptrain.interop.hf import load_hf_folder
-from gptrain.train.checkpoint import read_tracker
+from gptrain.train.checkpoint_files import read_tracker
 from gptrain.train.run import train_main
 
 FIXTURES = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "megatron-ckpt"

@@ -8,7 +8,7 @@ from conftest import random_text, write_jsonl
 from tiny import TINY_FLAGS
 from gptrain.config import OptimConfig, TrainConfig, parse_megatron_args
 from gptrain.data.preprocess import PreprocessConfig, preprocess
-from gptrain.train.checkpoint import read_tracker
+from gptrain.train.checkpoint_files import read_tracker
 from gptrain.train.precision import LossScaler
 from gptrain.train.run import train_main
 from gptrain.train.schedule import LRSchedule

@@ -119,7 +119,7 @@ def _load_sharded(cfg: GPTConfig, mesh, device: torch.device, full: GPT | None, 
 
 def _gptrain_config(root: Path) -> tuple[GPTConfig, dict]:
     """The architecture and data settings of the run that wrote a gptrain checkpoint."""
-    from gptrain.train.checkpoint import iteration_dir, read_tracker
+    from gptrain.train.checkpoint_files import iteration_dir, read_tracker
 
     iteration = read_tracker(root)  # checkpoint_kind found the tracker
     state_file = iteration_dir(root, iteration) / "state.json"

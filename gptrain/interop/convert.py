@@ -69,7 +69,8 @@ def _publish(tmp: Path, out: Path) -> None:
 # ---- gptrain checkpoints
 def read_gptrain(root) -> tuple[GPT, dict]:
     """A plain fp32 GPT from a gptrain checkpoint folder (any layout it was saved at), and its state."""
-    from gptrain.train.checkpoint import find_gptrain_iteration_dir, load_checkpoint
+    from gptrain.train.checkpoint import load_checkpoint
+    from gptrain.train.checkpoint_files import find_gptrain_iteration_dir
 
     root = Path(root)
     path = find_gptrain_iteration_dir(root)

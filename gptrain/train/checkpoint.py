@@ -1,9 +1,9 @@
-"""Checkpoints in Megatron's directory layout through ``torch.distributed.checkpoint`` (DCP): every
-rank writes its own shards, nothing in them is loaded as code (``safe_dcp``: DCP's metadata pickle
-through an allow-list, tensor entries only), and shapes do not depend on the layout (the word
-embeddings are stored at the real vocabulary's size, without the padding).
+"""What a checkpoint holds and how the ranks write and read it, through
+``torch.distributed.checkpoint`` (DCP): every rank writes its own shards, nothing in them is loaded
+as code (``safe_dcp``: DCP's metadata pickle through an allow-list, tensor entries only), and shapes
+do not depend on the layout (the word embeddings are stored at the real vocabulary's size, without
+the padding). The folders, their manifest, publishing and recovery are ``checkpoint_files.py``'s.
 
-    SAVE/latest_checkpointed_iteration.txt    "500" (or "release")
     SAVE/iter_0000500/.metadata, __*_*.distcp  DCP: "model/<name>" fp32 weights (the main copies when
                                                the model itself runs in bf16), "optim/<name>/<key>"
                                                AdamW state
@@ -12,12 +12,9 @@ embeddings are stored at the real vocabulary's size, without the padding).
                                               layout, the resolved run config, and (written last) the
                                               manifest: every file's size
 
-Never losing work: everything is written into ``.iter_0000500.tmp`` and fsynced, rank 0 renames it
-into place (a copy of the same iteration is moved aside first, never deleted before), fsyncs the
-folder, and only then replaces the tracker. A start puts back a copy moved aside by a killed save
-and removes temporary folders (``recover``); a tracker naming a missing or incomplete folder falls
-back to the newest complete checkpoint, with a warning; a failed save (a full disk) is one line,
-with its partial files removed.
+A failed save (a full disk) is one line agreed by all ranks, with its partial files removed.
+``Checkpointer`` is the trainer's: synchronous saves, or ``--async-save``'s staging into reused host
+buffers (``HostStager``) and writing in a background thread.
 """
 from __future__ import annotations
 
@@ -25,7 +22,6 @@ import json
 import os
 import random
 import shutil
-import sys
 import time
 import traceback as tb
 import types
@@ -42,39 +38,18 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.tensor import DTensor
 
-from gptrain.checkpoint_kind import TRACKER
 from gptrain.parallel.shards import copy_full_into
-from gptrain.parallel.collectives import barrier, distributed
-from gptrain.train.durable import crash_point, fsync_file, fsync_tree, replace_durable, write_durable
+from gptrain.parallel.collectives import distributed
+from gptrain.train.checkpoint_files import (discard, find_gptrain_iteration_dir, iteration_dir, newest_complete,
+                                            publish, rank0_log, this_rank, tmp_dir)
+from gptrain.train.durable import fsync_file, write_durable
 from gptrain.train.signals import deferred_signals
 from gptrain.train.safe_dcp import load_safely, read_metadata_safely
 
-FORMAT = "gptrain-checkpoint/2"
 UNPADDED = "word_embeddings.weight"  # stored without the vocabulary padding
 # one process without a process group is a normal run here; --async-save's writer thread would
 # print DCP's warning about it outside any local warnings filter
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
-
-
-def iteration_dir(root: str | os.PathLike, iteration: int | str) -> Path:
-    return Path(root) / ("release" if iteration == "release" else f"iter_{int(iteration):07d}")
-
-
-def read_tracker(root: str | os.PathLike) -> int | str | None:
-    path = Path(root) / TRACKER
-    if not path.is_file():
-        return None
-    text = path.read_text().strip()
-    if text == "release":
-        return "release"
-    try:
-        return int(text)
-    except ValueError:
-        raise ValueError(f"{path}: expected an iteration number or 'release', found {text!r}") from None
-
-
-def _rank() -> int:
-    return torch.distributed.get_rank() if distributed() else 0
 
 
 def _rng_state() -> tuple[dict[str, torch.Tensor], dict]:
@@ -137,87 +112,6 @@ class CheckpointError(RuntimeError):
     and the previous checkpoints are kept."""
 
 
-def _tmp_dir(final: Path) -> Path:
-    return final.with_name(f".{final.name}.tmp")
-
-
-def _aside_dir(final: Path) -> Path:
-    return final.with_name(f".{final.name}.old")
-
-
-def _iteration_of(name: str) -> int | str | None:
-    if name == "release":
-        return "release"
-    if len(name) == 12 and name.startswith("iter_") and name[5:].isdigit():
-        return int(name[5:])
-    return None
-
-
-def is_complete(path: Path) -> tuple[bool, str]:
-    """Whether a checkpoint folder holds everything its manifest (``state.json``, written last)
-    lists, at the listed sizes; else False and what is wrong."""
-    if not path.is_dir():
-        return False, "missing"
-    try:
-        state = json.loads((path / "state.json").read_text())
-    except (OSError, ValueError):
-        return False, "incomplete (no readable state.json)"
-    files = state.get("files")
-    if files is None:  # written before manifests: state.json came after the DCP files
-        return ((path / ".metadata").is_file(), "incomplete (no .metadata)")
-    for name, size in files.items():
-        f = path / name
-        if not f.is_file() or f.stat().st_size != size:
-            return False, f"incomplete ({name} missing or truncated)"
-    return True, ""
-
-
-def complete_checkpoints(root: str | os.PathLike) -> list[Path]:
-    """The complete checkpoint folders under ``root``, newest first (``release`` last)."""
-    root = Path(root)
-    if not root.is_dir():
-        return []
-    found = [(it, p) for p in root.iterdir() if (it := _iteration_of(p.name)) is not None and is_complete(p)[0]]
-    return [p for _, p in sorted(found, key=lambda x: -1 if x[0] == "release" else x[0], reverse=True)]
-
-
-def newest_complete(root: str | os.PathLike) -> str:
-    """For messages: the newest complete checkpoint, or that there is none."""
-    found = complete_checkpoints(root) if root else []
-    return f"the newest complete checkpoint is {found[0]}" if found else f"there is no complete checkpoint in {root}"
-
-
-def _warn(log, message: str) -> None:
-    if _rank() == 0:
-        (log or (lambda s: print(s, file=sys.stderr, flush=True)))(message)
-
-
-def recover(root: str | os.PathLike | None, log=None) -> None:
-    """At start (every rank calls it): put back a checkpoint that a killed re-save had moved aside,
-    and remove the temporary folders of killed or failed saves, saying what was done."""
-    if root and _rank() == 0 and Path(root).is_dir():
-        root = Path(root)
-        for aside in sorted(root.glob(".*.old")):
-            final = root / aside.name[1:-len(".old")]
-            if _iteration_of(final.name) is None:
-                continue
-            if is_complete(final)[0]:
-                shutil.rmtree(aside)
-                continue
-            if final.exists():
-                shutil.rmtree(final)
-            replace_durable(aside, final)
-            _warn(log, f"WARNING: restored {final}, which a save killed before its replacement was complete "
-                       "had moved aside")
-        stale = sorted(p for p in root.iterdir() if p.name.startswith(".") and p.name.endswith(".tmp"))
-        for p in stale:
-            shutil.rmtree(p) if p.is_dir() else p.unlink()
-        if stale:
-            _warn(log, f"WARNING: removed {len(stale)} temporary folder(s) of interrupted saves from {root}: "
-                       + ", ".join(p.name for p in stale))
-    barrier()
-
-
 def _where(trace) -> str:
     """The innermost frame of a traceback or StackSummary, as ``file.py:line in function``."""
     frames = tb.extract_tb(trace) if isinstance(trace, types.TracebackType) else trace
@@ -276,20 +170,11 @@ def _together(what: str, fn, where: str, root: Path) -> None:
     if distributed():
         torch.distributed.all_reduce(failed, op=torch.distributed.ReduceOp.MAX)
     if failed.item():
-        if _rank() == 0:
-            _discard(where)
+        if this_rank() == 0:
+            discard(where)
         reason = _reason(error) if error is not None else "it failed on another rank"
         raise CheckpointError(f"could not {what}: {reason}; its partial files were removed and "
                               f"{newest_complete(root)}") from None
-
-
-def _discard(final_name: str) -> None:
-    """Rank 0 after a failed save: remove the partial copy, put back a copy moved aside."""
-    final = Path(final_name)
-    shutil.rmtree(_tmp_dir(final), ignore_errors=True)
-    aside = _aside_dir(final)
-    if aside.exists() and not final.exists():
-        os.replace(aside, final)
 
 
 @dataclass
@@ -314,8 +199,8 @@ def save_checkpoint(root: str | os.PathLike, iteration: int, params: dict[str, t
     place (``recover`` puts it back after a crash in between)."""
     root = Path(root)
     final = iteration_dir(root, iteration)
-    tmp = _tmp_dir(final)
-    rank = _rank()
+    tmp = tmp_dir(final)
+    rank = this_rank()
     what = f"save the checkpoint of iteration {iteration} to {root}"
 
     def prepare():
@@ -362,54 +247,9 @@ def finish_save(pending: PendingSave) -> Path:
         if pending.future is not None:
             upload = getattr(pending.future, "upload_completion", pending.future)
             _together(what, upload.result, str(final), root)
-        _together(what, lambda: _publish(pending) if _rank() == 0 else None, str(final), root)
+        _together(what, lambda: publish(root, iteration, pending.state) if this_rank() == 0 else None,
+                  str(final), root)
     return final
-
-
-def _publish(pending: PendingSave) -> None:
-    final, root, iteration = pending.final, pending.root, pending.iteration
-    tmp, aside = _tmp_dir(final), _aside_dir(final)
-    files = {p.name: p.stat().st_size for p in sorted(tmp.iterdir()) if p.is_file()}
-    write_durable(tmp / "state.json", json.dumps({**pending.state, "iteration": iteration, "format": FORMAT,
-                                                  "files": files}, indent=1))
-    fsync_tree(tmp)
-    crash_point("written", iteration)
-    if final.exists():  # saving an iteration again: the old copy stays until the new one is in place
-        if aside.exists():
-            shutil.rmtree(aside)
-        replace_durable(final, aside)
-        crash_point("moved-aside", iteration)
-    replace_durable(tmp, final)
-    crash_point("renamed", iteration)
-    write_durable(root / f".{TRACKER}.tmp", str(iteration))
-    replace_durable(root / f".{TRACKER}.tmp", root / TRACKER)
-    crash_point("tracker", iteration)
-    if aside.exists():
-        shutil.rmtree(aside)
-
-
-def find_gptrain_iteration_dir(root: str | os.PathLike, log=None) -> Path | None:
-    """The folder to load: the tracker's, or, if that one is missing or incomplete, the newest
-    complete one (said loudly). None without a tracker."""
-    root = Path(root)
-    iteration = read_tracker(root)
-    if iteration is None:
-        return None
-    path = iteration_dir(root, iteration)
-    if (path / "model.safetensors").is_file():
-        raise ValueError(f"{path} is a gptrain-checkpoint/1 checkpoint, written before the fused QKV rows took "
-                         "Megatron's per-head order; it cannot be resumed by this version (retrain, or load it "
-                         "with gptrain 0.1)")
-    ok, why = is_complete(path)
-    if ok:
-        return path
-    found = complete_checkpoints(root)
-    if not found:
-        raise FileNotFoundError(f"{root / TRACKER} names {path.name}, which is {why}, and {root} holds no complete "
-                                "checkpoint (a Megatron model_optim_rng.pt checkpoint is read by --load directly)")
-    _warn(log, f"WARNING: {root / TRACKER} names {path.name}, which is {why}: loading the newest complete "
-               f"checkpoint, {found[0].name}, instead")
-    return found[0]
 
 
 def load_checkpoint(root: str | os.PathLike, params: dict[str, torch.Tensor],
@@ -422,7 +262,7 @@ def load_checkpoint(root: str | os.PathLike, params: dict[str, torch.Tensor],
         return None
     stored = read_metadata_safely(path).state_dict_metadata
     if optimizer is not None and not any(k.startswith("optim/") for k in stored):
-        _warn(log, f" > {path} holds weights only (a converted checkpoint): the optimizer starts fresh")
+        rank0_log(log, f" > {path} holds weights only (a converted checkpoint): the optimizer starts fresh")
         optimizer = None
     if optimizer is not None:
         init_optimizer_state(params, optimizer)
@@ -452,7 +292,7 @@ def load_checkpoint(root: str | os.PathLike, params: dict[str, torch.Tensor],
         padded[:vocab_size] = value
         copy_full_into(dest, padded, layout.region(name, tuple(shape)) if layout is not None else None)
     state = json.loads((path / "state.json").read_text())
-    rng = path / f"rng_rank{_rank():05d}.safetensors"
+    rng = path / f"rng_rank{this_rank():05d}.safetensors"
     if load_rng and rng.is_file():
         _set_rng_state(load_file(rng), json.loads(rng.with_suffix(".json").read_text()))
     return state
@@ -564,17 +404,17 @@ class Checkpointer:
             return
         pending, self.pending = self.pending, None
         upload = getattr(pending.future, "upload_completion", pending.future)
-        if _rank() == 0:
+        if this_rank() == 0:
             self.log(f"  waiting for the background save of iteration {pending.iteration} to finish "
                      f"(at most {timeout_s:.0f} s; a launcher may kill the run sooner)")
         try:
             with deferred_signals():
                 upload.result(timeout=timeout_s)
-                if _rank() == 0:
-                    _publish(pending)
+                if this_rank() == 0:
+                    publish(pending.root, pending.iteration, pending.state)
         except Exception as err:  # noqa: BLE001 - the run is stopping: say what was lost, keep the rest
-            if _rank() == 0:
-                _discard(str(pending.final))
+            if this_rank() == 0:
+                discard(str(pending.final))
                 self.log(f"  the background save of iteration {pending.iteration} did not finish "
                          f"({_reason(err)}); {newest_complete(pending.root)}")
             return

@@ -25,7 +25,8 @@ from gptrain.parallel.dims import is_logging_rank, world_from_env
 from gptrain.train import metrics
 from gptrain.train.build import TrainingParts
 from gptrain.train import signals
-from gptrain.train.checkpoint import Checkpointer, iteration_dir, load_checkpoint, recover
+from gptrain.train.checkpoint import Checkpointer, load_checkpoint
+from gptrain.train.checkpoint_files import iteration_dir, recover
 from gptrain.checkpoint_kind import checkpoint_kind
 from gptrain.train.megatron_load import load_hf, load_megatron
 from gptrain.train.precision import LossScaler

@@ -12,7 +12,7 @@ import torch
 
 from gptrain.config import RunConfig
 from gptrain.parallel.shards import copy_full_into
-from gptrain.train.checkpoint import TRACKER
+from gptrain.checkpoint_kind import TRACKER
 
 # Megatron's args -> (gptrain's config attribute, the flag a user writes)
 _ARCHITECTURE = {"num_layers": ("num_layers", "--num-layers"), "hidden_size": ("hidden_size", "--hidden-size"),

@@ -17,7 +17,8 @@ from gptrain.parallel.layout import parameter_counts
 from gptrain.parallel.parallelize import describe_sharding
 from gptrain.train.build import build_training, parallel_dims, parameter_count
 from gptrain.train import signals
-from gptrain.train.checkpoint import CheckpointError, newest_complete
+from gptrain.train.checkpoint import CheckpointError
+from gptrain.train.checkpoint_files import newest_complete
 from gptrain.train.loop import Trainer, TrainingStopped
 
 

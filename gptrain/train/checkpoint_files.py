@@ -1,0 +1,194 @@
+"""Where a checkpoint lives on disk and how a folder becomes one, never losing work: Megatron's
+directory layout, the manifest that makes a folder complete, publishing a written folder, and the
+recovery at start. Plain files only; what the folders hold and how the ranks write and read it is
+``checkpoint.py``'s.
+
+    SAVE/latest_checkpointed_iteration.txt    "500" (or "release")
+    SAVE/iter_0000500/...                      the ranks' files (checkpoint.py), then state.json
+                                               (written last): its manifest lists every file's size
+    SAVE/.iter_0000500.tmp/                    a save being written
+    SAVE/.iter_0000500.old/                    a copy of the same iteration, moved aside by a re-save
+
+Never losing work: everything is written into ``.iter_0000500.tmp`` and fsynced, rank 0 renames it
+into place (a copy of the same iteration is moved aside first, never deleted before), fsyncs the
+folder, and only then replaces the tracker (``publish``). A start puts back a copy moved aside by a
+killed save and removes temporary folders (``recover``); a tracker naming a missing or incomplete
+folder falls back to the newest complete checkpoint, with a warning (``find_gptrain_iteration_dir``);
+a failed save's partial files are removed (``discard``).
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+
+from gptrain.checkpoint_kind import TRACKER
+from gptrain.parallel.collectives import barrier, distributed
+from gptrain.train.durable import crash_point, fsync_tree, replace_durable, write_durable
+
+FORMAT = "gptrain-checkpoint/2"
+
+
+def iteration_dir(root: str | os.PathLike, iteration: int | str) -> Path:
+    return Path(root) / ("release" if iteration == "release" else f"iter_{int(iteration):07d}")
+
+
+def read_tracker(root: str | os.PathLike) -> int | str | None:
+    path = Path(root) / TRACKER
+    if not path.is_file():
+        return None
+    text = path.read_text().strip()
+    if text == "release":
+        return "release"
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"{path}: expected an iteration number or 'release', found {text!r}") from None
+
+
+def this_rank() -> int:
+    return torch.distributed.get_rank() if distributed() else 0
+
+
+def tmp_dir(final: Path) -> Path:
+    return final.with_name(f".{final.name}.tmp")
+
+
+def aside_dir(final: Path) -> Path:
+    return final.with_name(f".{final.name}.old")
+
+
+def _iteration_of(name: str) -> int | str | None:
+    if name == "release":
+        return "release"
+    if len(name) == 12 and name.startswith("iter_") and name[5:].isdigit():
+        return int(name[5:])
+    return None
+
+
+def is_complete(path: Path) -> tuple[bool, str]:
+    """Whether a checkpoint folder holds everything its manifest (``state.json``, written last)
+    lists, at the listed sizes; else False and what is wrong."""
+    if not path.is_dir():
+        return False, "missing"
+    try:
+        state = json.loads((path / "state.json").read_text())
+    except (OSError, ValueError):
+        return False, "incomplete (no readable state.json)"
+    files = state.get("files")
+    if files is None:  # written before manifests: state.json came after the DCP files
+        return ((path / ".metadata").is_file(), "incomplete (no .metadata)")
+    for name, size in files.items():
+        f = path / name
+        if not f.is_file() or f.stat().st_size != size:
+            return False, f"incomplete ({name} missing or truncated)"
+    return True, ""
+
+
+def complete_checkpoints(root: str | os.PathLike) -> list[Path]:
+    """The complete checkpoint folders under ``root``, newest first (``release`` last)."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = [(it, p) for p in root.iterdir() if (it := _iteration_of(p.name)) is not None and is_complete(p)[0]]
+    return [p for _, p in sorted(found, key=lambda x: -1 if x[0] == "release" else x[0], reverse=True)]
+
+
+def newest_complete(root: str | os.PathLike) -> str:
+    """For messages: the newest complete checkpoint, or that there is none."""
+    found = complete_checkpoints(root) if root else []
+    return f"the newest complete checkpoint is {found[0]}" if found else f"there is no complete checkpoint in {root}"
+
+
+def rank0_log(log, message: str) -> None:
+    """``message`` from rank 0 only, through ``log`` (default: stderr)."""
+    if this_rank() == 0:
+        (log or (lambda s: print(s, file=sys.stderr, flush=True)))(message)
+
+
+def recover(root: str | os.PathLike | None, log=None) -> None:
+    """At start (every rank calls it): put back a checkpoint that a killed re-save had moved aside,
+    and remove the temporary folders of killed or failed saves, saying what was done."""
+    if root and this_rank() == 0 and Path(root).is_dir():
+        root = Path(root)
+        for aside in sorted(root.glob(".*.old")):
+            final = root / aside.name[1:-len(".old")]
+            if _iteration_of(final.name) is None:
+                continue
+            if is_complete(final)[0]:
+                shutil.rmtree(aside)
+                continue
+            if final.exists():
+                shutil.rmtree(final)
+            replace_durable(aside, final)
+            rank0_log(log, f"WARNING: restored {final}, which a save killed before its replacement was complete "
+                           "had moved aside")
+        stale = sorted(p for p in root.iterdir() if p.name.startswith(".") and p.name.endswith(".tmp"))
+        for p in stale:
+            shutil.rmtree(p) if p.is_dir() else p.unlink()
+        if stale:
+            rank0_log(log, f"WARNING: removed {len(stale)} temporary folder(s) of interrupted saves from {root}: "
+                           + ", ".join(p.name for p in stale))
+    barrier()
+
+
+def discard(final_name: str) -> None:
+    """Rank 0 after a failed save: remove the partial copy, put back a copy moved aside."""
+    final = Path(final_name)
+    shutil.rmtree(tmp_dir(final), ignore_errors=True)
+    aside = aside_dir(final)
+    if aside.exists() and not final.exists():
+        os.replace(aside, final)
+
+
+def publish(root: Path, iteration: int | str, state: dict) -> None:
+    """Rank 0, once every rank's files are written into the temporary folder: the manifest
+    (``state.json`` with every file's size), the fsyncs, the rename into place, the tracker."""
+    final = iteration_dir(root, iteration)
+    tmp, aside = tmp_dir(final), aside_dir(final)
+    files = {p.name: p.stat().st_size for p in sorted(tmp.iterdir()) if p.is_file()}
+    manifest = {**state, "iteration": iteration, "format": FORMAT, "files": files}
+    write_durable(tmp / "state.json", json.dumps(manifest, indent=1))
+    fsync_tree(tmp)
+    crash_point("written", iteration)
+    if final.exists():  # saving an iteration again: the old copy stays until the new one is in place
+        if aside.exists():
+            shutil.rmtree(aside)
+        replace_durable(final, aside)
+        crash_point("moved-aside", iteration)
+    replace_durable(tmp, final)
+    crash_point("renamed", iteration)
+    write_durable(root / f".{TRACKER}.tmp", str(iteration))
+    replace_durable(root / f".{TRACKER}.tmp", root / TRACKER)
+    crash_point("tracker", iteration)
+    if aside.exists():
+        shutil.rmtree(aside)
+
+
+def find_gptrain_iteration_dir(root: str | os.PathLike, log=None) -> Path | None:
+    """The folder to load: the tracker's, or, if that one is missing or incomplete, the newest
+    complete one (said loudly). None without a tracker."""
+    root = Path(root)
+    iteration = read_tracker(root)
+    if iteration is None:
+        return None
+    path = iteration_dir(root, iteration)
+    if (path / "model.safetensors").is_file():
+        raise ValueError(f"{path} is a gptrain-checkpoint/1 checkpoint, written before the fused QKV rows took "
+                         "Megatron's per-head order; it cannot be resumed by this version (retrain, or load it "
+                         "with gptrain 0.1)")
+    ok, why = is_complete(path)
+    if ok:
+        return path
+    found = complete_checkpoints(root)
+    if not found:
+        raise FileNotFoundError(f"{root / TRACKER} names {path.name}, which is {why}, and {root} holds no complete "
+                                "checkpoint (a Megatron model_optim_rng.pt checkpoint is read by --load directly)")
+    rank0_log(log, f"WARNING: {root / TRACKER} names {path.name}, which is {why}: loading the newest complete "
+                   f"checkpoint, {found[0].name}, instead")
+    return found[0]
+

@@ -1,12 +1,11 @@
 """Typed run configuration, with every ``pretrain_gpt.py`` flag declared once on the field it sets.
 
 A field's flag is ``field(default=..., metadata=flag("--name", group=..., help=...))`` (gptrain/flags.py);
-its default and type are the field's. ``MODEL_FLAGS`` declares the flags of ``GPTConfig``'s fields
-(model/gpt.py keeps the defaults), ``DERIVED_FLAGS`` those that set no single field (Megatron's
-recompute flags, ``--fp8``, ``--deepspeed``, ...), and ``COMPATIBILITY`` the Megatron flags accepted
-without effect or refused, each with its reason. The parser, ``gptrain train --help`` and its table
-of accepted and refused flags are generated from these (``build_parser``). The dataclasses check
-their values in ``__post_init__``; ``parse_megatron_args`` builds each once, final.
+its default and type are the field's. The flags not on a field here (``GPTConfig``'s, the derived
+ones, and the Megatron flags accepted without effect or refused) are gptrain/flag_tables.py's. The
+parser, ``gptrain train --help`` and its table of accepted and refused flags are generated from
+these (``build_parser``). The dataclasses check their values in ``__post_init__``;
+``parse_megatron_args`` builds each once, final.
 """
 from __future__ import annotations
 
@@ -16,8 +15,10 @@ import os
 import typing
 from dataclasses import dataclass, field
 
-from gptrain.flags import Compat, Flag, build_parser as _build_parser, field_flag, flag
+from gptrain.flag_tables import COMPATIBILITY, DERIVED_FLAGS, MODEL_FLAGS
+from gptrain.flags import Flag, build_parser as _build_parser, field_flag, flag
 from gptrain.model.gpt import GPTConfig
+
 
 @dataclass
 class DataConfig:
@@ -326,95 +327,6 @@ class RunConfig:
         return dataclasses.replace(self, model=dataclasses.replace(self.model, vocab_size=vocab_size),
                                    data=dataclasses.replace(self.data, eod_token=eod_token))
 
-
-# the flags of GPTConfig's fields (model/gpt.py holds their defaults); --tensor-model-parallel-size
-# also sets tensor_parallel_size (the vocabulary padding), and the tokenizer vocab_size
-MODEL_FLAGS: dict[str, Flag] = {
-    "num_layers": Flag(("--num-layers",), "network size", "transformer layers"),
-    "hidden_size": Flag(("--hidden-size",), "network size", "width of the residual stream"),
-    "num_attention_heads": Flag(("--num-attention-heads",), "network size",
-                                "attention heads (the hidden size must divide by them)"),
-    "ffn_hidden_size": Flag(("--ffn-hidden-size",), "network size", "MLP width (default: 4 x hidden size)"),
-    "seq_length": Flag(("--seq-length",), "data and dataloader", "tokens per sample"),
-    "max_position_embeddings": Flag(("--max-position-embeddings",), "network size",
-                                    "rows of the learned position table (default: --seq-length)"),
-    "make_vocab_size_divisible_by": Flag(("--make-vocab-size-divisible-by",), "network size",
-                                         "pad the vocabulary to a multiple of this x the tensor-parallel size "
-                                         "(GPT-2: 50257 -> 50304)"),
-    "init_method_std": Flag(("--init-method-std",), "initialization", "standard deviation of the normal weight init"),
-    "attention_dropout": Flag(("--attention-dropout",), "regularization",
-                              "dropout on the attention probabilities (0 lets FlashAttention-4 run)"),
-    "hidden_dropout": Flag(("--hidden-dropout",), "regularization",
-                           "dropout on the embeddings and each block's outputs"),
-    "layernorm_epsilon": Flag(("--layernorm-epsilon",), "network size", "LayerNorm epsilon"),
-}
-
-# flags that set no single field: translated by parse_megatron_args (each dest is read there)
-DERIVED_FLAGS: tuple[Flag, ...] = (
-    # Megatron's two generations of recompute flags onto KernelConfig.recompute (_recompute_mode):
-    # --checkpoint-activations recomputed whole blocks; --recompute-activations now means selective
-    Flag(("--checkpoint-activations",), "training", "recompute whole blocks in the backward pass (older Megatron)",
-         action="store_true", dest="checkpoint_activations"),
-    Flag(("--recompute-activations",), "training", "recompute core attention in the backward pass (selective)",
-         action="store_true", dest="recompute_activations"),
-    Flag(("--recompute-granularity",), "training", "full: recompute whole blocks; selective: recompute only "
-         "attention (Megatron's meanings)", choices=("full", "selective"), default=None, dest="recompute_granularity"),
-    Flag(("--recompute-method",), "training", "with --recompute-granularity full: uniform (the only one implemented)",
-         choices=("uniform", "block"), default=None, dest="recompute_method"),
-    Flag(("--recompute-num-layers",), "training", "with --recompute-method uniform: 1 (every block)", type=int,
-         default=None, dest="recompute_num_layers"),
-    Flag(("--optimizer",), "training", "adam (AdamW, fused)", choices=("adam",), default="adam", dest="optimizer"),
-    Flag(("--fp8",), "mixed precision", "fp8 matmuls in the transformer layers through torchao (same as --fp8-format "
-         "hybrid)", action="store_const", const="hybrid", dest="fp8"),  # PrecisionConfig.fp8
-    Flag(("--use-distributed-optimizer",), "distributed", "Megatron's sharded optimizer (= --zero-stage 1)",
-         action="store_true", dest="use_distributed_optimizer"),
-    Flag(("--deepspeed",), "distributed", "Megatron-DeepSpeed: take ZeRO and precision from --deepspeed_config",
-         action="store_true", dest="deepspeed"),
-    Flag(("--world-size",), "run (gptrain)", "with --dry-run: the number of processes to plan for (default: "
-         "torchrun's WORLD_SIZE, else 1)", type=int, default=None, dest="world_size"),
-)
-
-# Megatron flags that change nothing here (accepted, the reason printed once) or that gptrain
-# refuses (an error naming the reason); each reason states what the code does (tests/test_help.py)
-COMPATIBILITY: tuple[Compat, ...] = (
-    Compat("--use-flash-attn", "attention runs on --attention-backend's kernels: by default cuDNN's forward and "
-           "FlashAttention-4's backward where flash-attn-4 can run, else PyTorch SDPA's pick (cuDNN on H100); "
-           "--attention-backend flash forces FlashAttention-2"),
-    Compat("--attention-softmax-in-fp32", "the attention kernels (SDPA's, FlashAttention-4's) take the softmax of "
-           "bf16/fp16 scores in fp32"),
-    Compat("--no-masked-softmax-fusion", "masking and softmax happen inside the causal attention call (SDPA or "
-           "FlashAttention-4): there is no masked-softmax kernel to turn off"),
-    Compat("--no-bias-dropout-fusion", "the dropout after attention and MLP is a separate op (fused with its "
-           "neighbours only by torch.compile, under --compile): there is no bias-dropout kernel to turn off"),
-    Compat("--no-gradient-accumulation-fusion", "weight gradients come from autograd; with --bf16/--fp16 they are "
-           "added into fp32 main gradients (train/main_params.py), not by Megatron's fused kernel"),
-    Compat("--apply-query-key-layer-scaling", "Megatron's guard against fp16 overflow in the attention scores; "
-           "the attention kernels here accumulate the scores and the softmax in fp32"),
-    Compat("--accumulate-allreduce-grads-in-fp32", "data-parallel gradients are reduced in fp32 unless "
-           "--grad-reduce-in-bf16"),
-    Compat("--no-async-tensor-model-parallel-allreduce", "tensor-parallel communication is gptrain's own "
-           "(parallel/tensor_parallel.py, DTensor): there is no asynchronous all-reduce to turn off"),
-    Compat("--override-opt_param-scheduler", "the learning-rate schedule always takes its settings from the "
-           "flags; a checkpoint gives only its step count"),
-    Compat("--data-impl", "only mmap files exist", "value", ("mmap",)),
-    Compat("--dataset-impl", "only mmap files exist", "value", ("mmap",)),
-    Compat("--DDP-impl", "data parallelism is gptrain's own", "value", ("local", "torch")),
-    Compat("--distributed-backend", "NCCL on GPUs, gloo on CPUs, chosen by device", "value", ("nccl", "gloo")),
-    Compat("--tokenizer-type", "GPT-2 BPE is the tokenizer", "value", ("GPT2BPETokenizer",)),
-    Compat("--num-workers", "batches are assembled in a background thread", "value"),
-    Compat("--distributed-timeout-minutes", "torch.distributed's default timeout", "value"),
-    Compat("--rampup-batch-size", "batch-size ramp-up is not implemented", "refused"),
-    Compat("--swiglu", "only the GPT-2 MLP is implemented", "refused"),
-    Compat("--use-rotary-position-embeddings", "only learned positions", "refused"),
-    Compat("--position-embedding-type", "only learned absolute positions", "refused"),
-    Compat("--normalization", "only LayerNorm", "refused"),
-    Compat("--untie-embeddings-and-output-weights", "the output layer is tied to the embeddings", "refused"),
-    Compat("--split-sentences", "sentence splitting is not implemented", "refused"),
-    Compat("--reset-position-ids", "not implemented", "refused"),
-    Compat("--reset-attention-mask", "not implemented", "refused"),
-    Compat("--use-checkpoint-opt_param-scheduler", "not implemented: the learning-rate schedule always takes its "
-           "settings from the flags (a checkpoint gives only its step count)", "refused"),
-)
 
 # the config sections whose fields carry flags, by RunConfig attribute
 _SECTION_CLASSES = {"data": DataConfig, "optim": OptimConfig, "precision": PrecisionConfig, "train": TrainConfig,

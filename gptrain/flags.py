@@ -1,10 +1,10 @@
 """How a ``gptrain train`` flag is declared, and what is generated from the declarations.
 
-Each flag is declared once (gptrain/config.py): on the config field it sets, as
+Each flag is declared once: on the config field it sets (gptrain/config.py), as
 ``field(default=..., metadata=flag("--name", group=..., help=...))`` (its default and type are the
 field's); flags that set no single field (Megatron's recompute flags, ``--fp8``, ``--deepspeed``, ...)
-in ``config.DERIVED_FLAGS``; Megatron flags accepted without effect or refused in
-``config.COMPATIBILITY``, each with its reason. From these ``build_parser`` makes the argument parser
+in ``flag_tables.DERIVED_FLAGS``; Megatron flags accepted without effect or refused in
+``flag_tables.COMPATIBILITY``, each with its reason. From these ``build_parser`` makes the argument parser
 (groups in Megatron's order, hidden entries for the accepted no-op flags), and with it the
 ``--help`` text and its closing table of accepted and refused flags.
 """

@@ -1,4 +1,4 @@
-"""The reasons given for accepted no-op and refused Megatron flags (config.COMPATIBILITY) state
+"""The reasons given for accepted no-op and refused Megatron flags (flag_tables.COMPATIBILITY) state
 what the code does: each fact that can be checked on a CPU is checked here."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from gptrain.config import COMPATIBILITY
+from gptrain.flag_tables import COMPATIBILITY
 from gptrain.model.gpt import GPT, GPTConfig
 
 REASONS = {c.name: c.reason for c in COMPATIBILITY}

@@ -10,7 +10,8 @@ import re
 import pytest
 
 from gptrain import config, flags
-from gptrain.config import COMPATIBILITY, DERIVED_FLAGS, MODEL_FLAGS, build_parser, declared_flags, parse_megatron_args
+from gptrain.config import build_parser, declared_flags, parse_megatron_args
+from gptrain.flag_tables import COMPATIBILITY, DERIVED_FLAGS, MODEL_FLAGS
 from gptrain.model.gpt import GPTConfig
 
 BASE = ["--mock-data", "--train-iters", "1"]

@@ -23,7 +23,8 @@ from gptrain.parallel import simulate
 from gptrain.parallel.dims import init_distributed, is_logging_rank, world_from_env
 from gptrain.train import metrics
 from gptrain.train.build import build_training, parallel_dims
-from gptrain.train.loop import MicroBatchLoader, Trainer
+from gptrain.data.loader import MicroBatchLoader
+from gptrain.train.loop import Trainer
 
 
 class BaselineGPT(nn.Module):

@@ -295,15 +295,19 @@ class ParallelConfig:
     # plain data parallelism's gradient reduction and ZeRO's parameter gathers (Megatron's DDP flags)
     overlap_grad_reduce: bool = field(default=False, metadata=flag(
         "--overlap-grad-reduce", group="distributed",
-        help="reduce gradients in buckets during the backward pass (data parallelism)"))
+        help="plain data parallelism: all-reduce the gradients in buckets during the last micro-batch's backward "
+             "(the blocks then compile one by one, which costs compute: benchmarks/RESULTS.md says when it pays); "
+             "ZeRO stages reduce-scatter during the backward anyway"))
     ddp_bucket_size: int | None = field(default=None, metadata=flag(
         "--ddp-bucket-size", group="distributed",
         help="elements per gradient-reduction bucket with --overlap-grad-reduce (default: 40M, Megatron's)"))
     grad_reduce_in_bf16: bool = field(default=False, metadata=flag(
-        "--grad-reduce-in-bf16", group="distributed", help="reduce data-parallel gradients in bf16 instead of fp32"))
+        "--grad-reduce-in-bf16", group="distributed",
+        help="all-reduce plain data parallelism's gradients in bf16 instead of fp32 (half the bytes)"))
     overlap_param_gather: bool = field(default=False, metadata=flag(
         "--overlap-param-gather", group="distributed",
-        help="with --use-distributed-optimizer, gather updated parameters during the next forward"))
+        help="accepted, changes nothing: under ZeRO (--use-distributed-optimizer) FSDP2 gathers each block's "
+             "parameters while the block before it computes, with or without this flag"))
 
 
 @dataclass

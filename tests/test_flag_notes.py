@@ -135,7 +135,7 @@ def test_process_group_backend_by_device_and_default_timeout(monkeypatch):
 
 
 def test_batches_are_assembled_in_a_background_thread():
-    from gptrain.train.loop import MicroBatchLoader
+    from gptrain.data.loader import MicroBatchLoader
 
     assert REASONS["--num-workers"] == "batches are assembled in a background thread"
     loader = MicroBatchLoader([torch.zeros(17, dtype=torch.long)] * 8, 0, 2, torch.device("cpu"))

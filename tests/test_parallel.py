@@ -257,3 +257,15 @@ def test_buckets_launch_as_their_gradients_arrive():
         buckets.arrived(1)
         buckets.wait()  # a bucket whose gradients did not all arrive is launched by wait()
         assert torch.all(flat == 0.5) and buckets._pending == []
+
+
+@pytest.mark.slow
+def test_grad_reduce_in_bf16_with_and_without_overlap(one_process):
+    """--grad-reduce-in-bf16 sends the averaged gradients in bf16: the same numbers whether reduced
+    after the backward or bucket by bucket during it, and within bf16's rounding of fp32's."""
+    flags = TINY + STEPS + ["--grad-reduce-in-bf16"]
+    after = losses(torchrun(2, flags))
+    during = losses(torchrun(2, flags + ["--overlap-grad-reduce", "--ddp-bucket-size", "20000"]))
+    assert during == after
+    for it, loss in one_process[0].items():
+        assert after[it] == pytest.approx(loss, rel=1e-3), it

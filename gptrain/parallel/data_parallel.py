@@ -12,15 +12,21 @@ import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 
-def average_flat(flat: torch.Tensor, group, size: int) -> None:
-    flat.div_(size)
-    dist.all_reduce(flat, group=group)
+def average_flat(flat: torch.Tensor, group, size: int, reduce_dtype: torch.dtype | None = None) -> None:
+    """``flat`` averaged over ``group`` in place; ``reduce_dtype`` (--grad-reduce-in-bf16): sent in it."""
+    if reduce_dtype is None or reduce_dtype == flat.dtype:
+        flat.div_(size)
+        dist.all_reduce(flat, group=group)
+        return
+    low = flat.to(reduce_dtype).div_(size)
+    dist.all_reduce(low, group=group)
+    flat.copy_(low)
 
 
-def average_gradients(grads: list[torch.Tensor], group, size: int) -> None:
+def average_gradients(grads: list[torch.Tensor], group, size: int, reduce_dtype: torch.dtype | None = None) -> None:
     """Average plain gradients (a tensor-parallel rank's shards) over ``group``."""
     if not grads:
         return
     flat = _flatten_dense_tensors(grads)
-    average_flat(flat, group, size)
+    average_flat(flat, group, size, reduce_dtype)
     torch._foreach_copy_(grads, list(_unflatten_dense_tensors(flat, grads)))

@@ -9,16 +9,14 @@ the overflow flag every step, as Megatron does, because the loss scale must reac
 from __future__ import annotations
 
 import math
-import queue
-import threading
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from gptrain.config import RunConfig
+from gptrain.data.loader import MicroBatchLoader, NoData
 from gptrain.parallel.collectives import all_reduce_, global_norm_and_sum, world_size
 from gptrain.parallel.data_parallel import average_flat, average_gradients
 from gptrain.parallel.dims import is_logging_rank, world_from_env
@@ -35,72 +33,6 @@ from gptrain.train.schedule import LRSchedule
 
 class TrainingStopped(RuntimeError):
     """The run stopped on purpose (too many NaN iterations); the message says why and what was saved."""
-
-
-class MicroBatchLoader:
-    """This rank's micro-batches from ``start`` (a sample index), assembled and pinned in a
-    background thread so the copy to the device overlaps compute. Wraps around at the end.
-
-    Megatron's pretraining sampler: each step of ``micro_batch_size x dp_size`` consecutive samples
-    is cut into ``dp_size`` slices and rank r reads slice r, so a global batch holds the same
-    samples in the same order at any data-parallel size."""
-
-    def __init__(self, dataset, start: int, micro_batch_size: int, device: torch.device, prefetch: int = 4,
-                 dp_rank: int = 0, dp_size: int = 1):
-        self.dataset, self.position, self.mbs, self.device = dataset, start, micro_batch_size, device
-        self.dp_rank, self.dp_size = dp_rank, dp_size
-        self.pin = device.type == "cuda"
-        self._queue: queue.Queue = queue.Queue(maxsize=prefetch)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._fill, daemon=True)
-        self._thread.start()
-
-    def _fill(self) -> None:
-        position = self.position
-        try:
-            while not self._stop.is_set():
-                n = len(self.dataset)
-                first = position + self.dp_rank * self.mbs
-                batch = np.stack([self.dataset[(first + k) % n] for k in range(self.mbs)])
-                tensor = torch.from_numpy(batch)
-                if self.pin:
-                    tensor = tensor.pin_memory()
-                position += self.mbs * self.dp_size
-                while not self._stop.is_set():
-                    try:
-                        self._queue.put(tensor, timeout=0.1)
-                        break
-                    except queue.Full:
-                        continue
-        except BaseException as err:  # surfaced in the training thread, never swallowed
-            self._queue.put(err)
-
-    def next(self) -> tuple[torch.Tensor, torch.Tensor]:
-        item = self._queue.get()
-        if isinstance(item, BaseException):
-            raise item
-        self.position += self.mbs * self.dp_size
-        batch = item.to(self.device, non_blocking=True)
-        return batch[:, :-1], batch[:, 1:]
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=5)
-
-    def next_step(self, n_micro: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """A step's micro-batches, concatenated (what a pipeline schedule splits again)."""
-        pairs = [self.next() for _ in range(n_micro)]
-        return torch.cat([t for t, _ in pairs]), torch.cat([lb for _, lb in pairs])
-
-
-class NoData:
-    """The loader of a middle pipeline stage, which reads no data (activations come from the previous stage)."""
-
-    def next_step(self, n_micro: int):
-        return None, None
-
-    def close(self) -> None:
-        pass
 
 
 @dataclass
@@ -308,10 +240,11 @@ class Trainer:
             self.parts.grad_buckets.wait()
         elif dims.replicated:  # plain data parallelism: average the whole gradients over the replicas
             group = self.parts.mesh["dp"].get_group()
+            low = torch.bfloat16 if self.cfg.parallel.grad_reduce_in_bf16 else None
             if self.main is not None:
-                average_flat(self.main.grad_flat, group, dims.dp)
+                average_flat(self.main.grad_flat, group, dims.dp, low)
             else:
-                average_gradients([g for _, g in named], group, dims.dp)
+                average_gradients([g for _, g in named], group, dims.dp, low)
         if self.pipeline is not None:
             self.pipeline.sum_tied_gradients(self._tied_gradient())
             if self.pipeline.last and not self.pipeline.first:  # the tied copy counts once, on the first stage

@@ -42,8 +42,32 @@ class IntervalStats:
     start_time: float = 0.0
 
 
+@dataclass
+class TrainProgress:
+    """Where training stands. Its state sits at state.json's top level under Megatron's names; the
+    iteration is the checkpointer's (it names the folder and is written into state.json by it)."""
+    iteration: int = 0
+    consumed_train: int = 0
+    consumed_valid: int = 0
+
+    def state_dict(self) -> dict:
+        return {"consumed_train_samples": self.consumed_train, "consumed_valid_samples": self.consumed_valid}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.iteration = int(state["iteration"]) if state["iteration"] != "release" else 0
+        self.consumed_train = int(state["consumed_train_samples"])
+        self.consumed_valid = int(state["consumed_valid_samples"])
+
+
+def _progress(name: str) -> property:
+    return property(lambda self: getattr(self.progress, name), lambda self, v: setattr(self.progress, name, v))
+
+
 class Trainer:
     """Runs the loop over parts assembled by ``train/build.py`` (model, forward, optimizer, layout)."""
+
+    # the loop's counters live in self.progress, so that the checkpoint takes them from one place
+    iteration, consumed_train, consumed_valid = map(_progress, ("iteration", "consumed_train", "consumed_valid"))
 
     def __init__(self, cfg: RunConfig, parts: TrainingParts, train_ds, valid_ds, test_ds, device: torch.device,
                  log=print):
@@ -60,10 +84,11 @@ class Trainer:
         self.optimizer = parts.optimizer
         self.schedule = LRSchedule.from_config(cfg.optim, cfg.train)
         self.scaler = LossScaler.from_config(cfg.precision)
-        self.iteration = 0
+        self.progress = TrainProgress()
         self.loaded_iteration: int | None = None
-        self.consumed_train = 0
-        self.consumed_valid = 0
+        # the parts whose state_dict()s make state.json (progress's at its top level; without fp16 the
+        # scaler is None and saved as null)
+        self.stateful = {"progress": self.progress, "schedule": self.schedule, "scaler": self.scaler}
         p = cfg.precision
         # autocast only where the parameters stay fp32 (--autocast)
         self.compute_dtype = None if p.half_params else torch.bfloat16 if p.bf16 else torch.float16 if p.fp16 else None
@@ -128,8 +153,8 @@ class Trainer:
 
     # ---- checkpoints
     def state(self) -> dict:
-        return {"consumed_train_samples": self.consumed_train, "consumed_valid_samples": self.consumed_valid,
-                "schedule": self.schedule.state_dict(), "scaler": self.scaler.state_dict() if self.scaler else None,
+        saved = {name: part.state_dict() if part else None for name, part in self.stateful.items()}
+        return {**saved.pop("progress"), **saved,
                 "config": self.cfg.to_dict(), "layout": {"dp": self.dp_size, "tp": self.parts.dims.tp,
                                                          "pp": self.parts.dims.pp, "zero_stage": self.parts.dims.zero_stage}}
 
@@ -166,16 +191,14 @@ class Trainer:
         if t.finetune:
             self.log(f" loaded weights from {t.load} (iteration {state['iteration']}); --finetune starts at 0")
             return
-        self.iteration = int(state["iteration"]) if state["iteration"] != "release" else 0
+        self.progress.load_state_dict(state)
         self.loaded_iteration = self.iteration
-        self.consumed_train = int(state["consumed_train_samples"])
-        self.consumed_valid = int(state["consumed_valid_samples"])
         if t.no_load_optim:  # Megatron's meaning: the scheduler and loss scaler go with the optimizer
             self.log(" > --no-load-optim: optimizer state, learning-rate schedule and loss scale start fresh")
-        else:
-            self.schedule.load_state_dict(state["schedule"])
-            if self.scaler and state.get("scaler"):
-                self.scaler.load_state_dict(state["scaler"])
+        else:  # the other parts; one the checkpoint has none of (a bf16 run's loss scaler) starts fresh
+            for name, part in self.stateful.items():
+                if part is not self.progress and part and state.get(name):
+                    part.load_state_dict(state[name])
         self.log(f"  successfully loaded checkpoint from {t.load} at iteration {self.iteration}")
 
     def _load_megatron(self) -> None:
@@ -187,9 +210,8 @@ class Trainer:
                  "optimizer state starts fresh")
         if t.finetune or state["iteration"] == "release":
             return
-        self.iteration = self.loaded_iteration = int(state["iteration"])
-        self.consumed_train = state["consumed_train_samples"]
-        self.consumed_valid = state["consumed_valid_samples"]
+        self.progress.load_state_dict(state)
+        self.loaded_iteration = self.iteration
         self.schedule.num_steps = self.consumed_train  # Megatron's schedule counts samples, as gptrain's does
 
     # ---- one optimisation step

@@ -3,14 +3,18 @@ recompute -> tensor parallelism -> compile -> FSDP2.
 
 Every ZeRO stage runs on FSDP2 ``fully_shard`` with a mixed-precision policy: the parameters the
 optimizer sees are fp32 shards (the main parameters), each block computes in bf16/fp16 on an
-all-gathered copy, and gradients are reduce-scattered in fp32 as each block's backward finishes,
-so communication overlaps compute. ZeRO-3 frees the gathered copy after each block's forward (and
-gathers it again for the backward); ZeRO-1 and ZeRO-2 keep it until the backward.
+all-gathered copy. ZeRO-2 and ZeRO-3 reduce-scatter the gradients in fp32 as each block's backward
+finishes, so communication overlaps compute; ZeRO-1 keeps them whole (fp32) across the step's
+micro-batches and reduce-scatters them once, during the last one's backward (train/loop.py). ZeRO-3
+frees the gathered copy after each block's forward (and gathers it again for the backward); ZeRO-1
+and ZeRO-2 keep it until the backward.
 
 One device and plain data parallelism keep the whole model, compiled as one graph, with fp32 main
 copies (train/main_params.py); data parallelism all-reduces the fp32 main-gradient buffer once per
-step (parallel/data_parallel.py). Measured faster than FSDP2 without resharding, whose per-block
-hooks cut the compiled graph into blocks and add host work (benchmarks/RESULTS.md, session 5).
+step (parallel/data_parallel.py), or bucket by bucket during the backward with --overlap-grad-reduce
+(parallel/grad_buckets.py, the blocks then compiled one by one). Measured faster than FSDP2 without
+resharding, whose per-block hooks cut the compiled graph into blocks and add host work
+(benchmarks/RESULTS.md, s5).
 """
 from __future__ import annotations
 
@@ -30,19 +34,22 @@ def apply_recompute(model: GPT, mode: str | None) -> None:
         block.attn.recompute_core = mode == "selective"
 
 
-def describe_sharding(dims: ParallelDims) -> str:
+def describe_sharding(dims: ParallelDims, overlap: bool = False, reduce_bf16: bool = False) -> str:
     if dims.replicated:
+        when = "in buckets during the last micro-batch's backward" if overlap else "once per step, after the backward"
         return (f"data parallel over {dims.dp} ranks: whole model on each, fp32 main parameters and gradients, "
-                "gradients all-reduced in fp32 once per step")
+                f"gradients all-reduced in {'bf16' if reduce_bf16 else 'fp32'} {when}")
     if not dims.sharded:
         where = "one device" if dims.world_size == 1 else "no data parallelism"
         return f"{where}: whole model, fp32 main parameters and gradients"
-    how = {1: "ZeRO-1 (runs as ZeRO-2: gradients are sharded too, same math)", 2: "ZeRO-2", 3: "ZeRO-3"}[dims.zero_stage]
+    how = {1: "ZeRO-1", 2: "ZeRO-2", 3: "ZeRO-3"}[dims.zero_stage]
     keep = "gathered per block, freed after its forward" if dims.zero_stage == 3 else \
         "gathered per block, kept until its backward"
+    grads = "kept whole (fp32) across the micro-batches and reduce-scattered once, in the last one's backward" \
+        if dims.zero_stage == 1 else "reduce-scattered in fp32 during each backward"
     offload = "; parameters, gradients and optimizer state in host memory" if dims.cpu_offload else ""
     return (f"{how} over {dims.dp} ranks on FSDP2: fp32 parameter and optimizer-state shards, parameters "
-            f"{keep}, gradients reduce-scattered in fp32 during the backward{offload}")
+            f"{keep}, gradients {grads}{offload}")
 
 
 def apply_fsdp(roots: list[nn.Module], model: GPT, mesh: DeviceMesh, dims: ParallelDims,

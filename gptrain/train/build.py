@@ -126,7 +126,7 @@ def build_training(cfg: RunConfig, device: torch.device, dims: ParallelDims, mes
     forward, layout = parallelize(train_module, model, dims, mesh, cfg.kernels.recompute, param_dtype,
                                   cfg.train.compile, cfg.train.compile_mode, cfg.parallel.sequence_parallel, chunks,
                                   per_block=overlap_grad_reduce(cfg, dims))
-    impls["parameters"] = describe_sharding(dims)
+    impls["parameters"] = describe_sharding(dims, overlap_grad_reduce(cfg, dims), cfg.parallel.grad_reduce_in_bf16)
     init_device = torch.device("cpu") if dims.cpu_offload else device
     train_module.to_empty(device=init_device)
     if model.output_layer is not None:

@@ -86,12 +86,10 @@ def _replicas_after_training(rank: int, out_path: str, flags: list[str]) -> None
     Trainer(cfg, parts, data, None, None, device, log=lambda s: None).train()
     CoreAttention.forward = plain_forward
     attention_stream = torch.stack(streams)
-    from torch.distributed.tensor import DTensor
+    from gptrain.parallel.tensor_parallel import split_dim_of
 
     # the parameters every tensor-parallel rank holds whole (LayerNorms, position embeddings, row-parallel biases)
-    whole = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
-             for n, p in parts.model.named_parameters()
-             if not isinstance(p, DTensor) or all(pl.is_replicate() for pl in p.placements)}
+    whole = {n: p.detach().clone() for n, p in parts.model.named_parameters() if split_dim_of(n) is None}
     gathered = [None, None]
     torch.distributed.all_gather_object(gathered, (attention_stream, whole))
     if rank == 0:

@@ -255,7 +255,6 @@ class Trainer:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         layout = self.parts.layout
-        layout.reduce_sequence_parallel_grads(self.opt_params)
         named = [(n, p.grad) for n, p in self.opt_params.items() if p.grad is not None]
         dims = self.parts.dims
         if self.parts.grad_buckets is not None:  # reduced during the backward: wait for the last buckets
@@ -267,6 +266,9 @@ class Trainer:
                 average_flat(self.main.grad_flat, group, dims.dp, low)
             else:
                 average_gradients([g for _, g in named], group, dims.dp, low)
+        # sequence parallelism's per-rank gradients summed over the tensor-parallel group, once the
+        # data-parallel reduction (which may still be in flight with overlap) is done with them
+        layout.reduce_sequence_parallel_grads(self.opt_params)
         if self.pipeline is not None:
             self.pipeline.sum_tied_gradients(self._tied_gradient())
             if self.pipeline.last and not self.pipeline.first:  # the tied copy counts once, on the first stage

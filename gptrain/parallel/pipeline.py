@@ -148,7 +148,7 @@ def embedding_group(mesh: DeviceMesh, dims: ParallelDims):
 @dataclass(frozen=True)
 class StageShapes:
     """What travels between stages, known before the first step (no shape inference over the network
-    at start, so a stage starts alone in a simulated world): the first stage's token ids, the
+    at start, so a stage also starts alone in a simulated world): the first stage's token ids, the
     hidden states between stages (this rank's share of the tokens with sequence parallelism), and the
     last stage's output (every token again)."""
     tokens: tuple[int, int]
@@ -165,11 +165,13 @@ class StageShapes:
         return cls((micro_batch_size, seq_length), hidden, final, dtype)
 
     def example(self, stage: int, num_stages: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(input, output) examples of a stage, on the meta device."""
+        """(input, output) examples of a stage, on the meta device; hidden states require gradients
+        (the receiving stage's buffers take it from the example: without it no gradient flows back)."""
         meta = torch.device("meta")
         x = torch.empty(self.tokens, dtype=torch.int64, device=meta) if stage == 0 else \
-            torch.empty(self.hidden, dtype=self.dtype, device=meta)
-        y = torch.empty(self.final if stage == num_stages - 1 else self.hidden, dtype=self.dtype, device=meta)
+            torch.empty(self.hidden, dtype=self.dtype, device=meta, requires_grad=True)
+        y = torch.empty(self.final if stage == num_stages - 1 else self.hidden, dtype=self.dtype, device=meta,
+                        requires_grad=True)
         return x, y
 
 
@@ -216,12 +218,10 @@ class Pipeline:
         self.factor = 1.0
         self.chunks = chunks
         group = mesh["pp"].get_group()
-        # in a simulated world (the fake process group) the shapes are given, as nothing can be
-        # exchanged; real runs keep torch's shape inference at the first step: torch 2.13's
-        # given-shape mode gave the first stage wrong gradients in tests/test_pipeline_parallel.py
+        # every stage is given its shapes: no shape inference over the network at the first step
         simulated = dist.get_backend(group) == "fake"
         stages = [PipelineStage(c, s, plan.num_stages, device, group=group,
-                                **(_given_shapes(shapes, s, plan.num_stages, PipelineStage) if simulated else {}))
+                                **_given_shapes(shapes, s, plan.num_stages, PipelineStage))
                   for c, s in zip(self.chunks, plan.stages)]
         if len(stages) == 1:
             if n_micro < dims.pp:

@@ -54,6 +54,13 @@ DERIVED_FLAGS: tuple[Flag, ...] = (
          action="store_true", dest="deepspeed"),
     Flag(("--world-size",), "run (gptrain)", "with --dry-run: the number of processes to plan for (default: "
          "torchrun's WORLD_SIZE, else 1)", type=int, default=None, dest="world_size"),
+    # the rank simulator's pair, taken by parallel/simulate.py before the flags are parsed (listed here
+    # so --help shows them)
+    Flag(("--simulate-world-size",), "run (gptrain)", "run one rank of a world of N processes alone through a fake "
+         "process group (collectives return at once): its own time, launches and memory", type=int, default=None,
+         dest="simulate_world_size"),
+    Flag(("--simulate-rank",), "run (gptrain)", "with --simulate-world-size: which rank to run (default 0)",
+         type=int, default=0, dest="simulate_rank"),
 )
 
 # Megatron flags that change nothing here (accepted, the reason printed once) or that gptrain

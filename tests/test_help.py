@@ -170,7 +170,10 @@ def test_derived_flags_are_read_by_the_translation():
     assert {f.name for f in DERIVED_FLAGS} == {"--checkpoint-activations", "--recompute-activations",
                                                "--recompute-granularity", "--recompute-method",
                                                "--recompute-num-layers", "--optimizer", "--fp8",
-                                               "--use-distributed-optimizer", "--deepspeed", "--world-size"}
+                                               "--use-distributed-optimizer", "--deepspeed", "--world-size",
+                                               "--simulate-world-size", "--simulate-rank"}
+    # the simulator's pair is taken before parsing (parallel/simulate.py) and parses as a no-op after
+    assert parse("--simulate-world-size", "8", "--simulate-rank", "3") == parse()
 
 
 def test_new_data_parallel_flags_set_their_fields():

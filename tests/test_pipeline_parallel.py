@@ -28,10 +28,11 @@ def one_process():
     (2, 2, ["--pipeline-model-parallel-size", "2"], "1F1B"),
     (2, 4, ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"],
      "interleaved 1F1B, 2 virtual stages per rank"),
-    (4, 2, ["--pipeline-model-parallel-size", "2", "--tensor-model-parallel-size", "2"], "1F1B"),
+    (4, 2, ["--pipeline-model-parallel-size", "2", "--tensor-model-parallel-size", "2", "--sequence-parallel"],
+     "1F1B"),
     (4, 2, ["--pipeline-model-parallel-size", "2", "--use-distributed-optimizer"], "1F1B"),
     (2, 4, ["--pipeline-model-parallel-size", "2", "--decoder-last-pipeline-num-layers", "1"], "1F1B"),
-], ids=["pp2", "pp2-interleaved", "tp2xpp2", "pp2xzero1", "pp2-uneven-3+1"])
+], ids=["pp2", "pp2-interleaved", "tp2xpp2+sp", "pp2xzero1", "pp2-uneven-3+1"])
 def test_pipeline_equals_one_process(nproc, layers, flags, schedule, one_process):
     out = torchrun(nproc, _layers(layers) + STEPS + flags)
     got, ref = losses(out), one_process[layers]

@@ -6,10 +6,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import DTensor
 
-
-def local(t: torch.Tensor) -> torch.Tensor:
-    """The tensor this process holds (a DTensor's shard)."""
-    return t.to_local() if isinstance(t, DTensor) else t
+from gptrain.parallel.collectives import local
 
 
 def local_region(param: torch.Tensor, full_shape: tuple[int, ...],

@@ -384,6 +384,13 @@ class ShardLayout:
     def is_split(self, name: str) -> bool:
         return name in self.split_dim
 
+    def full_shape(self, name: str, local_shape) -> tuple[int, ...]:
+        """The whole tensor's shape of ``name`` given this rank's (tensor-parallel) part of it."""
+        shape = list(local_shape)
+        if (dim := self.split_dim.get(name)) is not None:
+            shape[dim] *= self.tp.size
+        return tuple(shape)
+
     def checkpoint_view(self, name: str, t: torch.Tensor) -> torch.Tensor:
         """``t`` (this rank's shard of parameter ``name``, or of its optimizer state) as a DTensor of
         the full tensor sharing ``t``'s memory, so DCP writes and reads it in place at its offsets;
@@ -397,8 +404,7 @@ class ShardLayout:
             mesh, placements, local = self._tp_dp_mesh(), (Shard(dim), *t.placements), t.to_local()
         else:
             mesh, placements, local = self.mesh["tp"], (Shard(dim),), t
-        shape = list(t.shape)
-        shape[dim] *= self.tp.size
+        shape = self.full_shape(name, t.shape)
         stride = torch.empty(shape, device="meta").stride()
         return DTensor.from_local(local, mesh, placements, run_check=False, shape=torch.Size(shape), stride=stride)
 

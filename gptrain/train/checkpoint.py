@@ -285,12 +285,11 @@ def load_checkpoint(root: str | os.PathLike, params: dict[str, torch.Tensor],
         if name != UNPADDED or value.dim() != 2:
             continue
         dest = params[name] if key.startswith("model/") else optimizer.state[params[name]][key.rsplit("/", 1)[1]]
-        shape = list(dest.shape)
-        if layout is not None and (dim := layout.split_dim.get(name)) is not None:
-            shape[dim] *= layout.tp.size  # a tensor-parallel shard of the padded table
+        # the padded table whole (dest may be a tensor-parallel shard of it), then this rank's part
+        shape = layout.full_shape(name, dest.shape) if layout is not None else tuple(dest.shape)
         padded = torch.zeros(shape, dtype=torch.float32)
         padded[:vocab_size] = value
-        copy_full_into(dest, padded, layout.region(name, tuple(shape)) if layout is not None else None)
+        copy_full_into(dest, padded, layout.region(name, shape) if layout is not None else None)
     state = json.loads((path / "state.json").read_text())
     rng = path / f"rng_rank{this_rank():05d}.safetensors"
     if load_rng and rng.is_file():

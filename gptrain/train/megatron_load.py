@@ -29,11 +29,7 @@ def check_architecture(args: dict, cfg: RunConfig, where: str) -> None:
 
 
 def _full_shape(name: str, target: torch.Tensor, layout) -> tuple[int, ...]:
-    """The whole tensor's shape of a parameter that may be a tensor-parallel shard."""
-    shape = list(target.shape)
-    if layout is not None and (dim := layout.split_dim.get(name)) is not None:
-        shape[dim] *= layout.tp.size
-    return tuple(shape)
+    return layout.full_shape(name, target.shape) if layout is not None else tuple(target.shape)
 
 
 def _region(name: str, shape: tuple[int, ...], layout):

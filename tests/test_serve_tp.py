@@ -275,7 +275,7 @@ def test_generate_tp2_equals_transformers(tmp_path):
 
 @pytest.mark.slow
 def test_bad_layouts_are_one_line_errors(tmp_path, checkpoint):
-    # heads that do not divide: a 3-head model at TP2, every rank says so and the run fails
+    # heads that do not divide: a 3-head model at TP2, the ranks say so and the run fails
     from gptrain.model.gpt import GPT, GPTConfig
 
     model = GPT(GPTConfig(num_layers=1, hidden_size=24, num_attention_heads=3, seq_length=16, vocab_size=50257,
@@ -285,8 +285,10 @@ def test_bad_layouts_are_one_line_errors(tmp_path, checkpoint):
     done = _generate(2, folder, "--prompt", "x", "--tensor-model-parallel-size", "2")
     assert done.returncode != 0
     lines = [ln for ln in (done.stdout + done.stderr).splitlines() if ln.startswith("gptrain generate: error:")]
-    assert lines == ["gptrain generate: error: --tensor-model-parallel-size 2: the model's 3 attention heads are "
-                     "not divisible by it"] * 2, done.stderr[-3000:]
+    # torchrun stops the other rank once one fails, so the second rank's line may or may not come
+    assert 1 <= len(lines) <= 2, done.stderr[-3000:]
+    assert set(lines) == {"gptrain generate: error: --tensor-model-parallel-size 2: the model's 3 attention heads "
+                          "are not divisible by it"}, done.stderr[-3000:]
     assert done.stderr.count("Traceback (most recent call last)") == 1  # torchrun's ChildFailedError; no rank's
     # tensor parallelism without torchrun's processes
     done = subprocess.run([sys.executable, "-m", "gptrain", "serve", "--load", str(checkpoint), "--device", "cpu",

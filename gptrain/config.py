@@ -268,6 +268,13 @@ class ParallelConfig:
     sequence_parallel: bool = field(default=False, metadata=flag(  # with TP: LayerNorms and dropout on sequence shards
         "--sequence-parallel", group="distributed",
         help="with tensor parallelism: LayerNorms, dropout and the residual stream on sequence shards"))
+    # torch's micro-pipelined collective matmuls (async TP) on the sequence-parallel all-gathers and
+    # reduce-scatters; Megatron's flag does the same with TransformerEngine's userbuffers
+    tp_comm_overlap: bool = field(default=False, metadata=flag(
+        "--tp-comm-overlap", group="distributed",
+        help="with --sequence-parallel and --compile on NVIDIA GPUs: async tensor parallelism (torch's "
+             "micro-pipelined all-gather/reduce-scatter matmuls over symmetric memory), the linear layers on "
+             "torch's matmuls; benchmarks/RESULTS.md says what it was measured to give"))
     # interleaved 1F1B (Megatron's virtual pipeline stages)
     layers_per_virtual_stage: int | None = field(default=None, metadata=flag(
         "--num-layers-per-virtual-pipeline-stage", group="distributed",

@@ -1,7 +1,7 @@
 """Tensor parallelism (plain shards, explicit collectives) against one process: the same losses and
 weights at TP2, TP2 with sequence parallelism, TP2 x DP2, TP2 x ZeRO-3, TP4 and TP2 + SP x DP2 with
 overlapped reduction (fp32, tiny model, no dropout; TP2 x PP2 + SP in test_pipeline_parallel.py); each
-block compiles as one graph with no DTensor inside; Megatron's per-rank parameter counts, built and planned
+block compiles as one graph with no DTensor inside; --tp-comm-overlap's rewrite into torch's async-TP kernels; Megatron's per-rank parameter counts, built and planned
 (seeds/004's figures for the 345M model); a checkpoint saved at TP2 resumed by one process."""
 from __future__ import annotations
 
@@ -130,10 +130,28 @@ def _compiled_block(rank: int, sequence_parallel: bool, out_path: str) -> None:
     y = compiled(x)
     y.sum().backward()  # fullgraph=True raises on any graph break, forward or backward
     eager = block(x.detach())
+    overlap_form = _async_tp_form_matches(block.attn.qkv, x.detach()) if sequence_parallel else True
     if rank == 0:
         torch.save({"dtensors": dtensors, "equal": torch.allclose(y.detach(), eager, atol=1e-6),
-                    "grad": x.grad is not None}, out_path)
+                    "grad": x.grad is not None, "overlap_form": overlap_form}, out_path)
     torch.distributed.destroy_process_group()
+
+
+def _async_tp_form_matches(column, x) -> bool:
+    """--tp-comm-overlap's column-parallel form (the bias added after the matmul) gives the same
+    output and gradients as the fused form, on the same parameters."""
+    import copy
+    import dataclasses
+
+    twin = copy.copy(column)
+    twin.tp = dataclasses.replace(column.tp, comm_overlap=True)
+    got = []
+    for layer in (column, twin):
+        layer.zero_grad()
+        y = layer(x)
+        y.square().sum().backward()
+        got.append((y.detach(), layer.weight.grad.clone(), layer.bias.grad.clone()))
+    return all(torch.allclose(a, b, atol=1e-6) for a, b in zip(*got))
 
 
 @pytest.mark.slow
@@ -142,4 +160,62 @@ def test_block_compiles_as_one_graph_on_plain_tensors(sequence_parallel, tmp_pat
     spawn(2, _compiled_block, sequence_parallel, str(tmp_path / "out.pt"))
     got = torch.load(tmp_path / "out.pt")
     assert got["dtensors"] == []  # no DTensor parameter, so no DTensor operation in the step
-    assert got["equal"] and got["grad"]
+    assert got["equal"] and got["grad"] and got["overlap_form"]
+
+
+def test_async_tensor_parallelism_refuses_what_it_cannot_rewrite():
+    from gptrain.parallel.async_tp import check_async_tp
+
+    cuda = torch.device("cuda")
+    for args, message in [((1, True, True, cuda), "--tensor-model-parallel-size above 1"),
+                          ((2, False, True, cuda), "needs --sequence-parallel"),
+                          ((2, True, False, cuda), "needs --compile"),
+                          ((2, True, True, torch.device("cpu")), "needs NVIDIA GPUs with NCCL")]:
+        with pytest.raises(ValueError, match=message):
+            check_async_tp(*args)
+
+
+@pytest.mark.slow
+def test_async_tensor_parallelism_rewrites_the_sequence_parallel_matmuls():
+    """Inductor's micro-pipeline pass finds every sequence-parallel all-gather -> matmul and matmul ->
+    reduce-scatter of a compiled TP2 + SP block, in --tp-comm-overlap's form (and not the all-gathers
+    in the default form, whose column-parallel bias sits in an addmm). Rank 0 of a fake group on the
+    CPU, symmetric memory mocked and NCCL claimed: only the rewrite is checked (the fused kernels are
+    CUDA's, so running the rewritten forward fails after its code is generated)."""
+    from unittest import mock
+
+    import torch._inductor.config as inductor_config
+    import torch.distributed as dist
+    from torch._inductor.graph import GraphLowering
+    from torch.distributed import _symmetric_memory as symm_mem
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from gptrain.parallel.tensor_parallel import apply_tensor_parallel
+
+    def fused_calls(comm_overlap: bool) -> tuple[int, int]:
+        with torch.device("meta"):
+            model = GPT(cfg.model)
+        apply_tensor_parallel(model, mesh, sequence_parallel=True, comm_overlap=comm_overlap)
+        block = model.layers["0"].to_empty(device="cpu")
+        x = torch.randn(1, cfg.model.seq_length, 1024, requires_grad=True)  # 2 x seq tokens / 2 ranks
+        torch._dynamo.reset()
+        codes: list[str] = []
+        with symm_mem._test_mode(), inductor_config.patch(_micro_pipeline_tp=True), \
+                mock.patch.object(GraphLowering, "save_output_code", codes.append), \
+                mock.patch.object(dist, "is_nccl_available", lambda: True), pytest.raises(NotImplementedError):
+            torch.compile(block, fullgraph=True)(x)
+        code = "\n".join(codes)
+        return (code.count("torch.ops.symm_mem.fused_all_gather_matmul.default("),
+                code.count("torch.ops.symm_mem.fused_matmul_reduce_scatter.default("))
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        mesh = torch.distributed.device_mesh.init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+        cfg, _ = parse_megatron_args(TINY + ["--hidden-size", "1024", "--num-attention-heads", "8",
+                                             "--train-iters", "1"], world_size=1)
+        # QKV and fc1 after their all-gathers, proj and fc2 before their reduce-scatters
+        assert fused_calls(comm_overlap=True) == (2, 2)
+        assert fused_calls(comm_overlap=False) == (0, 2)
+    finally:
+        dist.destroy_process_group()
+        torch._dynamo.reset()

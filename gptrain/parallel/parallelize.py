@@ -74,18 +74,24 @@ def apply_fsdp(roots: list[nn.Module], model: GPT, mesh: DeviceMesh, dims: Paral
 def parallelize(train_module: nn.Module, model: GPT, dims: ParallelDims, mesh: DeviceMesh | None,
                 recompute: str | None, param_dtype: torch.dtype | None, compile_model: bool,
                 compile_mode: str | None, sequence_parallel: bool = False,
-                pipeline_chunks: list[nn.Module] | None = None, per_block: bool = False):
+                pipeline_chunks: list[nn.Module] | None = None, per_block: bool = False,
+                comm_overlap: bool = False):
     """Transform in place; returns the callable the trainer runs forward through:
     ``(tokens, labels, loss_mask) -> loss`` (None with pipeline parallelism: the schedule runs the
     ``pipeline_chunks``) and the tensor-parallel ``ShardLayout`` (empty without tensor parallelism).
     ``per_block``: compile block by block even on one device or whole replicas, so gradients reach
-    their hooks as each block's backward ends (overlapped data-parallel reduction)."""
+    their hooks as each block's backward ends (overlapped data-parallel reduction). ``comm_overlap``:
+    async tensor parallelism (parallel/async_tp.py)."""
     from gptrain.parallel.tensor_parallel import ShardLayout, VocabParallelLMLoss, apply_tensor_parallel
 
     apply_recompute(model, recompute)
     layout = ShardLayout()
     if dims.tp > 1:
-        layout = apply_tensor_parallel(model, mesh, sequence_parallel)
+        layout = apply_tensor_parallel(model, mesh, sequence_parallel, comm_overlap)
+        if comm_overlap:
+            from gptrain.parallel.async_tp import enable_async_tp
+
+            enable_async_tp(mesh["tp"].get_group())
         loss = train_module.loss
         train_module.loss = VocabParallelLMLoss(loss.vocab_size, layout.tp, tuned=loss.tuned)
     return _compile_and_shard(train_module, model, dims, mesh, param_dtype, compile_model, compile_mode,

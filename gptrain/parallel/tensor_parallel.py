@@ -189,10 +189,12 @@ class TPGroup:
     size: int
     sequence_parallel: bool
     seq_length: int
+    comm_overlap: bool = False  # async TP: bare matmuls after the all-gathers (parallel/async_tp.py)
 
     @classmethod
-    def of(cls, group, sequence_parallel: bool, seq_length: int) -> "TPGroup":
-        return cls(group.group_name, dist.get_rank(group), dist.get_world_size(group), sequence_parallel, seq_length)
+    def of(cls, group, sequence_parallel: bool, seq_length: int, comm_overlap: bool = False) -> "TPGroup":
+        return cls(group.group_name, dist.get_rank(group), dist.get_world_size(group), sequence_parallel, seq_length,
+                   comm_overlap)
 
 
 def _shard(t: torch.Tensor, dim: int, tp: TPGroup) -> nn.Parameter:
@@ -211,6 +213,9 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         tp = self.tp
+        if tp.comm_overlap and self.bias is not None:  # the bias after the matmul, which async TP can fuse
+            return _ColumnParallel.apply(x, self.weight, None, tp.name, tp.size, tp.sequence_parallel,
+                                         tp.seq_length, self.tuned) + self.bias
         return _ColumnParallel.apply(x, self.weight, self.bias, tp.name, tp.size, tp.sequence_parallel,
                                      tp.seq_length, self.tuned)
 
@@ -447,12 +452,13 @@ def split_dim_of(name: str) -> int | None:
     return None
 
 
-def apply_tensor_parallel(model: GPT, mesh: DeviceMesh, sequence_parallel: bool = False) -> ShardLayout:
+def apply_tensor_parallel(model: GPT, mesh: DeviceMesh, sequence_parallel: bool = False,
+                          comm_overlap: bool = False) -> ShardLayout:
     """Megatron's split of ``model`` (on the meta device, after the kernel converter) over the
     mesh's ``tp`` dimension: the blocks' linear layers, the word embeddings and, with
     ``sequence_parallel``, the token split of the residual stream. Returns which parameter is
-    split where."""
-    tp = TPGroup.of(mesh["tp"].get_group(), sequence_parallel, model.cfg.seq_length)
+    split where. ``comm_overlap``: the column-parallel layers in the form async TP rewrites."""
+    tp = TPGroup.of(mesh["tp"].get_group(), sequence_parallel, model.cfg.seq_length, comm_overlap)
     # Megatron's dropout: the same masks on every tensor-parallel rank outside the parallel regions
     # (hashed, per position in the micro-batch), a per-rank stream inside them (train/run.py)
     model.hashed_dropout = True

@@ -9,6 +9,7 @@ full tensor (model/init_draw.py), so for a seed the full weights are the same at
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -99,9 +100,23 @@ def build_optimizer(params: dict[str, torch.Tensor], cfg: RunConfig) -> torch.op
                              eps=cfg.optim.adam_eps, fused=True)
 
 
+def _kernels_for_layout(cfg: RunConfig, device: torch.device, dims: ParallelDims):
+    """The kernel settings this layout can use: async tensor parallelism needs torch's matmuls."""
+    if not cfg.parallel.tp_comm_overlap:
+        return cfg.kernels
+    from gptrain.parallel.async_tp import check_async_tp
+
+    simulated = torch.distributed.is_initialized() and torch.distributed.get_backend() == "fake"
+    check_async_tp(dims.tp, cfg.parallel.sequence_parallel, cfg.train.compile, device, simulated)
+    if cfg.kernels.linear_impl == "cublaslt":
+        raise ValueError("--tp-comm-overlap runs the linear layers on torch's matmuls: leave out --linear-impl cublaslt")
+    return dataclasses.replace(cfg.kernels, linear_impl="torch")
+
+
 def build_training(cfg: RunConfig, device: torch.device, dims: ParallelDims, mesh: DeviceMesh | None,
                    log=print) -> TrainingParts:
     p = cfg.precision
+    kernels = _kernels_for_layout(cfg, device, dims)
     if dims.cpu_offload and device.type != "cuda":
         raise ValueError(f"--cpu-offload moves ZeRO-3's shards from the GPU to host memory; this run is on {device.type}")
     compute_dtype = torch.bfloat16 if p.bf16 else torch.float16 if p.fp16 else torch.float32
@@ -119,13 +134,13 @@ def build_training(cfg: RunConfig, device: torch.device, dims: ParallelDims, mes
     train_module = TrainModule(model, loss)
     # converters: module swaps on the meta model, told the device and dtype the parameters will have
     fp8_layers = convert_to_fp8(model, p.fp8, p.fp8_recipe, emulate=device.type != "cuda") if p.fp8 else 0
-    impls = apply_kernels(model, loss, cfg.kernels, device, param_dtype or torch.float32,
+    impls = apply_kernels(model, loss, kernels, device, param_dtype or torch.float32,
                           cfg.train.micro_batch_size * cfg.model.seq_length, fp8=bool(p.fp8),
                           compiled=cfg.train.compile, zero3=dims.sharded and dims.zero_stage == 3,
                           tensor_parallel=dims.tp)
     forward, layout = parallelize(train_module, model, dims, mesh, cfg.kernels.recompute, param_dtype,
                                   cfg.train.compile, cfg.train.compile_mode, cfg.parallel.sequence_parallel, chunks,
-                                  per_block=overlap_grad_reduce(cfg, dims))
+                                  per_block=overlap_grad_reduce(cfg, dims), comm_overlap=cfg.parallel.tp_comm_overlap)
     impls["parameters"] = describe_sharding(dims, overlap_grad_reduce(cfg, dims), cfg.parallel.grad_reduce_in_bf16)
     init_device = torch.device("cpu") if dims.cpu_offload else device
     train_module.to_empty(device=init_device)

@@ -10,8 +10,8 @@
 #   scaling     train_throughput.py under torchrun at the DP/ZeRO/TP/PP layouts beside a 1-GPU row of the
 #               same run (nccl_bench.py first); 2-GPU layouts from 2 GPUs, 4-GPU layouts from 4; with
 #               one GPU it says so and exits 0
-#   ranks       the rank simulator on one GPU: one rank of TP2 / TP2+SP (345M, micro-batch 16) beside the
-#               1-GPU step, a TP8+SP rank of a 175B pipeline stage (12 layers, 8 micro-batches), and the
+#   ranks       the rank simulator on one GPU: one rank of TP2 / TP2+SP (345M, micro-batch 16; each also
+#               with CUDA graphs, --compile-mode reduce-overhead) beside the 1-GPU step, a TP8+SP rank of a 175B pipeline stage (12 layers, 8 micro-batches), and the
 #               start-up of a rank of the 175B TP8 x PP8 plan (world 64)
 #   decode      decode_speed.py: the 345M (bf16, random init) at batch 1 and 32, 32-token prompts,
 #               256 new tokens, greedy: fused loop, CUDA-graph loop, eager and HF generate (if
@@ -152,7 +152,10 @@ suite_ranks() {
   local rc=0
   run ranks/1gpu_mb16.txt "$PY" benchmarks/train_throughput.py "${BENCH[@]}" --warmup 4 --iters 10 \
     --micro-batch-size 16 --global-batch-size 16 "$@" || rc=1
-  for v in "tp2::" "tp2_sp::--sequence-parallel"; do
+  # each TP rank also with CUDA graphs over the compiled step (--compile-mode reduce-overhead), which
+  # takes the host's launches off the critical path
+  for v in "tp2::" "tp2_sp::--sequence-parallel" "tp2_graphs::--compile-mode reduce-overhead" \
+           "tp2_sp_graphs::--sequence-parallel --compile-mode reduce-overhead"; do
     IFS=: read -r name _ flags <<< "$v"
     # shellcheck disable=SC2086
     run ranks/sim_${name}_mb16.txt "$PY" benchmarks/train_throughput.py "${BENCH[@]}" --warmup 4 --iters 10 \

@@ -41,6 +41,7 @@ class DataConfig:
         "--eod-mask-loss", group="data and dataloader",
         help="tokens whose input is the end-of-document token do not count"))
     eod_token: int | None = None  # the tokenizer's (RunConfig.with_tokenizer)
+    tokenizer_sha256: str | None = None  # the tokenizer's vocabulary and merges (a resume compares it)
 
 
 @dataclass
@@ -181,6 +182,9 @@ class TrainConfig:
         "--no-load-optim", group="checkpointing", help="with --load: fresh optimizer state"))
     no_load_rng: bool = field(default=False, metadata=flag(
         "--no-load-rng", group="checkpointing", help="with --load: do not restore the random generators"))
+    use_checkpoint_args: bool = field(default=False, metadata=flag(
+        "--use-checkpoint-args", group="checkpointing",
+        help="take the architecture flags from the --load checkpoint's saved config instead of the command line"))
     finetune: bool = field(default=False, metadata=flag(
         "--finetune", group="checkpointing", help="--load weights only: iteration, optimizer and schedule start fresh"))
     exit_signal_handler: bool = field(default=False, metadata=flag(
@@ -332,11 +336,12 @@ class RunConfig:
     def to_dict(self) -> dict:
         return {name: dataclasses.asdict(getattr(self, name)) for name in self.SECTIONS}
 
-    def with_tokenizer(self, vocab_size: int, eod_token: int) -> RunConfig:
-        """This config with the tokenizer's vocabulary size and end-of-document token: a new config,
-        its model and data sections built (and checked) again; this one is left as it is."""
+    def with_tokenizer(self, vocab_size: int, eod_token: int, fingerprint: str | None = None) -> RunConfig:
+        """This config with the tokenizer's vocabulary size, end-of-document token and fingerprint: a
+        new config, its model and data sections built (and checked) again; this one is left as it is."""
         return dataclasses.replace(self, model=dataclasses.replace(self.model, vocab_size=vocab_size),
-                                   data=dataclasses.replace(self.data, eod_token=eod_token))
+                                   data=dataclasses.replace(self.data, eod_token=eod_token,
+                                                            tokenizer_sha256=fingerprint))
 
 
 # the config sections whose fields carry flags, by RunConfig attribute

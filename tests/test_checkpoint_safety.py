@@ -3,6 +3,7 @@ naming a missing or truncated folder, a write that fails (the file-size limit st
 full disk), and SIGTERM/SIGINT with and without --exit-signal-handler, each followed by a resume."""
 from __future__ import annotations
 
+import json
 import os
 import re
 import resource
@@ -19,7 +20,7 @@ from gptrain.config import parse_megatron_args
 from gptrain.model.gpt import GPT
 from gptrain.checkpoint_kind import TRACKER
 from gptrain.train.checkpoint import load_checkpoint
-from gptrain.train.checkpoint_files import is_complete, read_tracker
+from gptrain.train.checkpoint_files import file_sha256, is_complete, read_tracker
 from gptrain.train.run import train_main
 
 SCHEDULE = ["--lr-decay-iters", "6"]  # one schedule for runs of 4 and 6 iterations
@@ -54,22 +55,25 @@ def straight(tmp_path_factory):
 @pytest.mark.slow
 @pytest.mark.parametrize("point", ["written", "moved-aside", "tracker"])
 def test_killed_while_resaving_an_iteration_then_resume(point, straight, tmp_path):
-    """Rerunning the finished job from scratch re-saves iteration 4 over the live copy; SIGKILL at
-    each step of that save; the next start restores or keeps a complete iteration 4 and resumes."""
+    """A run rolled back to iteration 2 (its tracker edited, as after a loss spike) re-saves
+    iteration 4 over the live copy; SIGKILL at each step of that save; the next start restores or
+    keeps a complete iteration 4, resumes from the tracker's iteration and matches the straight run."""
     ref, saved = straight
     ck = tmp_path / "ck"
     shutil.copytree(saved, ck)
-    done = _subprocess(TINY + SCHEDULE + ["--train-iters", "4", "--save-interval", "4", "--save", str(ck)],
-                       env={"GPTRAIN_CRASH_AT": f"{point}@4"})
+    (ck / TRACKER).write_text("2")
+    done = _subprocess(TINY + SCHEDULE + ["--train-iters", "4", "--save-interval", "4", "--load", str(ck),
+                                          "--save", str(ck)], env={"GPTRAIN_CRASH_AT": f"{point}@4"})
     assert done.returncode == -signal.SIGKILL, done.stdout[-2000:] + done.stderr[-2000:]
     assert _dot_entries(ck), "the kill should leave a temporary or moved-aside folder behind"
     rc, lines = _train(RUN + ["--train-iters", "6", "--load", str(ck), "--save", str(ck)])
     assert rc == 0
-    assert "  successfully loaded checkpoint from %s at iteration 4" % ck in lines
+    start = 4 if point == "tracker" else 2
+    assert "  successfully loaded checkpoint from %s at iteration %d" % (ck, start) in lines
     if point in ("written", "moved-aside"):
         assert any(line.startswith("WARNING: re") for line in lines), lines[:30]
     got = losses("\n".join(lines))
-    assert sorted(got) == [5, 6] and all(got[i] == ref[i] for i in (5, 6)), (got, ref)
+    assert sorted(got) == list(range(start + 1, 7)) and all(got[i] == ref[i] for i in got), (got, ref)
     assert _dot_entries(ck) == [] and read_tracker(ck) == 6
     assert all(is_complete(ck / f"iter_{i:07d}")[0] for i in (2, 4, 6))
 
@@ -196,6 +200,7 @@ def _restamp(folder):
 
     state = json.loads((folder / "state.json").read_text())
     state["files"] = {name: (folder / name).stat().st_size for name in state["files"]}
+    state["checksums"] = {name: file_sha256(folder / name) for name in state["checksums"]}  # a crafter can too
     (folder / "state.json").write_text(json.dumps(state))
 
 
@@ -237,3 +242,94 @@ def test_a_crafted_dcp_metadata_is_refused_without_running_code(craft, straight,
 
         dcp.FileSystemReader(folder).read_metadata()
         assert marker.exists()
+
+
+# ---- issue 33: no silent fresh start, the saved config compared, checksums verified
+
+def _errors(argv: list[str]) -> tuple[int, str]:
+    import contextlib
+    import io
+
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        rc, _ = _train(argv)
+    return rc, err.getvalue()
+
+
+@pytest.mark.parametrize("case", ["no-tracker", "no-load"])
+def test_a_folder_of_complete_checkpoints_is_resumed_not_trained_over(case, straight, tmp_path):
+    """Without a tracker, or with --load left out, the newest complete checkpoint is resumed
+    (one WARNING line), and the run goes on to the uninterrupted run's losses."""
+    ref, saved = straight
+    ck = tmp_path / "ck"
+    shutil.copytree(saved, ck)
+    if case == "no-tracker":
+        (ck / TRACKER).unlink()
+    argv = RUN + ["--train-iters", "6", "--save", str(ck)] + (["--load", str(ck)] if case == "no-tracker" else [])
+    rc, lines = _train(argv)
+    assert rc == 0
+    warnings = [line for line in lines if line.startswith("WARNING")]
+    assert len(warnings) == 1 and "iter_0000004" in warnings[0], warnings
+    assert f"  successfully loaded checkpoint from {ck} at iteration 4" in lines
+    got = losses("\n".join(lines))
+    assert sorted(got) == [5, 6] and all(got[i] == ref[i] for i in got), (got, ref)
+    assert read_tracker(ck) == 6
+
+
+def test_a_mistyped_load_or_another_runs_save_folder_stops_before_training(straight, tmp_path):
+    _, saved = straight
+    ck = tmp_path / "ck"
+    shutil.copytree(saved, ck)
+    before = {p.name: p.stat().st_mtime_ns for p in ck.iterdir()}
+    rc, err = _errors(RUN + ["--train-iters", "6", "--load", str(tmp_path / "typo"), "--save", str(ck)])
+    assert rc == 2 and err.strip() == (f"gptrain: error: --load {tmp_path / 'typo'} does not exist; --save {ck} "
+                                       f"holds complete checkpoints (iter_0000004, iter_0000002): pass --load {ck}")
+    older = tmp_path / "older"  # another run's folder, at iteration 2
+    shutil.copytree(saved, older)
+    shutil.rmtree(older / "iter_0000004")
+    (older / TRACKER).write_text("2")
+    rc, err = _errors(RUN + ["--train-iters", "6", "--load", str(older), "--save", str(ck)])
+    assert rc == 2 and err.startswith(f"gptrain: error: --save {ck} holds complete checkpoints of another run newer "
+                                      "than iteration 2 (iter_0000004; its tracker names 4)"), err
+    assert {p.name: p.stat().st_mtime_ns for p in ck.iterdir()} == before and read_tracker(ck) == 4
+    rc, err = _errors(RUN + ["--train-iters", "6", "--load", str(tmp_path / "typo")])
+    assert rc == 2 and "does not exist (to start fresh and resume later, pass the same folder" in err
+
+
+def test_resume_names_each_changed_architecture_setting(straight, tmp_path):
+    """Megatron's check_checkpoint_args: 8 heads instead of 4 fit the same QKV shapes and would
+    scramble them; the epsilon changes the function; --use-checkpoint-args takes the saved values."""
+    _, saved = straight
+    changed = [a for a in RUN if a not in ("--num-attention-heads", "4")] + [
+        "--num-attention-heads", "8", "--layernorm-epsilon", "1e-6", "--train-iters", "4"]
+    rc, err = _errors(changed + ["--load", str(saved)])
+    assert rc == 2 and err.strip() == (
+        f"gptrain: error: {saved}/iter_0000004 was trained with other settings: --num-attention-heads 4 in the "
+        "checkpoint, 8 here; --layernorm-epsilon 1e-05 in the checkpoint, 1e-06 here; pass the checkpoint's values, "
+        "or --use-checkpoint-args to take them from it"), err
+    rc, lines = _train(changed + ["--load", str(saved), "--use-checkpoint-args"])
+    assert rc == 0 and f"  successfully loaded checkpoint from {saved} at iteration 4" in lines
+    assert " > --use-checkpoint-args: --num-attention-heads 4 (from iter_0000004; 8 on the command line)" in lines
+
+
+@pytest.mark.parametrize("damage", ["shard-byte", ".metadata", "rng"])
+def test_a_damaged_checkpoint_falls_back_to_the_older_one_with_one_line(damage, straight, tmp_path):
+    """A flipped byte in a shard loads silently without checksums; a damaged .metadata or RNG
+    header ends in a traceback. Each fails its checksum: the newest intact checkpoint is loaded."""
+    _, saved = straight
+    ck = tmp_path / "ck"
+    shutil.copytree(saved, ck)
+    name = {"shard-byte": "__0_0.distcp", ".metadata": ".metadata", "rng": "rng_rank00000.safetensors"}[damage]
+    target = ck / "iter_0000004" / name
+    data = bytearray(target.read_bytes())
+    at = len(data) // 2 if damage == "shard-byte" else 4
+    data[at] ^= 0x40
+    target.write_bytes(bytes(data))
+    cfg, model = _model()
+    warned: list[str] = []
+    state = load_checkpoint(ck, dict(model.named_parameters()), None, cfg.model.vocab_size, log=warned.append)
+    assert state["iteration"] == 2
+    assert warned == [f"WARNING: {ck}/iter_0000004 is damaged ({name} does not match its checksum): loading the "
+                      "newest complete checkpoint, iter_0000002, instead"]
+    manifest = json.loads((ck / "iter_0000002" / "state.json").read_text())
+    assert sorted(manifest["checksums"]) == sorted(n for n in manifest["files"] if n != "state.json")

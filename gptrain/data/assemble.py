@@ -15,6 +15,7 @@ from gptrain.data.gpt_dataset import GPTDataset, MockGPTDataset, parse_split
 from gptrain.data.indexed import IndexedDataset
 from gptrain.data.provenance import check_tokenizer
 from gptrain.tokenizer import GPT2Tokenizer
+from gptrain.train.resume import with_checkpoint_args
 
 
 def setup(argv: list[str], log=print):
@@ -23,7 +24,9 @@ def setup(argv: list[str], log=print):
     for note in notes:
         log(f" > {note}")
     tokenizer = GPT2Tokenizer(cfg.data.vocab_file, cfg.data.merge_file)
-    cfg = cfg.with_tokenizer(tokenizer.vocab_size, tokenizer.eod)  # a new config, checked again
+    if cfg.train.use_checkpoint_args:
+        cfg = with_checkpoint_args(cfg, log)
+    cfg = cfg.with_tokenizer(tokenizer.vocab_size, tokenizer.eod, tokenizer.fingerprint)  # a new config, checked again
     log("> building GPT2BPETokenizer tokenizer ...")
     return cfg, tokenizer
 

@@ -10,7 +10,7 @@ the padding). The folders, their manifest, publishing and recovery are ``checkpo
     SAVE/iter_0000500/rng_rank00000.safetensors, rng_rank00000.json   each rank's generator states
     SAVE/iter_0000500/state.json              iteration, consumed samples, lr schedule, loss scaler,
                                               layout, the resolved run config, and (written last) the
-                                              manifest: every file's size
+                                              manifest: every file's size and sha256
 
 A failed save (a full disk) is one line agreed by all ranks, with its partial files removed.
 ``Checkpointer`` is the trainer's: synchronous saves, or ``--async-save``'s staging into reused host
@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import random
+from concurrent.futures import ThreadPoolExecutor
 import shutil
 import time
 import traceback as tb
@@ -41,7 +42,7 @@ from torch.distributed.tensor import DTensor
 from gptrain.parallel.shards import copy_full_into
 from gptrain.parallel.collectives import distributed
 from gptrain.train.checkpoint_files import (discard, find_gptrain_iteration_dir, iteration_dir, newest_complete,
-                                            publish, rank0_log, this_rank, tmp_dir)
+                                            publish, rank0_log, this_rank, tmp_dir, write_rank_sums)
 from gptrain.train.durable import fsync_file, write_durable
 from gptrain.train.signals import deferred_signals
 from gptrain.train.safe_dcp import load_safely, read_metadata_safely
@@ -177,6 +178,19 @@ def _together(what: str, fn, where: str, root: Path) -> None:
                               f"{newest_complete(root)}") from None
 
 
+_hasher: ThreadPoolExecutor | None = None
+
+
+def _then_checksums(future, folder: Path, rank: int):
+    """``--async-save``: a future that completes once DCP's writer is done and this rank's files
+    are hashed, in a thread of its own (off the training loop)."""
+    global _hasher
+    if _hasher is None:
+        _hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gptrain-checksums")
+    upload = getattr(future, "upload_completion", future)
+    return _hasher.submit(lambda: (upload.result(), write_rank_sums(folder, rank)))
+
+
 @dataclass
 class PendingSave:
     """A save whose data is still being written (``--async-save``); ``finish_save`` publishes it."""
@@ -230,6 +244,10 @@ def save_checkpoint(root: str | os.PathLike, iteration: int, params: dict[str, t
             save_file(rng_tensors, tmp / f"rng_rank{rank:05d}.safetensors")
             fsync_file(tmp / f"rng_rank{rank:05d}.safetensors")
             write_durable(tmp / f"rng_rank{rank:05d}.json", json.dumps(rng_scalars))
+            if future is None:
+                write_rank_sums(tmp, rank)
+            else:
+                future = _then_checksums(future, tmp, rank)
 
         _together(what, write, str(final), root)
         pending = PendingSave(root, iteration, final, state, future)
@@ -254,12 +272,23 @@ def finish_save(pending: PendingSave) -> Path:
 
 def load_checkpoint(root: str | os.PathLike, params: dict[str, torch.Tensor],
                     optimizer: torch.optim.Optimizer | None, vocab_size: int, load_rng: bool = True,
-                    log=None, layout=None) -> dict | None:
+                    log=None, layout=None, path: Path | None = None) -> dict | None:
     """Restore into ``params`` (as for saving) and ``optimizer``; return the saved state dict, or
-    None if there is no checkpoint."""
-    path = find_gptrain_iteration_dir(root, log)
+    None if there is no checkpoint. ``path``: the iteration folder, already chosen by
+    ``find_gptrain_iteration_dir``."""
+    path = path or find_gptrain_iteration_dir(root, log)
     if path is None:
         return None
+    try:
+        return _load_from(path, params, optimizer, vocab_size, load_rng, log, layout)
+    except (ValueError, FileNotFoundError):
+        raise
+    except Exception as err:  # noqa: BLE001 - a checkpoint without checksums (older gptrain) that is damaged
+        raise ValueError(f"{path} could not be read ({_describe(err)}): it is damaged; move it aside to "
+                         f"resume from an older checkpoint") from None
+
+
+def _load_from(path: Path, params, optimizer, vocab_size: int, load_rng: bool, log, layout) -> dict:
     stored = read_metadata_safely(path).state_dict_metadata
     if optimizer is not None and not any(k.startswith("optim/") for k in stored):
         rank0_log(log, f" > {path} holds weights only (a converted checkpoint): the optimizer starts fresh")

@@ -6,6 +6,8 @@ recovery at start. Plain files only; what the folders hold and how the ranks wri
     SAVE/latest_checkpointed_iteration.txt    "500" (or "release")
     SAVE/iter_0000500/...                      the ranks' files (checkpoint.py), then state.json
                                                (written last): its manifest lists every file's size
+                                               and sha256 (each rank hashes its own files after
+                                               writing them, in --async-save's background thread)
     SAVE/.iter_0000500.tmp/                    a save being written
     SAVE/.iter_0000500.old/                    a copy of the same iteration, moved aside by a re-save
 
@@ -13,11 +15,13 @@ Never losing work: everything is written into ``.iter_0000500.tmp`` and fsynced,
 into place (a copy of the same iteration is moved aside first, never deleted before), fsyncs the
 folder, and only then replaces the tracker (``publish``). A start puts back a copy moved aside by a
 killed save and removes temporary folders (``recover``); a tracker naming a missing or incomplete
-folder falls back to the newest complete checkpoint, with a warning (``find_gptrain_iteration_dir``);
+folder, or one whose files fail their checksums, falls back to the newest complete and intact
+checkpoint, with one line; so does a folder without a tracker (``find_gptrain_iteration_dir``);
 a failed save's partial files are removed (``discard``).
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -68,6 +72,36 @@ def _iteration_of(name: str) -> int | str | None:
     if len(name) == 12 and name.startswith("iter_") and name[5:].isdigit():
         return int(name[5:])
     return None
+
+
+def file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _sums_file(folder: Path, rank: int) -> Path:
+    return folder / f"sums_rank{rank:05d}.json"
+
+
+def write_rank_sums(folder: Path, rank: int) -> None:
+    """After this rank's files are written: their sha256 into ``sums_rankRRRRR.json``, which
+    ``publish`` folds into the manifest. DCP names rank r's data files ``__r_*.distcp``; rank 0
+    also writes ``.metadata``."""
+    own = sorted(p for p in folder.iterdir() if p.is_file() and (
+        p.name.startswith(f"__{rank}_") or p.name.startswith(f"rng_rank{rank:05d}.")
+        or (rank == 0 and p.name == ".metadata")))
+    write_durable(_sums_file(folder, rank), json.dumps({p.name: file_sha256(p) for p in own}))
+
+
+def _gather_sums(folder: Path) -> dict[str, str]:
+    sums: dict[str, str] = {}
+    for f in sorted(folder.glob("sums_rank*.json")):
+        sums.update(json.loads(f.read_text()))
+        f.unlink()
+    return sums
 
 
 def is_complete(path: Path) -> tuple[bool, str]:
@@ -150,8 +184,9 @@ def publish(root: Path, iteration: int | str, state: dict) -> None:
     (``state.json`` with every file's size), the fsyncs, the rename into place, the tracker."""
     final = iteration_dir(root, iteration)
     tmp, aside = tmp_dir(final), aside_dir(final)
+    checksums = _gather_sums(tmp)
     files = {p.name: p.stat().st_size for p in sorted(tmp.iterdir()) if p.is_file()}
-    manifest = {**state, "iteration": iteration, "format": FORMAT, "files": files}
+    manifest = {**state, "iteration": iteration, "format": FORMAT, "files": files, "checksums": checksums}
     write_durable(tmp / "state.json", json.dumps(manifest, indent=1))
     fsync_tree(tmp)
     crash_point("written", iteration)
@@ -169,26 +204,54 @@ def publish(root: Path, iteration: int | str, state: dict) -> None:
         shutil.rmtree(aside)
 
 
+def _first_bad_file(path: Path) -> str | None:
+    """The first file of ``path`` whose sha256 differs from its manifest's (None: all agree, or a
+    manifest from before checksums). The ranks share the hashing and agree on the answer."""
+    try:
+        sums = json.loads((path / "state.json").read_text()).get("checksums") or {}
+    except (OSError, ValueError):
+        return "state.json"
+    names = sorted(sums)
+    rank, world = (torch.distributed.get_rank(), torch.distributed.get_world_size()) if distributed() else (0, 1)
+    bad = len(names)
+    for i in range(rank, len(names), world):
+        f = path / names[i]
+        if not f.is_file() or file_sha256(f) != sums[names[i]]:
+            bad = i
+            break
+    if distributed():
+        flag = torch.tensor([bad], dtype=torch.int64)
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN)
+        bad = int(flag.item())
+    return names[bad] if bad < len(names) else None
+
+
 def find_gptrain_iteration_dir(root: str | os.PathLike, log=None) -> Path | None:
-    """The folder to load: the tracker's, or, if that one is missing or incomplete, the newest
-    complete one (said loudly). None without a tracker."""
+    """The folder to load: the tracker's, or, if that one is missing, incomplete or fails its
+    checksums, the newest complete and intact one (one line says which and why); without a tracker
+    the newest complete one (said too). None where there is no checkpoint at all."""
     root = Path(root)
     iteration = read_tracker(root)
-    if iteration is None:
-        return None
-    path = iteration_dir(root, iteration)
-    if (path / "model.safetensors").is_file():
-        raise ValueError(f"{path} is a gptrain-checkpoint/1 checkpoint, written before the fused QKV rows took "
-                         "Megatron's per-head order; it cannot be resumed by this version (retrain, or load it "
-                         "with gptrain 0.1)")
-    ok, why = is_complete(path)
-    if ok:
-        return path
     found = complete_checkpoints(root)
-    if not found:
-        raise FileNotFoundError(f"{root / TRACKER} names {path.name}, which is {why}, and {root} holds no complete "
-                                "checkpoint (a Megatron model_optim_rng.pt checkpoint is read by --load directly)")
-    rank0_log(log, f"WARNING: {root / TRACKER} names {path.name}, which is {why}: loading the newest complete "
-                   f"checkpoint, {found[0].name}, instead")
-    return found[0]
-
+    if iteration is None:
+        if not found:
+            return None
+        why, path = f"{root} has no {TRACKER}", None
+    else:
+        path = iteration_dir(root, iteration)
+        if (path / "model.safetensors").is_file():
+            raise ValueError(f"{path} is a gptrain-checkpoint/1 checkpoint, written before the fused QKV rows took "
+                             "Megatron's per-head order; it cannot be resumed by this version (retrain, or load it "
+                             "with gptrain 0.1)")
+        ok, why = is_complete(path)
+        why = f"{root / TRACKER} names {path.name}, which is {why}"
+    candidates = ([path] if path is not None and ok else []) + [p for p in found if p != path]
+    for candidate in candidates:
+        bad = _first_bad_file(candidate)
+        if bad is None:
+            if candidate != path:
+                rank0_log(log, f"WARNING: {why}: loading the newest complete checkpoint, {candidate.name}, instead")
+            return candidate
+        why = f"{candidate} is damaged ({bad} does not match its checksum)"
+    raise FileNotFoundError(f"{why}, and {root} holds no " + ("other intact checkpoint" if found else
+                            "complete checkpoint (a Megatron model_optim_rng.pt checkpoint is read by --load directly)"))

@@ -24,7 +24,8 @@ from gptrain.train import metrics
 from gptrain.train.build import TrainingParts
 from gptrain.train import signals
 from gptrain.train.checkpoint import Checkpointer, load_checkpoint
-from gptrain.train.checkpoint_files import iteration_dir, recover
+from gptrain.train import resume
+from gptrain.train.checkpoint_files import find_gptrain_iteration_dir, iteration_dir, recover
 from gptrain.checkpoint_kind import checkpoint_kind
 from gptrain.train.megatron_load import load_hf, load_megatron
 from gptrain.train.precision import LossScaler
@@ -165,31 +166,40 @@ class Trainer:
                                self.cfg.model.vocab_size, self.parts.layout)
 
     def load(self) -> None:
+        """Resume (train/resume.py decides from which folder), then refuse a --save holding newer
+        checkpoints of another run."""
         t = self.cfg.train
         kinds = {r: checkpoint_kind(r, none_ok=True) for r in (t.save, t.load) if r}  # None: none there yet
         for root in (r for r, kind in kinds.items() if kind in ("gptrain", None)):
             recover(root, self.log)  # put back what a killed save moved aside, drop its temporary files
-        if not t.load:
+        load = resume.load_folder(t.load, t.save, self.log)
+        self._load(load, kinds.get(load, "gptrain") if load else None)
+        resume.refuse_overwriting(t.save, load, 0 if t.finetune else self.iteration)
+
+    def _load(self, load: str | None, kind: str | None) -> None:
+        t = self.cfg.train
+        if not load:
             return
-        if kinds[t.load] == "megatron":
+        if kind == "megatron":
             self._load_megatron()
             return
-        if kinds[t.load] == "huggingface":  # a Hugging Face GPT-2 folder: weights only
-            load_hf(t.load, self.opt_params, self.cfg, self.parts.layout)
+        if kind == "huggingface":  # a Hugging Face GPT-2 folder: weights only
+            load_hf(load, self.opt_params, self.cfg, self.parts.layout)
             if self.main is not None:
                 self.main.copy_to_model()
-            self.log(f"  loaded Hugging Face GPT-2 weights from {t.load}; iteration 0, optimizer state starts fresh")
+            self.log(f"  loaded Hugging Face GPT-2 weights from {load}; iteration 0, optimizer state starts fresh")
             return
-        state = load_checkpoint(t.load, self.opt_params, None if (t.no_load_optim or t.finetune) else self.optimizer,
+        path = find_gptrain_iteration_dir(load, self.log)
+        if path is None:
+            raise ValueError(f"--load {load} holds no checkpoint")
+        resume.check_saved_config(path, self.cfg)
+        state = load_checkpoint(load, self.opt_params, None if (t.no_load_optim or t.finetune) else self.optimizer,
                                 self.cfg.model.vocab_size, load_rng=not (t.no_load_rng or t.finetune), log=self.log,
-                                layout=self.parts.layout)
-        if self.main is not None and state is not None:
+                                layout=self.parts.layout, path=path)
+        if self.main is not None:
             self.main.copy_to_model()
-        if state is None:
-            self.log(f"WARNING: could not find a checkpoint in {t.load}: training from random initialization")
-            return
         if t.finetune:
-            self.log(f" loaded weights from {t.load} (iteration {state['iteration']}); --finetune starts at 0")
+            self.log(f" loaded weights from {load} (iteration {state['iteration']}); --finetune starts at 0")
             return
         self.progress.load_state_dict(state)
         self.loaded_iteration = self.iteration
@@ -199,7 +209,7 @@ class Trainer:
             for name, part in self.stateful.items():
                 if part is not self.progress and part and state.get(name):
                     part.load_state_dict(state[name])
-        self.log(f"  successfully loaded checkpoint from {t.load} at iteration {self.iteration}")
+        self.log(f"  successfully loaded checkpoint from {load} at iteration {self.iteration}")
 
     def _load_megatron(self) -> None:
         t = self.cfg.train

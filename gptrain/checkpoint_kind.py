@@ -5,7 +5,8 @@
   (interop/megatron.py reads it; train/megatron_load.py loads it into a run);
 - ``"huggingface"``: a Hugging Face GPT-2 folder, ``config.json`` beside the weights and no tracker
   (interop/hf.py);
-- ``"gptrain"``: gptrain's own tracker naming a DCP iteration folder (train/checkpoint.py).
+- ``"gptrain"``: gptrain's own tracker naming a DCP iteration folder (train/checkpoint.py), or
+  gptrain iteration folders without a tracker (the newest complete one is read, with a warning).
 """
 from __future__ import annotations
 
@@ -49,7 +50,8 @@ def checkpoint_kind(path: str | os.PathLike, none_ok: bool = False) -> str | Non
         return "megatron"
     if (root / "config.json").is_file() and not tracked:
         return "huggingface"
-    if tracked:
+    if tracked or (root.is_dir() and any(p.name.startswith("iter_") and (p / "state.json").is_file()
+                                         for p in root.iterdir())):
         return "gptrain"
     if none_ok:
         return None

@@ -3,6 +3,7 @@ checked against transformers' own GPT2LMHeadModel and tokenizer reading the writ
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -47,6 +48,10 @@ def test_to_hf_loads_offline_in_transformers_with_equal_logits(trained, hf_folde
     assert sorted(p.name for p in hf_folder.iterdir()) == [
         "config.json", "generation_config.json", "merges.txt", "model.safetensors", "special_tokens_map.json",
         "tokenizer_config.json", "vocab.json"]
+    umask = os.umask(0)
+    os.umask(umask)
+    files = [*hf_folder.iterdir(), *(trained / "ck").glob("iter_*/*")]  # the RNG and weight files included
+    assert {p.name: oct(p.stat().st_mode & 0o777) for p in files} == {p.name: oct(0o666 & ~umask) for p in files}
     weights = load_file(hf_folder / "model.safetensors")
     assert weights["transformer.wte.weight"].shape == (50257, 32)  # the padding rows are gone
     hf_tok = AutoTokenizer.from_pretrained(hf_folder, local_files_only=True)

@@ -40,7 +40,7 @@ def load_for_inference(path: str | Path, device: torch.device | str = "cpu", dty
     path = Path(path)
     kind = checkpoint_kind(path)  # NoCheckpoint (a FileNotFoundError) where there is none
     tokenizer = GPT2Tokenizer(vocab_file, merge_file) if vocab_file or merge_file else None
-    full, root = None, None  # the whole model (read on the CPU), or a gptrain checkpoint to read into shards
+    full, root = None, None  # the whole model (read on the CPU), or a gptrain checkpoint folder to read into shards
     if kind == "huggingface":
         full = _load_hf(path)
         cfg = full.cfg
@@ -52,8 +52,7 @@ def load_for_inference(path: str | Path, device: torch.device | str = "cpu", dty
         full = GPT(cfg)
         full.load_state_dict({k: v.float() for k, v in ckpt.model_state_dict().items()}, strict=True)
     else:
-        cfg, data = _gptrain_config(path)
-        root = path
+        cfg, data, root = _gptrain_config(path)
         if tokenizer is None and data.get("vocab_file"):
             tokenizer = GPT2Tokenizer(data["vocab_file"], data.get("merge_file"))
     tokenizer = tokenizer or GPT2Tokenizer()
@@ -68,7 +67,7 @@ def load_for_inference(path: str | Path, device: torch.device | str = "cpu", dty
             from gptrain.train.checkpoint import load_checkpoint
 
             model = GPT(cfg)
-            load_checkpoint(root, dict(model.named_parameters()), None, cfg.vocab_size, load_rng=False)
+            load_checkpoint(path, dict(model.named_parameters()), None, cfg.vocab_size, load_rng=False, path=root)
     model = model.to(device=device, dtype=dtype).eval()
     if tp_mesh is not None:
         from gptrain.inference.tensor_parallel import retie
@@ -104,7 +103,8 @@ def _load_sharded(cfg: GPTConfig, mesh, device: torch.device, full: GPT | None, 
         if full is None:
             from gptrain.train.checkpoint import load_checkpoint
 
-            load_checkpoint(root, dict(model.named_parameters()), None, cfg.vocab_size, load_rng=False, layout=layout)
+            load_checkpoint(root.parent, dict(model.named_parameters()), None, cfg.vocab_size, load_rng=False,
+                            layout=layout, path=root)
         else:
             whole = dict(full.named_parameters())
             for name, param in model.named_parameters():
@@ -117,21 +117,23 @@ def _load_sharded(cfg: GPTConfig, mesh, device: torch.device, full: GPT | None, 
     return localize(model.eval(), mesh.get_group())
 
 
-def _gptrain_config(root: Path) -> tuple[GPTConfig, dict]:
-    """The architecture and data settings of the run that wrote a gptrain checkpoint."""
-    from gptrain.train.checkpoint_files import iteration_dir, read_tracker
+def _gptrain_config(root: Path) -> tuple[GPTConfig, dict, Path]:
+    """The architecture and data settings of the run that wrote a gptrain checkpoint, and its
+    iteration folder: the tracker's, or the newest complete and intact one where that is missing
+    or damaged (as training resumes, with the same warning)."""
+    from gptrain.train.checkpoint_files import find_gptrain_iteration_dir
 
-    iteration = read_tracker(root)  # checkpoint_kind found the tracker
-    state_file = iteration_dir(root, iteration) / "state.json"
-    if not state_file.is_file():
-        raise FileNotFoundError(f"{state_file}: missing (not a gptrain checkpoint)")
+    folder = find_gptrain_iteration_dir(root)
+    if folder is None:
+        raise FileNotFoundError(f"{root}: no gptrain checkpoint")
+    state_file = folder / "state.json"
     config = json.loads(state_file.read_text()).get("config") or {}
     if "model" not in config:
         raise ValueError(f"{state_file}: no run config (written by an older gptrain)")
     known = {f.name for f in fields(GPTConfig)}
     cfg = _inference_config(GPTConfig(**{k: v for k, v in config["model"].items() if k in known}))
     cfg.tensor_parallel_size = 1  # the padding of this process; the checkpoint stores the real rows
-    return cfg, config.get("data") or {}
+    return cfg, config.get("data") or {}, folder
 
 
 def _load_hf(folder: Path) -> GPT:

@@ -84,7 +84,7 @@ def read_gptrain(root) -> tuple[GPT, dict]:
     cfg = GPTConfig(**{k: v for k, v in model_cfg.items() if k in known})
     cfg.tensor_parallel_size = 1  # this process's padding; the checkpoint stores the real rows
     model = GPT(cfg)
-    load_checkpoint(root, dict(model.named_parameters()), None, cfg.vocab_size, load_rng=False)
+    load_checkpoint(root, dict(model.named_parameters()), None, cfg.vocab_size, load_rng=False, path=path)
     return model, state
 
 
@@ -154,7 +154,7 @@ def _transformers_logits(folder: Path, tokens: torch.Tensor, tokenizer: GPT2Toke
 
 def to_hf(ckpt, out, log=print) -> float:
     """``gptrain convert --to hf CKPT OUT``."""
-    from safetensors.torch import save_file
+    from gptrain.train.durable import save_safetensors
 
     out = Path(out)
     model, state = read_gptrain(ckpt)
@@ -168,7 +168,7 @@ def to_hf(ckpt, out, log=print) -> float:
     try:
         weights = to_hf_state_dict(model)
         weights.pop("lm_head.weight")  # tied to transformer.wte.weight (tie_word_embeddings)
-        save_file(weights, tmp / HF_WEIGHTS, metadata={"format": "pt"})
+        save_safetensors(weights, tmp / HF_WEIGHTS, metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(hf_config_dict(model.cfg, tokenizer.eod), indent=1))
         (tmp / "generation_config.json").write_text(json.dumps(
             {"bos_token_id": tokenizer.eod, "eos_token_id": tokenizer.eod}, indent=1))

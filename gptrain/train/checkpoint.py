@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed.checkpoint as dcp
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import AsyncStager
@@ -43,7 +43,7 @@ from gptrain.parallel.shards import copy_full_into
 from gptrain.parallel.collectives import distributed
 from gptrain.train.checkpoint_files import (discard, find_gptrain_iteration_dir, iteration_dir, newest_complete,
                                             publish, rank0_log, this_rank, tmp_dir, write_rank_sums)
-from gptrain.train.durable import fsync_file, write_durable
+from gptrain.train.durable import save_safetensors, write_durable
 from gptrain.train.signals import deferred_signals
 from gptrain.train.safe_dcp import load_safely, read_metadata_safely
 
@@ -241,8 +241,7 @@ def save_checkpoint(root: str | os.PathLike, iteration: int, params: dict[str, t
                 else:
                     dcp.save(_state_dict(params, optimizer, vocab_size, layout=layout), checkpoint_id=str(tmp))
             rng_tensors, rng_scalars = _rng_state()
-            save_file(rng_tensors, tmp / f"rng_rank{rank:05d}.safetensors")
-            fsync_file(tmp / f"rng_rank{rank:05d}.safetensors")
+            save_safetensors(rng_tensors, tmp / f"rng_rank{rank:05d}.safetensors")
             write_durable(tmp / f"rng_rank{rank:05d}.json", json.dumps(rng_scalars))
             if future is None:
                 write_rank_sums(tmp, rank)

@@ -51,6 +51,28 @@ def replace_durable(src: str | os.PathLike, dst: str | os.PathLike) -> None:
     fsync_dir(Path(dst).parent)
 
 
+def _umask() -> int:
+    """This process's umask, read without changing it (``os.umask`` sets it process-wide, racing
+    with other threads' file creation)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    return 0o022
+
+
+def save_safetensors(tensors: dict, path: str | os.PathLike, metadata: dict | None = None) -> None:
+    """``safetensors.torch.save_file``, durable, and with the mode every other file gets (its writer
+    creates files owner-only, so a teammate resuming from a shared folder could not read them)."""
+    from safetensors.torch import save_file
+
+    save_file(tensors, path, metadata=metadata)
+    os.chmod(path, 0o666 & ~_umask())
+    fsync_file(path)
+
+
 def crash_point(name: str, iteration: int | str | None = None) -> None:
     """SIGKILL this process here when ``GPTRAIN_CRASH_AT`` names this point (kill tests only)."""
     want = os.environ.get(CRASH_ENV)

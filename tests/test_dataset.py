@@ -116,3 +116,64 @@ def test_blended_dataset_serves_from_components():
     blend = BlendedDataset([a, b], [0.5, 0.5], 20)
     assert np.array_equal(blend[0], a[0]) and np.array_equal(blend[1], b[0])
     assert np.array_equal(a[3], MockGPTDataset("train", 100, 8, 50, seed=1)[3])
+
+
+@pytest.mark.parametrize("damage", ["truncated", "empty", "garbage", "pickled", "wrong-shape"])
+def test_a_damaged_index_cache_file_is_rebuilt_with_one_line(damage, tmp_path):
+    ds, _ = make_dataset(tmp_path)
+    args = dict(documents=np.arange(0, 40), num_samples=30, seq_length=8, split="x", cache_dir=tmp_path / "c", seed=1)
+    a = GPTDataset("train", ds, log=lambda _: None, **args)
+    ref = [np.array(a[i]) for i in range(len(a))]
+    del a  # its maps are memory-mapped from the file damaged below
+    path = next((tmp_path / "c").glob("*_sample_idx.npy"))
+    whole = path.read_bytes()
+    path.unlink()  # a new file: the damage does not reach pages mapped earlier
+    if damage == "truncated":
+        path.write_bytes(whole[:-9])
+    elif damage == "empty":
+        path.write_bytes(b"")
+    elif damage == "garbage":
+        path.write_bytes(b"\x00" * 200)
+    elif damage == "pickled":
+        np.save(path, np.array([{"x": 1}], dtype=object), allow_pickle=True)
+    else:
+        np.save(path, np.zeros(5, dtype=np.int32))
+    logs = []
+    b = GPTDataset("train", ds, log=logs.append, **args)
+    assert [line for line in logs if line.startswith("WARNING")] == [
+        f"WARNING: index cache file {path} is damaged: rebuilding the sample-idx maps"]
+    assert len(b) == len(ref) and all(np.array_equal(r, b[i]) for i, r in enumerate(ref))
+    logs.clear()
+    GPTDataset("train", ds, log=logs.append, **args)  # rebuilt for good
+    assert not any(line.startswith(("WARNING", " > built")) for line in logs)
+
+
+def test_an_unwritable_index_cache_keeps_the_maps_in_memory(tmp_path, monkeypatch):
+    """A read-only data mount (here a cache path under a plain file) and a full disk: one line
+    naming the folder and --data-cache-path, the same samples, no temporary file left behind."""
+    import gptrain.data.gpt_dataset as gpt_dataset
+
+    ds, _ = make_dataset(tmp_path)
+    args = dict(documents=np.arange(0, 40), num_samples=30, seq_length=8, split="x", seed=1)
+    ref = GPTDataset("train", ds, cache_dir=tmp_path / "c", log=lambda _: None, **args)
+    (tmp_path / "plain").write_text("")
+    logs = []
+    got = GPTDataset("train", ds, cache_dir=tmp_path / "plain" / "c", log=logs.append, **args)
+    warned = [line for line in logs if line.startswith("WARNING")]
+    assert len(warned) == 1 and warned[0].startswith(f"WARNING: cannot write the index cache to {tmp_path}/plain/c (")
+    assert warned[0].endswith("pass --data-cache-path DIR (a writable folder) to cache them")
+    assert all(np.array_equal(ref[i], got[i]) for i in range(len(ref)))
+
+    def full_disk(file, array, allow_pickle):
+        with open(file, "wb") as f:
+            f.write(b"\x93NUMPY")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(gpt_dataset.np, "save", full_disk)
+    logs.clear()
+    got = GPTDataset("train", ds, cache_dir=tmp_path / "full", log=logs.append, **args)
+    assert [line for line in logs if line.startswith("WARNING")] == [
+        f"WARNING: cannot write the index cache to {tmp_path}/full (No space left on device): the maps are kept in "
+        "memory for this run; pass --data-cache-path DIR (a writable folder) to cache them"]
+    assert not [p.name for p in (tmp_path / "full").iterdir() if ".tmp" in p.name]
+    assert all(np.array_equal(ref[i], got[i]) for i in range(len(ref)))

@@ -7,7 +7,10 @@ Per split (a contiguous document range from ``--split``):
               samples run across document boundaries
   shuffle_idx the order samples are served in
 Built with numpy (no Python loop over tokens or samples), cached as ``.npy`` named by an md5 of
-their description (Megatron's scheme), written atomically.
+their description (Megatron's scheme), written atomically. A cache file that does not read back
+as the map it names is rebuilt (one line names it); a cache folder that cannot be written (a
+read-only data mount, a full disk) keeps the maps in memory for the run and says so, leaving no
+temporary file behind.
 """
 from __future__ import annotations
 
@@ -110,8 +113,46 @@ class IndexMaps:
 
 def _atomic_save(path: Path, array: np.ndarray) -> None:
     tmp = path.with_name(path.name + f".tmp-{os.getpid()}.npy")
-    np.save(tmp, array, allow_pickle=False)
-    os.replace(tmp, path)
+    try:
+        np.save(tmp, array, allow_pickle=False)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+_MAP_SHAPES = {"doc_idx": 1, "sample_idx": 2, "shuffle_idx": 1}
+
+
+def _load_cached(paths: dict[str, Path], log) -> IndexMaps | None:
+    """The cached maps, or None (after one line naming the file) where one does not read back as the
+    map it names: truncated, overwritten, or not a plain numeric ``.npy``."""
+    arrays = []
+    for kind, path in paths.items():
+        try:
+            array = np.load(path, mmap_mode="r", allow_pickle=False)
+            ok = array.ndim == _MAP_SHAPES[kind] and array.dtype.kind in "iu" and (kind != "sample_idx" or
+                                                                                   array.shape[1] == 2)
+        except (OSError, ValueError, EOFError):
+            ok = False
+        if not ok:
+            log(f"WARNING: index cache file {path} is damaged: rebuilding the {kind.replace('_idx', '-idx')} maps")
+            return None
+        arrays.append(array)
+    return IndexMaps(*arrays, num_epochs=0)
+
+
+def _write_cache(cache: Path, desc_hash: str, desc: str, paths: dict[str, Path], arrays: dict, log) -> bool:
+    try:
+        cache.mkdir(parents=True, exist_ok=True)
+        (cache / f"{desc_hash}_description.txt").write_text(desc)
+        for kind, array in arrays.items():
+            _atomic_save(paths[kind], array)
+    except OSError as err:
+        log(f"WARNING: cannot write the index cache to {cache} ({err.strerror or err}): the maps are kept in memory "
+            "for this run; pass --data-cache-path DIR (a writable folder) to cache them")
+        return False
+    return True
 
 
 def build_index_maps(name: str, data_prefix: str, documents: np.ndarray, sizes: np.ndarray, split: str,
@@ -133,7 +174,8 @@ def build_index_maps(name: str, data_prefix: str, documents: np.ndarray, sizes: 
     cache = Path(cache_dir) if cache_dir is not None else Path(data_prefix).parent / "index-cache"
     paths = {kind: cache / f"{desc_hash}_{kind}.npy" for kind in ("doc_idx", "sample_idx", "shuffle_idx")}
     start = time.perf_counter()
-    if not all(p.is_file() for p in paths.values()):
+    maps = _load_cached(paths, log) if all(p.is_file() for p in paths.values()) else None
+    if maps is None:
         rng = np.random.RandomState(seed=seed)
         separate_last_epoch = False
         if num_epochs > 1:
@@ -148,15 +190,16 @@ def build_index_maps(name: str, data_prefix: str, documents: np.ndarray, sizes: 
         sample_idx = build_sample_idx(sizes, doc_idx, seq_length, num_epochs, tokens_per_epoch)
         n = from_first_epochs if separate_last_epoch else sample_idx.shape[0] - 1
         shuffle_idx = build_shuffle_idx(n, sample_idx.shape[0] - 1, rng)
-        cache.mkdir(parents=True, exist_ok=True)
-        (cache / f"{desc_hash}_description.txt").write_text(desc)
-        for kind, array in (("doc_idx", doc_idx), ("sample_idx", sample_idx), ("shuffle_idx", shuffle_idx)):
-            _atomic_save(paths[kind], array)
+        arrays = {"doc_idx": doc_idx, "sample_idx": sample_idx, "shuffle_idx": shuffle_idx}
         log(f" > built {name} index maps in {time.perf_counter() - start:.3f} seconds")
-    for kind in ("doc_idx", "sample_idx", "shuffle_idx"):
+        maps = IndexMaps(doc_idx, sample_idx, shuffle_idx, num_epochs)
+        if _write_cache(cache, desc_hash, desc, paths, arrays, log):
+            maps = _load_cached(paths, log) or maps
+        else:
+            paths = {}  # in memory only
+    maps.num_epochs = num_epochs
+    for kind in paths:
         log(f" > loading {kind.replace('_idx', '-idx')} mapping from {paths[kind]}")
-    maps = IndexMaps(*(np.load(paths[k], mmap_mode="r", allow_pickle=False)
-                       for k in ("doc_idx", "sample_idx", "shuffle_idx")), num_epochs=num_epochs)
     log(f"    loaded indexed file in {time.perf_counter() - start:.3f} seconds")
     log(f"    total number of samples: {maps.sample_idx.shape[0]}")
     log(f"    total number of epochs: {num_epochs}")

@@ -293,3 +293,68 @@ def test_forgotten_document_suffix_points_at_the_dataset(tmp_path):
     run([src], tmp_path / "my-gpt2")
     with pytest.raises(FileNotFoundError, match=r"did you mean .*my-gpt2_text_document\?"):
         IndexedDataset(tmp_path / "my-gpt2")
+
+
+# issue 33 -------------------------------------------------------------------------------------
+def _tokens_dataset(prefix, docs, dtype=np.uint16):
+    writer = IndexedDatasetWriter(prefix, dtype)
+    for doc in docs:
+        writer.add_document(np.asarray(doc))
+    writer.finalize()
+    return IndexedDataset(prefix)
+
+
+@pytest.mark.parametrize("bad_id", [50300, 60000], ids=["in-the-padding", "past-the-padding"])
+def test_token_ids_outside_the_vocabulary_stop_training_before_it_starts(tmp_path, capsys, monkeypatch, bad_id):
+    """Ids past the padded vocabulary ended in an IndexError, ids inside the padding in NaN losses."""
+    from gptrain.data import token_check
+    from gptrain.train.run import train_main
+    from tiny import TINY_FLAGS
+
+    rng = np.random.default_rng(0)
+    docs = [rng.integers(0, 50257, 40) for _ in range(12)]
+    docs[7][5] = bad_id
+    prefix = tmp_path / "d"
+    _tokens_dataset(prefix, docs)
+    argv = TINY_FLAGS + ["--seq-length", "16", "--max-position-embeddings", "16", "--micro-batch-size", "2",
+                         "--train-iters", "2", "--device", "cpu", "--data-path", str(prefix), "--split", "100,0,0",
+                         "--eval-iters", "0", "--data-cache-path", str(tmp_path / "cache")]
+    for _ in range(2):  # the second time from the cached largest id
+        assert train_main(argv, log=lambda _: None).exit_code == 2
+        assert capsys.readouterr().err.strip() == (
+            f"gptrain: error: {prefix}.bin: token id {bad_id} (document 7) is outside the tokenizer's vocabulary of "
+            "50257 ids: the data was made with another tokenizer, or is damaged; preprocess it again with this "
+            "run's --vocab-file/--merge-file")
+        monkeypatch.setattr(token_check, "_scan", lambda *a: pytest.fail("the largest id was not cached"))
+    assert len(list((tmp_path / "cache").glob("*_max_token_id.txt"))) == 1
+
+
+def _idx_damaged(prefix, how):
+    idx = prefix.with_suffix(".idx")
+    data = bytearray(idx.read_bytes())
+    if how == "header-only":
+        data = data[:34]
+    elif how == "short":
+        data = data[:12]
+    elif how == "truncated":
+        data = data[:-20]
+    elif how == "shifted-pointer":  # sequence 3's offset moved by one token: Megatron's data has no sidecar
+        at = 34 + 4 * 6 + 8 * 3
+        data[at: at + 8] = (int.from_bytes(data[at: at + 8], "little") + 2).to_bytes(8, "little")
+    idx.write_bytes(bytes(data))
+    return idx
+
+
+@pytest.mark.parametrize("how, says", [
+    ("header-only", "is truncated or damaged: 34 bytes, its header describes 6 sequences and 6 documents"),
+    ("short", "is truncated: 12 bytes, shorter than the 34-byte header"),
+    ("truncated", "is truncated or damaged"),
+    ("shifted-pointer", "is damaged: sequence 3 starts at byte 62 of the .bin, the lengths before it end at 60"),
+])
+def test_a_damaged_index_is_one_error_naming_it(tmp_path, how, says):
+    prefix = tmp_path / "d"
+    _tokens_dataset(prefix, [np.arange(10)] * 6)
+    idx = _idx_damaged(prefix, how)
+    with pytest.raises(ValueError) as err:
+        IndexedDataset(prefix)
+    assert str(err.value).startswith(f"{idx} {says}"), str(err.value)

@@ -14,6 +14,7 @@ from gptrain.data.blend import BlendedDataset, parse_data_path, samples_per_data
 from gptrain.data.gpt_dataset import GPTDataset, MockGPTDataset, parse_split
 from gptrain.data.indexed import IndexedDataset
 from gptrain.data.provenance import check_tokenizer
+from gptrain.data.token_check import check_token_ids
 from gptrain.tokenizer import GPT2Tokenizer
 from gptrain.train.resume import with_checkpoint_args
 
@@ -81,6 +82,7 @@ def build_datasets(cfg: RunConfig, tokenizer: GPT2Tokenizer, log=print):
             log(f"WARNING: {warning}")
         if tokenizer.vocab_size > np.iinfo(indexed.dtype).max + 1:
             raise ValueError(f"{prefix}: token dtype {indexed.dtype} cannot hold a {tokenizer.vocab_size} vocabulary")
+        check_token_ids(indexed, tokenizer.vocab_size, cfg.data.data_cache_path, log)
         # Megatron splits and counts a GPT dataset by sequence (a non-empty document here)
         log(f"    number of documents: {indexed.num_sequences}")
         ranges = parse_split(cfg.data.split, indexed.num_sequences)

@@ -253,12 +253,18 @@ class IndexedDataset:
             header = f.read(HEADER_SIZE)
         if header[: len(MAGIC)] != MAGIC:
             raise ValueError(f"{idx_path} is not an MMIDIDX index (bad magic {header[:9]!r})")
+        if len(header) < HEADER_SIZE:
+            raise ValueError(f"{idx_path} is truncated: {len(header)} bytes, shorter than the {HEADER_SIZE}-byte header")
         version, code, n_seq, n_doc = struct.unpack("<QBQQ", header[len(MAGIC):])
         if version != VERSION:
             raise ValueError(f"{idx_path}: index version {version}, only {VERSION} is known")
         if code not in DTYPE_CODES:
             raise ValueError(f"{idx_path}: unknown token dtype code {code}")
         self.dtype = np.dtype(DTYPE_CODES[code])
+        size, wanted = idx_path.stat().st_size, HEADER_SIZE + 12 * n_seq + 8 * n_doc
+        if size < wanted:
+            raise ValueError(f"{idx_path} is truncated or damaged: {size} bytes, its header describes {n_seq} "
+                             f"sequences and {n_doc - 1} documents ({wanted} bytes)")
         self._idx = np.memmap(idx_path, mode="r", dtype=np.uint8)
         offset = HEADER_SIZE
         self.sizes = np.frombuffer(self._idx, dtype=np.int32, count=n_seq, offset=offset)
@@ -270,12 +276,33 @@ class IndexedDataset:
         actual_bytes = bin_path.stat().st_size
         if actual_bytes != expected_bytes:
             raise ValueError(f"{bin_path}: {actual_bytes} bytes, the index describes {expected_bytes}")
+        self._check_offsets(idx_path)
         self._bin = (
             np.memmap(bin_path, mode="r", dtype=self.dtype) if actual_bytes else np.zeros(0, dtype=self.dtype)
         )
         self._one_sequence_per_document = n_doc == n_seq + 1 and bool(
             np.array_equal(self.doc_idx, np.arange(n_doc))
         )
+
+    def _check_offsets(self, idx_path: Path) -> None:
+        """Each sequence's byte offset must be where the lengths before it end, and the document
+        index must run from 0 to the sequence count without going back: a damaged ``.idx`` would
+        shift samples silently (chunked: memory stays bounded for any number of sequences)."""
+        offset, step = 0, 1 << 22
+        for lo in range(0, len(self.sizes), step):
+            lengths = self.sizes[lo: lo + step].astype(np.int64) * self.dtype.itemsize
+            expected = offset + np.concatenate(([0], np.cumsum(lengths[:-1])))
+            bad = np.flatnonzero(self.pointers[lo: lo + step] != expected)
+            if len(bad) or (self.sizes[lo: lo + step] < 0).any():
+                at = lo + int(bad[0]) if len(bad) else lo
+                raise ValueError(f"{idx_path} is damaged: sequence {at} starts at byte {int(self.pointers[at])} of "
+                                 f"the .bin, the lengths before it end at {int(expected[at - lo])}")
+            offset += int(lengths.sum())
+        docs = self.doc_idx
+        if len(docs) == 0 or docs[0] != 0 or docs[-1] != len(self.sizes) or any(
+                (np.diff(docs[lo: lo + step + 1]) < 0).any() for lo in range(0, len(docs) - 1, step)):
+            raise ValueError(f"{idx_path} is damaged: its document index does not run from 0 to the "
+                             f"{len(self.sizes)} sequences")
 
     @property
     def num_documents(self) -> int:

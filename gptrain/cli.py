@@ -164,7 +164,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if name not in COMMANDS:
         return _fail(f"unknown command {name!r}; commands: {', '.join(COMMANDS)}")
-    return COMMANDS[name][0](rest)
+    try:
+        return COMMANDS[name][0](rest)
+    except KeyboardInterrupt:  # Ctrl-C before a command's own handling started (imports, start-up): no traceback
+        print(f"gptrain: {name}: interrupted by SIGINT during start-up; nothing was written", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

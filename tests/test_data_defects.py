@@ -160,6 +160,20 @@ def test_signal_cleans_up_and_ends_with_one_line(tmp_path, sig):
     assert names(tmp_path) == ["in.jsonl"]
 
 
+def test_ctrl_c_during_start_up_is_one_line(tmp_path, capsys, monkeypatch):
+    """Before preprocess installs its own handler (loading the tokenizer), Ctrl-C printed a traceback."""
+    from gptrain.data import preprocess as module
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    src = write_jsonl(tmp_path / "in.jsonl", ["document"])
+    monkeypatch.setattr(module, "GPT2Tokenizer", interrupted)
+    assert cli(["preprocess", "--input", str(src), "--output-prefix", str(tmp_path / "o"), "--no-progress"]) == 130
+    assert capsys.readouterr().err == "gptrain: preprocess: interrupted by SIGINT during start-up; nothing was written\n"
+    assert names(tmp_path) == ["in.jsonl"]
+
+
 def test_killed_run_temp_files_are_removed_by_the_next_run(tmp_path):
     proc, marker = _start_slow_run(tmp_path)
     proc.kill()

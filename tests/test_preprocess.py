@@ -192,6 +192,14 @@ def test_merge_and_inspect_cli(tmp_path, corpus, capsys):
     assert f"documents:  {len(texts) + 1}" in out and "tail document<|endoftext|>" in out
     assert cli(["preprocess", "--input", str(tmp_path / "missing.jsonl"), "--output-prefix", str(tmp_path / "x")]) == 2
     assert "missing.jsonl: no such file" in capsys.readouterr().err
+    # merging a folder into itself, twice: its own previous output is not an input (it counted: 8 -> 16 -> 24)
+    for _ in range(2):
+        assert cli(["merge-datasets", "--input", str(tmp_path), "--output-prefix", str(tmp_path / "all"),
+                    "--overwrite"]) == 0
+        assert len(IndexedDataset(tmp_path / "all")) == 2 * (len(texts) + 1)  # a, b and m
+    assert cli(["merge-datasets", "--input", str(tmp_path / "m"), "--output-prefix", str(tmp_path / "m"),
+                "--overwrite"]) == 2
+    assert "--input " + str(tmp_path / "m") + " is the --output-prefix itself" in capsys.readouterr().err
 
 
 def _peak_rss_kb(src, prefix):

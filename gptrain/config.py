@@ -267,6 +267,10 @@ class ParallelConfig:
     """The layout asked for; the data-parallel size is what the world size leaves (parallel/dims.py)."""
     tensor_parallel: int = field(default=1, metadata=flag(
         "--tensor-model-parallel-size", group="distributed", help="split each layer over this many GPUs (DTensor)"))
+    distributed_timeout_minutes: float = field(default=10.0, metadata=flag(
+        "--distributed-timeout-minutes", group="distributed",
+        help="a collective waiting longer than this (a rank stopped or hung) ends the run non-zero, naming it; "
+             "every process group, gloo and NCCL (Megatron's default: 10)"))
     pipeline_parallel: int = field(default=1, metadata=flag(
         "--pipeline-model-parallel-size", group="distributed", help="split the layers into this many stages"))
     sequence_parallel: bool = field(default=False, metadata=flag(  # with TP: LayerNorms and dropout on sequence shards

@@ -91,7 +91,6 @@ COMPATIBILITY: tuple[Compat, ...] = (
     Compat("--distributed-backend", "NCCL on GPUs, gloo on CPUs, chosen by device", "value", ("nccl", "gloo")),
     Compat("--tokenizer-type", "GPT-2 BPE is the tokenizer", "value", ("GPT2BPETokenizer",)),
     Compat("--num-workers", "batches are assembled in a background thread", "value"),
-    Compat("--distributed-timeout-minutes", "torch.distributed's default timeout", "value"),
     Compat("--rampup-batch-size", "batch-size ramp-up is not implemented", "refused"),
     Compat("--swiglu", "only the GPT-2 MLP is implemented", "refused"),
     Compat("--use-rotary-position-embeddings", "only learned positions", "refused"),

@@ -333,3 +333,22 @@ def test_a_damaged_checkpoint_falls_back_to_the_older_one_with_one_line(damage, 
                       "newest complete checkpoint, iter_0000002, instead"]
     manifest = json.loads((ck / "iter_0000002" / "state.json").read_text())
     assert sorted(manifest["checksums"]) == sorted(n for n in manifest["files"] if n != "state.json")
+
+
+@pytest.mark.slow
+def test_a_stopped_rank_is_named_within_the_distributed_timeout(tmp_path):
+    """--distributed-timeout-minutes was accepted and ignored (gloo waited its own 30 minutes): rank 1
+    stops responding at iteration 3; rank 0 gives up after 6 s with one line and the run exits non-zero."""
+    import socket
+    import time
+
+    start = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           "-m", "gptrain", "train", *TINY, "--train-iters", "5", "--distributed-timeout-minutes",
+                           "0.1"], capture_output=True, text=True, timeout=300,
+                          env={**_env(), "GPTRAIN_STALL_AT": "1@3"})
+    assert done.returncode != 0 and time.monotonic() - start < 200
+    errors = [line for line in done.stderr.splitlines() if line.startswith("gptrain:")]
+    assert errors == [f"gptrain: error: rank 0 on {socket.gethostname()}: a collective waited longer than "
+                      "--distributed-timeout-minutes 0.1 at iteration 3 (another rank stopped, hung or died); exiting "
+                      "so the launcher can restart the group"], done.stderr[-3000:]

@@ -120,17 +120,25 @@ def test_schedule_settings_come_from_the_flags_and_the_step_from_the_checkpoint(
         {k: v for k, v in LRSchedule.from_config(cfg.optim, cfg.train).state_dict().items() if k != "num_steps"}
 
 
-def test_process_group_backend_by_device_and_default_timeout(monkeypatch):
+def test_process_group_backend_by_device_and_timeout(monkeypatch):
+    import datetime
+
+    from torch.distributed import distributed_c10d
+
     from gptrain.parallel import dims
 
     assert REASONS["--distributed-backend"] == "NCCL on GPUs, gloo on CPUs, chosen by device"
-    assert REASONS["--distributed-timeout-minutes"] == "torch.distributed's default timeout"
+    assert "--distributed-timeout-minutes" not in REASONS  # a real flag now (issue 33)
     calls = []
     monkeypatch.setattr(dims, "world_from_env", lambda: (2, 0, 0))
     monkeypatch.setattr(torch.distributed, "is_initialized", lambda: False)
     monkeypatch.setattr(torch.distributed, "init_process_group", lambda *a, **kw: calls.append((a, kw)))
-    assert dims.init_distributed(torch.device("cpu")) == torch.device("cpu")
-    assert calls == [(("gloo",), {})]  # no timeout= given: torch.distributed's default
+    monkeypatch.setattr(distributed_c10d, "default_pg_timeout", distributed_c10d.default_pg_timeout)
+    monkeypatch.setattr(distributed_c10d, "default_pg_nccl_timeout", distributed_c10d.default_pg_nccl_timeout)
+    assert dims.init_distributed(torch.device("cpu"), 0.5) == torch.device("cpu")
+    assert calls == [(("gloo",), {"timeout": datetime.timedelta(seconds=30)})]
+    # the groups made later (DeviceMesh's, the checkpoint writer's) default to it too
+    assert distributed_c10d._get_default_timeout("gloo") == datetime.timedelta(seconds=30)
     assert "cuda:nccl" in inspect.getsource(dims.init_distributed)  # GPUs: NCCL (not run on a CPU)
 
 

@@ -5,6 +5,7 @@ then pipeline stages (outermost), so a TP group stays inside one node and pipeli
 """
 from __future__ import annotations
 
+import datetime
 import os
 from dataclasses import dataclass
 
@@ -88,19 +89,30 @@ def world_from_env() -> tuple[int, int, int]:
             int(os.environ.get("LOCAL_RANK", "0")))
 
 
-def init_distributed(device: torch.device) -> torch.device:
+def init_distributed(device: torch.device, timeout_minutes: float | None = None) -> torch.device:
     """Join the process group torchrun describes: NCCL on GPUs (one per local rank), gloo on CPU.
-    Returns this rank's device."""
+    Returns this rank's device. ``timeout_minutes`` (--distributed-timeout-minutes) bounds every
+    collective of every process group: the default one, and the groups made later (DeviceMesh's,
+    the checkpoint writer's), which torch would otherwise give its own defaults (30 minutes for
+    gloo); NCCL's async error handling tears the process down when one times out."""
     world, _, local_rank = world_from_env()
     if world == 1 or dist.is_initialized():
         return device
+    kwargs = {}
+    if timeout_minutes is not None:
+        from torch.distributed import distributed_c10d
+
+        timeout = datetime.timedelta(minutes=timeout_minutes)
+        distributed_c10d.default_pg_timeout = distributed_c10d.default_pg_nccl_timeout = timeout
+        kwargs["timeout"] = timeout
     if device.type == "cuda":
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
         # gloo beside NCCL: CPU-offloaded shards are gathered on the CPU (checkpoints of --cpu-offload)
-        dist.init_process_group("cpu:gloo,cuda:nccl", device_id=device)
+        dist.init_process_group("cpu:gloo,cuda:nccl", device_id=device, **kwargs)
     else:
-        dist.init_process_group("gloo")
+        dist.init_process_group("gloo", **kwargs)
     return device
 
 

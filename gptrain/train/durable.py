@@ -12,6 +12,7 @@ import signal
 from pathlib import Path
 
 CRASH_ENV = "GPTRAIN_CRASH_AT"  # tests: "POINT" or "POINT@ITERATION" -> SIGKILL there
+STALL_ENV = "GPTRAIN_STALL_AT"  # tests: "RANK@ITERATION" -> that rank stops responding there
 
 
 def fsync_file(path: str | os.PathLike) -> None:
@@ -81,3 +82,12 @@ def crash_point(name: str, iteration: int | str | None = None) -> None:
     point, _, at = want.partition("@")
     if point == name and (not at or str(iteration) == at):
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def stall_point(rank: int, iteration: int) -> None:
+    """Stop responding (sleep) here when ``GPTRAIN_STALL_AT`` is ``RANK@ITERATION`` (the hang tests)."""
+    want = os.environ.get(STALL_ENV)
+    if want and want == f"{rank}@{iteration}":
+        import time
+
+        time.sleep(3600)

@@ -26,6 +26,7 @@ from gptrain.train import signals
 from gptrain.train.checkpoint import Checkpointer, load_checkpoint
 from gptrain.train import resume
 from gptrain.train.checkpoint_files import find_gptrain_iteration_dir, iteration_dir, recover
+from gptrain.train.durable import stall_point
 from gptrain.checkpoint_kind import checkpoint_kind
 from gptrain.train.megatron_load import load_hf, load_megatron
 from gptrain.train.precision import LossScaler
@@ -441,6 +442,7 @@ class Trainer:
         exit_reason = None
         try:
             while self.iteration < t.train_iters and not t.skip_train:
+                stall_point(world_from_env()[1], self.iteration + 1)
                 skipped = self.train_step(loader)
                 self.iteration += 1
                 self.consumed_train += t.global_batch_size

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import random
+import socket
 import sys
 from dataclasses import dataclass, field
 
@@ -134,7 +135,7 @@ def _train_main(argv: list[str], log=None) -> TrainResult:
             dry_run(cfg, planned_world_size(argv), log)
             return TrainResult.of(0, trainer)
         dims = parallel_dims(cfg, world)
-        device = init_distributed(pick_device(cfg.train.device))
+        device = init_distributed(pick_device(cfg.train.device), cfg.parallel.distributed_timeout_minutes)
         mesh = dims.build_mesh(device.type)
         log(f"{dims.describe()} ; device {device.type}, precision {cfg.precision.name}")
         if _cpu_precision_warning(cfg, device):
@@ -183,6 +184,14 @@ def _train_main(argv: list[str], log=None) -> TrainResult:
         if is_logging_rank():
             print(f"gptrain: error: {err}", file=sys.stderr)
         return TrainResult.of(2, trainer)
+    except RuntimeError as err:  # a collective timed out: name it on the rank that waited, exit non-zero
+        if cfg is None or "timed out" not in str(err).lower():
+            raise
+        where = f" at iteration {trainer.iteration + 1}" if trainer is not None else ""
+        print(f"gptrain: error: rank {world_from_env()[1]} on {socket.gethostname()}: a collective waited longer than "
+              f"--distributed-timeout-minutes {cfg.parallel.distributed_timeout_minutes:g}{where} (another rank "
+              "stopped, hung or died); exiting so the launcher can restart the group", file=sys.stderr)
+        return TrainResult.of(1, trainer)
     finally:
         signals.uninstall()
         if torch.distributed.is_initialized() and torch.distributed.get_backend() != "fake":

@@ -57,6 +57,19 @@ def virtual_stages(num_layers: int, pp: int, layers_per_virtual_stage: int | Non
     return per_rank // layers_per_virtual_stage
 
 
+def check_micro_batches(n_micro: int, pp: int, virtual: int) -> None:
+    """The schedules' rules on the micro-batches per step: at least one per stage for 1F1B, a
+    multiple of the stages for interleaved 1F1B (Megatron's)."""
+    if pp == 1:
+        return
+    if virtual == 1 and n_micro < pp:
+        raise ValueError(f"pipeline parallelism over {pp} stages needs at least {pp} micro-batches "
+                         f"per step (global batch / (micro-batch x data-parallel size) = {n_micro})")
+    if virtual > 1 and n_micro % pp:
+        raise ValueError(f"the interleaved schedule needs the number of micro-batches ({n_micro}) to be a "
+                         f"multiple of --pipeline-model-parallel-size {pp} (Megatron's rule)")
+
+
 def stage_layer_counts(num_layers: int, pp: int, first: int | None = None, last: int | None = None) -> list[int]:
     """Layers per pipeline stage: even, or with Megatron's ``--decoder-first-pipeline-num-layers`` /
     ``--decoder-last-pipeline-num-layers`` set and the rest split evenly over the other stages (the
@@ -223,15 +236,10 @@ class Pipeline:
         stages = [PipelineStage(c, s, plan.num_stages, device, group=group,
                                 **_given_shapes(shapes, s, plan.num_stages, PipelineStage))
                   for c, s in zip(self.chunks, plan.stages)]
+        check_micro_batches(n_micro, dims.pp, len(stages))
         if len(stages) == 1:
-            if n_micro < dims.pp:
-                raise ValueError(f"pipeline parallelism over {dims.pp} stages needs at least {dims.pp} micro-batches "
-                                 f"per step (global batch / (micro-batch x data-parallel size) = {n_micro})")
             self.schedule = Schedule1F1B(stages[0], n_micro, loss_fn=self._loss_fn, scale_grads=False)
         else:
-            if n_micro % dims.pp:
-                raise ValueError(f"the interleaved schedule needs the number of micro-batches ({n_micro}) to be a "
-                                 f"multiple of --pipeline-model-parallel-size {dims.pp} (Megatron's rule)")
             self.schedule = ScheduleInterleaved1F1B(stages, n_micro, loss_fn=self._loss_fn, scale_grads=False)
         self.schedule_name = type(self.schedule).__name__
         if simulated:

@@ -25,7 +25,7 @@ from gptrain.model.loss import LMLoss
 from gptrain.parallel.dims import ParallelDims
 from gptrain.parallel.parallelize import describe_sharding, parallelize
 from gptrain.parallel.tensor_parallel import ShardLayout
-from gptrain.parallel.pipeline import Pipeline, StageShapes, pipeline_chunks, prune_for_stage, stage_layer_counts, virtual_stages
+from gptrain.parallel.pipeline import Pipeline, StageShapes, check_micro_batches, pipeline_chunks, prune_for_stage, stage_layer_counts, virtual_stages
 from gptrain.train.checkpoint import init_optimizer_state
 from gptrain.train.main_params import MainParams
 
@@ -80,7 +80,8 @@ def parallel_dims(cfg: RunConfig, world_size: int) -> ParallelDims:
     if (dims.sharded or dims.tp > 1 or dims.pp > 1) and cfg.precision.fp8:
         raise ValueError("--fp8 with ZeRO, tensor or pipeline parallelism is not built yet (fp8 runs on one "
                          "device or with plain data parallelism)")
-    virtual_stages(cfg.model.num_layers, dims.pp, cfg.parallel.layers_per_virtual_stage)
+    virtual = virtual_stages(cfg.model.num_layers, dims.pp, cfg.parallel.layers_per_virtual_stage)
+    check_micro_batches(cfg.train.micro_batches_per_step(dims.dp), dims.pp, virtual)
     return dims
 
 

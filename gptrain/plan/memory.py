@@ -1,0 +1,136 @@
+"""Bytes per GPU of a layout, following what gptrain keeps in which dtype:
+
+- one device or whole replicas with --bf16/--fp16 (train/main_params.py): half-precision weights (2 B),
+  fp32 main copies (4 B) and AdamW moments (8 B) always; the fp32 main-gradient buffer (4 B) from the
+  first backward to the optimizer step, beside the model's half-precision gradients until they are
+  moved into it (after the backward; as they arrive under a pipeline or --overlap-grad-reduce);
+- fp32 parameters (no --bf16/--fp16, or --autocast): weights 4 B, gradients 4 B, moments 8 B;
+- ZeRO on FSDP2 (parallel/parallelize.py): fp32 parameter and moment shards (12 B / dp), gradients whole
+  in fp32 at ZeRO-1, fp32 shards at ZeRO-2/3, half-precision copies gathered per block (kept until the
+  backward at ZeRO-1/2, only the running and the prefetched block at ZeRO-3);
+- activations per layer and micro-batch (Korthikanti et al. 2022, arXiv 2205.05198, in units of s b h
+  bytes): 34 on one GPU (32 without hidden dropout: its two 1-byte masks); 10 + 24/t with tensor
+  parallelism; 34/t with sequence parallelism, plus the gathered inputs of QKV and fc1 that gptrain's column-parallel layers keep (4 (t-1)/t); the 5 a s / h
+  attention-score term only without a flash kernel; selective recompute saves the core attention's
+  output (2/t); full recompute keeps each block's input (2, or 2/t with SP) and one block's working set;
+- the micro-batches a pipeline stage holds (1F1B: p - stage; interleaved: Megatron's 1 + (p-1)/(p v)),
+  the logits (bf16; the vocabulary-parallel loss adds an fp32 temporary), gradient-reduction buckets.
+
+The figures are what PyTorch's allocator reports as max allocated; ``fits`` adds the allocator's slack
+and the CUDA context.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+from gptrain.config import RunConfig
+from gptrain.parallel.dims import ParallelDims
+from gptrain.train.build import overlap_grad_reduce
+
+GIB = 1024 ** 3
+ALLOCATOR_SLACK = 0.05  # reserved over allocated: fragmentation of the caching allocator
+CONTEXT_GIB = 1.0  # CUDA context, cuBLAS workspaces and NCCL buffers, outside the allocator
+FLASH_BACKENDS = ("auto", "flash", "fused", "flash4")  # SDPA kernels that never hold the s x s scores
+
+
+@dataclass
+class Memory:
+    """Bytes at the step's peak on the fullest rank, by kind."""
+    weights: float = 0.0  # the parameters the forward reads (half or fp32)
+    main_params: float = 0.0  # fp32 main copies or FSDP2's fp32 shards
+    grads: float = 0.0
+    optimizer: float = 0.0  # AdamW's two moments
+    activations: float = 0.0
+    logits: float = 0.0
+    buckets: float = 0.0
+
+    @property
+    def total(self) -> float:
+        return sum(getattr(self, f.name) for f in fields(self))
+
+    @property
+    def gib(self) -> float:
+        return self.total / GIB
+
+    def state_bytes(self) -> float:
+        """Parameters, gradients and optimizer state (what a run allocates before activations)."""
+        return self.weights + self.main_params + self.grads + self.optimizer
+
+
+def fits(memory_gib: float, gpu_gib: float) -> bool:
+    return memory_gib * (1 + ALLOCATOR_SLACK) + CONTEXT_GIB <= gpu_gib
+
+
+def activation_units(cfg: RunConfig, tp: int, sp: bool, recompute: str | None) -> float:
+    """Bytes per layer per token-times-hidden (s b h) held for the backward."""
+    m = cfg.model
+    scores = 0.0 if cfg.kernels.attention_backend in FLASH_BACKENDS else 5.0 * m.num_attention_heads * m.seq_length / m.hidden_size / tp
+    if recompute == "full":
+        return 2.0 / tp if sp else 2.0
+    masks = 2.0 if m.hidden_dropout > 0 else 0.0  # the two hidden-dropout masks (1 B each)
+    if tp == 1:
+        units = 32.0 + masks + scores
+    elif sp:
+        units = (32.0 + masks) / tp + 4.0 * (tp - 1) / tp + scores
+    else:
+        units = 8.0 + masks + 24.0 / tp + scores
+    if recompute == "selective":
+        units -= 2.0 / tp + scores
+    return units
+
+
+def in_flight(pp: int, stage: int, micro_batches: int, virtual: int) -> float:
+    """Micro-batches whose activations a pipeline stage holds at once."""
+    if pp == 1:
+        return 1.0
+    held = min(micro_batches, pp - stage)
+    if virtual > 1:
+        held *= 1 + (pp - 1) / (pp * virtual)
+    return held
+
+
+def stage_memory(cfg: RunConfig, dims: ParallelDims, params: int, layers: int, stage: int, virtual: int,
+                 sp: bool) -> Memory:
+    """Peak bytes of one rank of pipeline stage ``stage`` holding ``params`` parameters and ``layers`` blocks."""
+    m, t = cfg.model, dims.tp
+    b, s, h = cfg.train.micro_batch_size, m.seq_length, m.hidden_size
+    n_micro = cfg.train.micro_batches_per_step(dims.dp)
+    recompute = cfg.kernels.recompute
+    half = cfg.precision.half_params
+    act = activation_units(cfg, t, sp, recompute) * s * b * h * layers * in_flight(dims.pp, stage, n_micro, virtual)
+    if recompute == "full":  # the block being recomputed holds its whole working set
+        act += activation_units(cfg, t, sp, None) * s * b * h
+    last = stage == dims.pp - 1
+    logits = 0.0
+    if last and not cfg.kernels.fused_cross_entropy:
+        vocab = m.padded_vocab_size / t
+        logits = s * b * vocab * (2.0 if half else 4.0) + (s * b * vocab * 4.0 if t > 1 else 0.0)
+    mem = state_memory(cfg, dims, params, layers)
+    mem.activations, mem.logits = act, logits
+    if overlap_grad_reduce(cfg, dims) and cfg.parallel.grad_reduce_in_bf16:
+        mem.buckets = 2.0 * (cfg.parallel.ddp_bucket_size or 40_000_000)  # the bf16 copy of a bucket
+    if dims.pp == 1 and half and not dims.sharded and not overlap_grad_reduce(cfg, dims):
+        # gradients move into the fp32 buffer after the backward, when the activations are gone: the
+        # forward's end holds no gradients, the backward's end the half-precision ones and the buffer
+        grads = mem.grads
+        if grads + 2.0 * params > act + logits:
+            mem.grads, mem.activations, mem.logits = grads + 2.0 * params, 0.0, 0.0
+        else:
+            mem.grads = 0.0
+    return mem
+
+
+def state_memory(cfg: RunConfig, dims: ParallelDims, params: int, layers: int) -> Memory:
+    """Parameters, gradients (after the backward, accumulated in their step-long dtype) and AdamW's
+    state of one rank holding ``params`` parameters in ``layers`` blocks."""
+    half = cfg.precision.half_params
+    if dims.sharded:
+        d = dims.dp
+        per_block = params / max(1, layers)
+        return Memory(weights=(2.0 if half else 4.0) * (params if dims.zero_stage < 3 else 2 * per_block),
+                      main_params=4.0 * params / d, optimizer=8.0 * params / d,
+                      grads=4.0 * params if dims.zero_stage == 1 else 4.0 * params / d)
+    if not half:
+        autocast_copies = 2.0 * params if cfg.precision.autocast else 0.0
+        return Memory(weights=4.0 * params + autocast_copies, grads=4.0 * params, optimizer=8.0 * params)
+    return Memory(weights=2.0 * params, main_params=4.0 * params, grads=4.0 * params, optimizer=8.0 * params)

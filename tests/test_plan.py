@@ -1,0 +1,115 @@
+"""``gptrain plan``: its memory arithmetic against the bytes a CPU run allocates, its proposals against
+the training command's own checks, its JSON, and its 175B prediction against Megatron's published
+iteration time (arXiv 2205.05198 Table 5: GPT-3 175B, TP8 x PP8 on 64 A100s, global batch 64,
+sequence parallelism and selective recompute, 13.75 s)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from gptrain.config import parse_megatron_args
+from gptrain.parallel.dims import ParallelDims
+from gptrain.plan.cli import plan_main
+from gptrain.plan.memory import state_memory
+from gptrain.plan.search import _stage_params, predict
+from gptrain.plan.hardware import load_gpu
+from gptrain.train.build import build_training, parallel_dims
+from tests.tiny import TINY_FLAGS
+
+RUN = ["--mock-data", "--train-iters", "1", "--seq-length", "16", "--max-position-embeddings", "16"]
+# examples/gpt3_175b_flags.sh's model and training flags (seeds/002), without data and checkpoint paths
+GPT3_175B = ("--mock-data --num-layers 96 --hidden-size 12288 --num-attention-heads 96 --seq-length 2048 "
+             "--max-position-embeddings 2048 --micro-batch-size 1 --train-samples 10846761 --lr 6.0e-5 "
+             "--min-lr 6.0e-6 --lr-decay-style cosine --clip-grad 1.0 --weight-decay 0.1 --adam-beta1 0.9 "
+             "--adam-beta2 0.95 --init-method-std 0.006 --fp16 --tensor-model-parallel-size 8 "
+             "--pipeline-model-parallel-size 8").split()
+
+
+def _unique_bytes(tensors) -> int:
+    seen = {}
+    for t in tensors:
+        if t is not None:
+            seen[t.data_ptr()] = t.numel() * t.element_size()
+    return sum(seen.values())
+
+
+@pytest.mark.parametrize("precision", [["--bf16"], []], ids=["bf16", "fp32"])
+def test_state_bytes_equal_a_cpu_run(precision):
+    cfg, _ = parse_megatron_args(TINY_FLAGS + RUN + ["--micro-batch-size", "2"] + precision, world_size=1)
+    cfg = cfg.with_tokenizer(1000, 0)
+    dims = parallel_dims(cfg, 1)
+    parts = build_training(cfg, torch.device("cpu"), dims, None, log=lambda s: None)
+    tokens = torch.randint(0, 1000, (2, 16))
+    parts.forward(tokens, tokens, None).backward()
+    if parts.main is not None:
+        parts.main.accumulate_grads()
+    model_params = list(parts.model.parameters())
+    allocated = _unique_bytes(model_params + [p.grad for p in model_params])
+    if parts.main is not None:
+        allocated += _unique_bytes(parts.main.main) + _unique_bytes([parts.main.grad_flat])
+    allocated += _unique_bytes(t for state in parts.optimizer.state.values() for t in state.values())
+    params = _stage_params(tuple(sorted(vars(cfg.model).items())), 1, 1, None, None)[0]
+    assert params == sum(p.numel() for p in model_params)
+    predicted = state_memory(cfg, dims, params, cfg.model.num_layers).state_bytes()
+    assert predicted == pytest.approx(allocated, rel=0.02)
+
+
+def _plan(argv, capsys) -> tuple[int, str]:
+    code = plan_main(argv)
+    return code, capsys.readouterr().out
+
+
+SMALL = TINY_FLAGS + ["--mock-data", "--train-iters", "1", "--bf16", "--global-batch-size", "8",
+                      "--world-size", "8", "--gpu", "h100", "--json", "--top", "0"]
+
+
+def test_json_ranking_deterministic_and_every_proposal_accepted_by_train(capsys):
+    code, out = _plan(SMALL, capsys)
+    assert code == 0
+    layouts = json.loads(out)
+    assert layouts and json.loads(_plan(SMALL, capsys)[1]) == layouts  # the same ranking twice
+    keys = {"tp", "pp", "dp", "zero_stage", "micro_batch_size", "recompute", "tokens_per_s_per_gpu", "mfu", "peak_gib"}
+    for layout in layouts:
+        assert keys <= set(layout)
+        assert layout["tp"] * layout["pp"] * layout["dp"] == 8 and layout["fits"]
+    speeds = [layout["tokens_per_s_per_gpu"] for layout in layouts]
+    assert all(a >= b - 1e-6 for a, b in zip(speeds, speeds[1:]))
+    # each kind of proposal (micro-batches aside), as the flags a user would paste, passes gptrain train's checks
+    kinds = {(x["tp"], x["pp"], x["zero_stage"], x["sequence_parallel"], x["recompute"]): x for x in layouts}
+    for layout in kinds.values():
+        argv = TINY_FLAGS + ["--mock-data", "--train-iters", "1", "--bf16", "--global-batch-size", "8"]
+        argv += layout["flags"].split()
+        cfg, _ = parse_megatron_args(argv, world_size=8)
+        dims = parallel_dims(cfg, 8)
+        assert (dims.tp, dims.pp, dims.dp, dims.zero_stage) == (layout["tp"], layout["pp"], layout["dp"],
+                                                                layout["zero_stage"])
+    # what train refuses is reported, never proposed: ZeRO-2/3 with pipelines, TP beyond 4 heads
+    assert not any(layout["pp"] > 1 and layout["zero_stage"] > 1 for layout in layouts)
+    assert not any(layout["tp"] == 8 for layout in layouts)
+
+
+def test_evaluate_is_one_object_and_bad_input_is_one_line(capsys):
+    code, out = _plan(TINY_FLAGS + ["--mock-data", "--train-iters", "1", "--world-size", "2", "--gpu", "h200",
+                                    "--tensor-model-parallel-size", "2", "--evaluate", "--json"], capsys)
+    assert code == 0
+    (layout,) = json.loads(out)
+    assert (layout["tp"], layout["dp"], layout["recompute"]) == (2, 1, "none")
+    assert plan_main(TINY_FLAGS + ["--mock-data", "--train-iters", "1", "--world-size", "2"]) == 2
+    assert plan_main(TINY_FLAGS + ["--mock-data", "--train-iters", "1", "--world-size", "2", "--gpu", "h100",
+                                   "--tensor-model-parallel-size", "8", "--evaluate"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 2 and "give --gpu" in err and "not divisible" in err
+    if not torch.cuda.is_available():
+        assert plan_main(["--calibrate"]) == 2
+        assert "--calibrate measures a CUDA GPU" in capsys.readouterr().err
+
+
+def test_gpt3_175b_on_64_a100_within_15_percent_of_megatron():
+    cfg, _ = parse_megatron_args(GPT3_175B + ["--global-batch-size", "64", "--sequence-parallel",
+                                              "--recompute-activations"], world_size=64)
+    p = predict(cfg.with_tokenizer(50257, 50256), 64, load_gpu("a100"), 8)
+    assert (p.tp, p.pp, p.dp, p.micro_batches) == (8, 8, 1, 64)
+    assert p.step_s == pytest.approx(13.75, rel=0.15)
+    assert p.fits

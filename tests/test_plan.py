@@ -99,8 +99,12 @@ def test_evaluate_is_one_object_and_bad_input_is_one_line(capsys):
     assert plan_main(TINY_FLAGS + ["--mock-data", "--train-iters", "1", "--world-size", "2"]) == 2
     assert plan_main(TINY_FLAGS + ["--mock-data", "--train-iters", "1", "--world-size", "2", "--gpu", "h100",
                                    "--tensor-model-parallel-size", "8", "--evaluate"]) == 2
+    # the schedule's rule, now checked by parallel_dims before anything is built
+    assert plan_main(TINY_FLAGS + ["--mock-data", "--train-iters", "1", "--world-size", "2", "--gpu", "h100",
+                                   "--pipeline-model-parallel-size", "2", "--evaluate"]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 2 and "give --gpu" in err and "not divisible" in err
+    assert err.count("\n") == 3 and "give --gpu" in err and "not divisible" in err
+    assert "needs at least 2 micro-batches per step" in err
     if not torch.cuda.is_available():
         assert plan_main(["--calibrate"]) == 2
         assert "--calibrate measures a CUDA GPU" in capsys.readouterr().err

@@ -117,3 +117,15 @@ def test_gpt3_175b_on_64_a100_within_15_percent_of_megatron():
     assert (p.tp, p.pp, p.dp, p.micro_batches) == (8, 8, 1, 64)
     assert p.step_s == pytest.approx(13.75, rel=0.15)
     assert p.fits
+
+
+def test_dry_run_prints_the_prediction_of_its_layout():
+    from gptrain.train.run import dry_run
+
+    cfg, _ = parse_megatron_args(TINY_FLAGS + RUN + ["--tensor-model-parallel-size", "2", "--bf16"], world_size=4)
+    cfg = cfg.with_tokenizer(1000, 0)
+    lines = []
+    dry_run(cfg, 4, lines.append)
+    (line,) = [x for x in lines if x.startswith(" > plan on 4 x ")]
+    p = predict(cfg, 4, load_gpu(line.split(" x ")[1].split()[0]), 8)
+    assert f"{p.tokens_per_s_per_gpu:,.0f} tokens/s per GPU" in line and f"peak {p.peak_gib:.2f} GiB" in line

@@ -402,6 +402,11 @@ class Trainer:
             mem = metrics.memory_line(self.iteration, self.device)
             if mem:
                 self.log(mem)
+                from gptrain.plan.report import measured_line
+
+                plan = measured_line(self.cfg, world_size(), self.device, tokens_per_s)
+                if plan:
+                    self.log(plan)
             self.memory_reported = True
         if avg_loss is not None:
             self.last_train_loss = avg_loss

@@ -92,6 +92,11 @@ def dry_run(cfg: RunConfig, world: int, log) -> None:
     for (t, p), n in sorted(counts.items(), key=lambda kv: (kv[0][1], kv[0][0])):
         log(f" > number of parameters on (tensor, pipeline) model parallel rank ({t}, {p}): {n}")
     log(f" > parameters: {describe_sharding(dims)}")
+    from gptrain.plan.report import dry_run_line
+
+    plan = dry_run_line(cfg, world)
+    if plan:
+        log(plan)
 
 
 def _cpu_precision_warning(cfg: RunConfig, device: torch.device) -> str | None:

@@ -90,6 +90,7 @@ def test_consecutive_async_saves_are_each_published_with_their_own_values(tmp_pa
     assert not torch.equal(expected[1][first], expected[3][first])  # the saves hold different values
     for it in (1, 2, 3):
         assert is_complete(tmp_path / f"iter_{it:07d}")[0]
+        _assert_checksums(tmp_path / f"iter_{it:07d}")
         alone = tmp_path / f"alone{it}"  # a root whose tracker names this iteration
         alone.mkdir()
         (alone / f"iter_{it:07d}").symlink_to(tmp_path / f"iter_{it:07d}")
@@ -156,6 +157,18 @@ def test_async_checkpoints_equal_sync_ones(sync_run, tmp_path):
     assert {k: v for k, v in sx.items() if k not in drop} == {k: v for k, v in sy.items() if k not in drop}
 
 
+def _assert_checksums(folder) -> list[str]:
+    """The manifest's sha256 of every file but itself, hashed by the writing ranks after the write."""
+    import hashlib
+    import json
+
+    manifest = json.loads((folder / "state.json").read_text())
+    assert sorted(manifest["checksums"]) == sorted(n for n in manifest["files"] if n != "state.json")
+    for name, digest in manifest["checksums"].items():
+        assert hashlib.sha256((folder / name).read_bytes()).hexdigest() == digest, name
+    return sorted(manifest["checksums"])
+
+
 @pytest.mark.slow
 def test_async_save_under_zero3_on_two_ranks(sync_run, tmp_path):
     """Two ranks write their shards in the background (their own gloo group) and agree on when the
@@ -167,6 +180,7 @@ def test_async_save_under_zero3_on_two_ranks(sync_run, tmp_path):
     out = torchrun(2, zero3 + ["--async-save", "--save", str(tmp_path / "two")])
     assert out.count("  successfully saved checkpoint at iteration") == 2 and read_tracker(tmp_path / "two") == 4
     assert is_complete(tmp_path / "two" / "iter_0000002")[0] and is_complete(tmp_path / "two" / "iter_0000004")[0]
+    assert {name[:4] for name in _assert_checksums(tmp_path / "two" / "iter_0000004")} >= {"__0_", "__1_", "rng_"}
     torchrun(2, zero3 + ["--save", str(tmp_path / "two-sync")])
     x, _ = _everything(sync_run)
     y, state = _everything(tmp_path / "two")

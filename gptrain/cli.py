@@ -134,7 +134,7 @@ COMMANDS: dict[str, tuple[Callable[[list[str]], int], str]] = {
     "preprocess": (cmd_preprocess, "JSONL -> Megatron .bin/.idx (tools/preprocess_data.py flags)"),
     "merge-datasets": (cmd_merge_datasets, "concatenate indexed datasets"),
     "data": (cmd_data, "builtin corpus | inspect a dataset | build-cache | samples"),
-    "train": (_entry("gptrain.train.run", "train_command"), "pretrain a GPT (pretrain_gpt.py flags)"),
+    "train": (_entry("gptrain.train.command", "train_command"), "pretrain a GPT (pretrain_gpt.py flags)"),
     "plan": (_entry("gptrain.plan.cli", "plan_main"),
              "predicted tokens/s and memory per GPU of every parallel layout, fastest first"),
     "bench": (_entry("gptrain.bench", "bench_main"), "training throughput against a plain PyTorch baseline"),

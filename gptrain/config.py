@@ -16,8 +16,8 @@ import typing
 from dataclasses import dataclass, field
 
 from gptrain.flag_tables import COMPATIBILITY, DERIVED_FLAGS, MODEL_FLAGS
-from gptrain.flags import Flag, build_parser as _build_parser, field_flag, flag
-from gptrain.model.gpt import GPTConfig
+from gptrain.flags import Flag, build_parser as _build_parser, field_flag, flag, suggest
+from gptrain.model.config import GPTConfig
 
 
 @dataclass
@@ -194,6 +194,27 @@ class TrainConfig:
         "--async-save", group="checkpointing", help="write checkpoints in a background thread; published once durable"))
     verbose: bool = field(default=False, metadata=flag(
         "--verbose", group="logging", help="print kernel choices with their reasons and every index-cache file"))
+    exit_on_missing_checkpoint: bool = field(default=False, metadata=flag(
+        "--exit-on-missing-checkpoint", group="checkpointing",
+        help="with --load naming no checkpoint: print Megatron's line and exit 0 (as Megatron does) instead of "
+             "refusing or starting from scratch"))
+    log_throughput: bool = field(default=False, metadata=flag(
+        "--log-throughput", group="logging",
+        help="Megatron's ' throughput per GPU (TFLOP/s/GPU): X |' field in the iteration line"))
+    log_params_norm: bool = field(default=False, metadata=flag(
+        "--log-params-norm", group="logging",
+        help="Megatron's ' params norm: X |' field in the iteration line (L2 norm of all parameters)"))
+    log_timers_to_tensorboard: bool = field(default=False, metadata=flag(
+        "--log-timers-to-tensorboard", group="logging",
+        help="also write the iteration time (Megatron's iteration-time) and, with --log-throughput, the throughput "
+             "to TensorBoard / wandb"))
+    wandb_project: str | None = field(default=None, metadata=flag(
+        "--wandb-project", group="logging",
+        help="also log the TensorBoard scalars to this Weights & Biases project (needs pip install wandb)"))
+    wandb_exp_name: str | None = field(default=None, metadata=flag(
+        "--wandb-exp-name", group="logging", help="with --wandb-project: the run's name"))
+    wandb_save_dir: str | None = field(default=None, metadata=flag(
+        "--wandb-save-dir", group="logging", help="with --wandb-project: wandb's local folder (default: --save/wandb)"))
 
     def __post_init__(self):
         if self.global_batch_size is None:
@@ -398,6 +419,9 @@ def parse_megatron_args(argv: list[str], world_size: int | None = None) -> tuple
     parser = build_parser()
     known_flags = {o for action in parser._actions for o in action.option_strings}
     unknown = [x for x in given if x not in known_flags]
+    close = suggest(unknown[0], known_flags) if len(unknown) == 1 else None
+    if close:
+        raise ValueError(f"unknown flag {unknown[0]}: did you mean {close}? (see `gptrain train --help`)")
     if unknown:
         raise ValueError(f"unknown flag(s) {', '.join(unknown)}: gptrain refuses flags it does not implement "
                          "rather than ignoring them (see `gptrain train --help`)")
@@ -408,7 +432,7 @@ def parse_megatron_args(argv: list[str], world_size: int | None = None) -> tuple
         if c.kind == "switch" and value:
             notes.append(f"{c.name}: accepted, {c.reason}")
         if c.kind == "value" and value is not None and c.values is not None and value not in c.values:
-            raise ValueError(f"{c.name} {value}: only {' or '.join(c.values)} is supported")
+            raise ValueError(f"{c.name} {value}: only {' or '.join(c.values)} is supported; {c.reason}")
     if not args.mock_data and not args.data_path:
         raise ValueError("give --data-path PREFIX (or weight/prefix pairs), or --mock-data")
     if args.deepspeed and not args.deepspeed_config:
@@ -421,7 +445,9 @@ def parse_megatron_args(argv: list[str], world_size: int | None = None) -> tuple
         raise ValueError("--use-distributed-optimizer is ZeRO stage 1; it contradicts --zero-stage 0")
     data_parallel = max(1, world_size // max(1, parallel["tensor_parallel"] * parallel["pipeline_parallel"]))
     if parallel["deepspeed_config"]:
-        notes += _apply_deepspeed_config(values, zero_stage, data_parallel)
+        from gptrain.parallel.deepspeed_config import apply_deepspeed_config
+
+        notes += apply_deepspeed_config(values, zero_stage, data_parallel)
     if train["micro_batch_size"] is None:
         train["micro_batch_size"] = 1
     if train["global_batch_size"] is None:  # Megatron's default: one micro-batch per data-parallel rank
@@ -440,34 +466,3 @@ def planned_world_size(argv: list[str]) -> int:
         except ValueError:
             raise ValueError(f"--world-size {argv[argv.index('--world-size') + 1]}: expected a number") from None
     return int(os.environ.get("WORLD_SIZE", "1"))
-
-
-def _apply_deepspeed_config(values: dict[str, dict], zero_flag: int | None, data_parallel: int) -> list[str]:
-    """Fold a ds.json into the flags' values, by section (precision, loss scaling, batch sizes,
-    clipping, the ZeRO stage, CPU offload); a value that contradicts a flag is an error naming both.
-    ``zero_flag``: --zero-stage as given (None: not given)."""
-    from gptrain.parallel.deepspeed_config import read_deepspeed_config, resolve_batch_sizes
-
-    precision, parallel, train = values["precision"], values["parallel"], values["train"]
-    name = parallel["deepspeed_config"]
-    ds = read_deepspeed_config(name)
-    if ds.fp16 and precision["bf16"] or ds.bf16 and precision["fp16"]:
-        raise ValueError(f"{name}: {'fp16' if ds.fp16 else 'bf16'}.enabled contradicts "
-                         f"{'--bf16' if precision['bf16'] else '--fp16'}")
-    precision["fp16"] = precision["fp16"] or bool(ds.fp16)
-    precision["bf16"] = precision["bf16"] or bool(ds.bf16)
-    for field_name in ("loss_scale", "initial_loss_scale", "loss_scale_window", "hysteresis", "min_loss_scale"):
-        value = getattr(ds, field_name)
-        if value is not None:
-            precision[field_name] = value
-    if ds.gradient_clipping is not None:
-        values["optim"]["clip_grad"] = ds.gradient_clipping
-    if zero_flag is not None and zero_flag != ds.zero_stage:
-        raise ValueError(f"{name}: zero_optimization.stage {ds.zero_stage} contradicts --zero-stage {zero_flag}")
-    parallel["zero_stage"] = max(parallel["zero_stage"], ds.zero_stage)
-    parallel["cpu_offload"] = parallel["cpu_offload"] or ds.cpu_offload
-    train["micro_batch_size"], train["global_batch_size"] = resolve_batch_sizes(
-        ds, data_parallel, train["micro_batch_size"], train["global_batch_size"])
-    return list(ds.notes) + [
-        f"{name}: ZeRO stage {parallel['zero_stage']}" + (", CPU offload" if parallel["cpu_offload"] else "")
-        + f", micro-batch {train['micro_batch_size']}, global batch {train['global_batch_size']}"]

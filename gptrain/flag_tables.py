@@ -48,6 +48,14 @@ DERIVED_FLAGS: tuple[Flag, ...] = (
     Flag(("--optimizer",), "training", "adam (AdamW, fused)", choices=("adam",), default="adam", dest="optimizer"),
     Flag(("--fp8",), "mixed precision", "fp8 matmuls in the transformer layers through torchao (same as --fp8-format "
          "hybrid)", action="store_const", const="hybrid", dest="fp8"),  # PrecisionConfig.fp8
+    # the positive and negative halves of switches declared on a field (the last one given wins)
+    Flag(("--no-fp16",), "mixed precision", "undo an earlier --fp16 (the last of the two wins): override an example "
+         "script's precision", action="store_const", const=False, default=False, dest="fp16"),
+    Flag(("--no-bf16",), "mixed precision", "undo an earlier --bf16 (the last of the two wins)",
+         action="store_const", const=False, default=False, dest="bf16"),
+    Flag(("--bias-gelu-fusion",), "kernels and speed (gptrain)", "fc1's bias and GELU in its cuBLASLt matmul "
+         "epilogues (the default; undoes an earlier --no-bias-gelu-fusion)", action="store_const", const=True,
+         default=True, dest="bias_gelu_fusion"),
     Flag(("--use-distributed-optimizer",), "distributed", "Megatron's sharded optimizer (= --zero-stage 1)",
          action="store_true", dest="use_distributed_optimizer"),
     Flag(("--deepspeed",), "distributed", "Megatron-DeepSpeed: take ZeRO and precision from --deepspeed_config",
@@ -85,6 +93,19 @@ COMPATIBILITY: tuple[Compat, ...] = (
            "(parallel/tensor_parallel.py, DTensor): there is no asynchronous all-reduce to turn off"),
     Compat("--override-opt_param-scheduler", "the learning-rate schedule always takes its settings from the "
            "flags; a checkpoint gives only its step count"),
+    Compat("--use-mcore-models", "gptrain has one GPT implementation (model/gpt.py): there is no legacy or "
+           "megatron-core model class to choose"),
+    Compat("--use-legacy-models", "gptrain has one GPT implementation (model/gpt.py): there is no legacy or "
+           "megatron-core model class to choose"),
+    Compat("--no-persist-layer-norm", "LayerNorm is torch's layer_norm (fused with its neighbours only by "
+           "torch.compile, under --compile): there is no persistent LayerNorm kernel to turn off"),
+    Compat("--transformer-impl", "the layers are gptrain's own (model/gpt.py) on the kernels --attention-backend "
+           "and --linear-impl choose; TransformerEngine is never used", "value", ("local", "transformer_engine")),
+    Compat("--timing-log-level", "gptrain times the whole iteration only (the iteration line's elapsed time, "
+           "Megatron's level-0 timer); there are no per-phase timers for levels 1 and 2", "value", ("0", "1", "2")),
+    Compat("--dataloader-type", "batches are read as Megatron's single sampler reads them (the split's shuffled "
+           "sample order, from the consumed samples on, each data-parallel rank its slice); cyclic's new random "
+           "order every epoch is not implemented", "value", ("single",)),
     Compat("--data-impl", "only mmap files exist", "value", ("mmap",)),
     Compat("--dataset-impl", "only mmap files exist", "value", ("mmap",)),
     Compat("--DDP-impl", "data parallelism is gptrain's own", "value", ("local", "torch")),

@@ -150,15 +150,31 @@ def compatibility_table(compat: Iterable[Compat]) -> str:
     return "\n".join(lines)
 
 
+class OneLineErrors(argparse.ArgumentParser):
+    """A parser whose errors (a bad value, a missing one) raise ValueError, which the command prints as
+    one line and exits 2, instead of argparse's usage block."""
+
+    def error(self, message):
+        raise ValueError(f"{message} (see `{self.prog} --help`)")
+
+
+def suggest(given: str, known: Iterable[str]) -> str | None:
+    """The declared flag closest to a mistyped one (difflib), or None."""
+    import difflib
+
+    close = difflib.get_close_matches(given, list(known), n=1, cutoff=0.75)
+    return close[0] if close else None
+
+
 def build_parser(flags: Iterable[Flag], compat: Iterable[Compat], prog: str = "gptrain train",
                  description: str = "GPT pretraining with pretrain_gpt.py flags") -> argparse.ArgumentParser:
     """The parser of ``flags`` (each in its group, groups in ``GROUPS`` order, flags in declaration
     order) and of the accepted no-op flags of ``compat`` (hidden; listed by the epilog). Refused
     flags are left out: ``parse_megatron_args`` refuses them by name before parsing."""
     flags, compat = list(flags), list(compat)
-    parser = argparse.ArgumentParser(prog=prog, description=description, allow_abbrev=False,
-                                     formatter_class=_Formatter, epilog=compatibility_table(compat),
-                                     usage="%(prog)s [flags]   (pretrain_gpt.py's flags, by Megatron's groups below)")
+    parser = OneLineErrors(prog=prog, description=description, allow_abbrev=False,
+                           formatter_class=_Formatter, epilog=compatibility_table(compat),
+                           usage="%(prog)s [flags]   (pretrain_gpt.py's flags, by Megatron's groups below)")
     seen: set[str] = set()
     for group in GROUPS:
         section = parser.add_argument_group(group)

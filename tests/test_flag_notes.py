@@ -163,3 +163,47 @@ def test_refused_architecture_flags_name_what_the_model_is():
     assert norms and all(type(m) is torch.nn.LayerNorm for m in norms)
     assert isinstance(model.position_embeddings, torch.nn.Embedding)
     assert model.position_embeddings.weight.requires_grad
+
+
+def test_layer_norm_is_torchs_and_no_transformer_engine_is_used():
+    """--no-persist-layer-norm, --transformer-impl, --use-mcore-models / --use-legacy-models."""
+    import pathlib
+    import re
+
+    assert "torch's layer_norm" in REASONS["--no-persist-layer-norm"]
+    assert "aten.native_layer_norm.default" in _ops(GPT(TINY).eval())
+    assert "TransformerEngine is never used" in REASONS["--transformer-impl"]
+    assert REASONS["--use-mcore-models"] == REASONS["--use-legacy-models"]
+    root = pathlib.Path(__file__).parents[1] / "gptrain"
+    sources = {p: p.read_text() for p in root.rglob("*.py")}
+    assert not [p for p, text in sources.items() if re.search(r"^\s*(import|from) transformer_engine", text, re.M)]
+    # one GPT class, the one training builds
+    assert [p.name for p, text in sources.items() if re.search(r"^class GPT\(nn.Module\)", text, re.M)] == ["gpt.py"]
+    from gptrain.train import build
+
+    assert "GPT(" in inspect.getsource(build)
+
+
+def test_batches_follow_megatrons_single_sampler():
+    """--dataloader-type single: the split's samples in order from the consumed ones, each data-parallel
+    rank its micro-batch's slice of the global batch."""
+    from gptrain.data.loader import MicroBatchLoader
+
+    assert "single sampler" in REASONS["--dataloader-type"]
+    data = [torch.full((17,), i, dtype=torch.long) for i in range(32)]
+    firsts = []
+    for rank in range(2):
+        loader = MicroBatchLoader(data, 8, 2, torch.device("cpu"), dp_rank=rank, dp_size=2)
+        try:
+            firsts.append([loader.next()[0][:, 0].tolist() for _ in range(2)])
+        finally:
+            loader.close()
+    assert firsts == [[[8, 9], [12, 13]], [[10, 11], [14, 15]]]
+
+
+def test_one_timer_the_whole_iteration():
+    from gptrain.train import metrics
+
+    assert "whole iteration only" in REASONS["--timing-log-level"]
+    line = metrics.iteration_line(1, 2, 8, 12.5, 1e-4, 8, 1.0, 1.0, 1.0, 0, 0)
+    assert " elapsed time per iteration (ms): 12.5 |" in line and line.count("(ms)") == 1

@@ -171,7 +171,14 @@ def test_derived_flags_are_read_by_the_translation():
                                                "--recompute-granularity", "--recompute-method",
                                                "--recompute-num-layers", "--optimizer", "--fp8",
                                                "--use-distributed-optimizer", "--deepspeed", "--world-size",
-                                               "--simulate-world-size", "--simulate-rank"}
+                                               "--simulate-world-size", "--simulate-rank", "--no-fp16", "--no-bf16",
+                                               "--bias-gelu-fusion"}
+    # the negative/positive halves of switches: the last one given wins
+    assert parse("--fp16", "--no-fp16").precision == parse().precision
+    assert parse("--fp16", "--no-fp16", "--bf16").precision.bf16 and parse("--bf16", "--no-bf16").precision.name == "fp32"
+    assert parse("--no-fp16", "--fp16").precision.fp16
+    assert not parse("--bias-gelu-fusion", "--no-bias-gelu-fusion").kernels.bias_gelu_fusion
+    assert parse("--no-bias-gelu-fusion", "--bias-gelu-fusion").kernels.bias_gelu_fusion
     # the simulator's pair is taken before parsing (parallel/simulate.py) and parses as a no-op after
     assert parse("--simulate-world-size", "8", "--simulate-rank", "3") == parse()
 
@@ -214,3 +221,60 @@ def test_refused_and_unknown_flags_fail_with_one_line():
         parse_megatron_args(["--swiglu", "--mock-data", "--train-iters", "1"])
     with pytest.raises(ValueError, match=r"unknown flag\(s\) --no-such-flag: .*gptrain train --help"):
         parse_megatron_args(["--no-such-flag", "--mock-data", "--train-iters", "1"])
+
+
+def test_a_typo_is_answered_with_the_closest_flag_and_bad_values_in_one_line():
+    with pytest.raises(ValueError, match=r"^unknown flag --num-layer: did you mean --num-layers\? "):
+        parse_megatron_args(BASE + ["--num-layer", "2"], world_size=1)
+    with pytest.raises(ValueError, match=r"^unknown flag --hiden-size: did you mean --hidden-size\? "):
+        parse_megatron_args(BASE + ["--hiden-size=8"], world_size=1)
+    # argparse's own errors are one line too (no usage block, no SystemExit)
+    with pytest.raises(ValueError, match=r"^argument --num-layers: invalid int value: 'x' \(see `gptrain train --help`\)$"):
+        parse_megatron_args(BASE + ["--num-layers", "x"], world_size=1)
+
+
+def test_a_typo_exits_2_with_one_line(capsys):
+    from gptrain.train.run import train_main
+
+    assert train_main(BASE + ["--num-layer", "2"]).exit_code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["gptrain: error: unknown flag --num-layer: did you mean --num-layers? (see `gptrain train --help`)"]
+
+
+def test_current_megatron_flags_are_accepted_or_refused_with_their_reason():
+    """core_r0.8.0 to main (examples/gpt3): the no-op ones parse to the default config with a note."""
+    default = parse_megatron_args(BASE, world_size=1)[0]
+    for extra in (["--use-mcore-models"], ["--use-legacy-models"], ["--no-persist-layer-norm"],
+                  ["--transformer-impl", "local"], ["--transformer-impl", "transformer_engine"],
+                  ["--timing-log-level", "2"], ["--dataloader-type", "single"]):
+        cfg, notes = parse_megatron_args(BASE + extra, world_size=1)
+        assert cfg == default, extra
+    with pytest.raises(ValueError, match=r"^--dataloader-type cyclic: only single is supported; .*cyclic's new random "
+                                         r"order every epoch is not implemented$"):
+        parse_megatron_args(BASE + ["--dataloader-type", "cyclic"], world_size=1)
+    with pytest.raises(ValueError, match=r"^--timing-log-level 3: only 0 or 1 or 2"):
+        parse_megatron_args(BASE + ["--timing-log-level", "3"], world_size=1)
+    cfg, _ = parse_megatron_args(BASE + ["--exit-on-missing-checkpoint", "--log-throughput", "--log-params-norm",
+                                         "--log-timers-to-tensorboard", "--wandb-project", "p", "--wandb-exp-name", "e",
+                                         "--wandb-save-dir", "w"], world_size=1)
+    t = cfg.train
+    assert (t.exit_on_missing_checkpoint, t.log_throughput, t.log_params_norm, t.log_timers_to_tensorboard) == \
+        (True, True, True, True)
+    assert (t.wandb_project, t.wandb_exp_name, t.wandb_save_dir) == ("p", "e", "w")
+
+
+def test_train_help_imports_no_torch():
+    """`gptrain train --help` is the flag declarations alone: no torch, no compiler stack (well under 2 s)."""
+    import subprocess
+    import sys
+    import time
+
+    code = ("import sys\nfrom gptrain.cli import main\ntry:\n    main(['train', '--help'])\nexcept SystemExit as e:\n"
+            "    assert e.code == 0\nheavy = [m for m in sys.modules if m.split('.')[0] in ('torch', 'numpy', 'triton')]\n"
+            "assert not heavy, heavy[:5]\n")
+    start = time.perf_counter()
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env={**__import__("os").environ, "PYTHONPATH": str(__import__("pathlib").Path(__file__).parents[1])})
+    assert done.returncode == 0, done.stderr
+    assert "--log-throughput" in done.stdout and "--use-mcore-models: " in done.stdout
+    assert time.perf_counter() - start < 2.0

@@ -318,3 +318,32 @@ def resolve_batch_sizes(settings: DeepSpeedSettings, data_parallel_size: int, mi
         raise ValueError(f"{src}: {global_name} {glob} is not divisible by {micro_name} {micro} x data-parallel "
                          f"size {dp} (= {micro * dp})")
     return micro, glob
+
+
+def apply_deepspeed_config(values: dict[str, dict], zero_flag: int | None, data_parallel: int) -> list[str]:
+    """(config.parse_megatron_args) Fold a ds.json into the flags' values, by section (precision, loss scaling, batch sizes,
+    clipping, the ZeRO stage, CPU offload); a value that contradicts a flag is an error naming both.
+    ``zero_flag``: --zero-stage as given (None: not given)."""
+    precision, parallel, train = values["precision"], values["parallel"], values["train"]
+    name = parallel["deepspeed_config"]
+    ds = read_deepspeed_config(name)
+    if ds.fp16 and precision["bf16"] or ds.bf16 and precision["fp16"]:
+        raise ValueError(f"{name}: {'fp16' if ds.fp16 else 'bf16'}.enabled contradicts "
+                         f"{'--bf16' if precision['bf16'] else '--fp16'}")
+    precision["fp16"] = precision["fp16"] or bool(ds.fp16)
+    precision["bf16"] = precision["bf16"] or bool(ds.bf16)
+    for field_name in ("loss_scale", "initial_loss_scale", "loss_scale_window", "hysteresis", "min_loss_scale"):
+        value = getattr(ds, field_name)
+        if value is not None:
+            precision[field_name] = value
+    if ds.gradient_clipping is not None:
+        values["optim"]["clip_grad"] = ds.gradient_clipping
+    if zero_flag is not None and zero_flag != ds.zero_stage:
+        raise ValueError(f"{name}: zero_optimization.stage {ds.zero_stage} contradicts --zero-stage {zero_flag}")
+    parallel["zero_stage"] = max(parallel["zero_stage"], ds.zero_stage)
+    parallel["cpu_offload"] = parallel["cpu_offload"] or ds.cpu_offload
+    train["micro_batch_size"], train["global_batch_size"] = resolve_batch_sizes(
+        ds, data_parallel, train["micro_batch_size"], train["global_batch_size"])
+    return list(ds.notes) + [
+        f"{name}: ZeRO stage {parallel['zero_stage']}" + (", CPU offload" if parallel["cpu_offload"] else "")
+        + f", micro-batch {train['micro_batch_size']}, global batch {train['global_batch_size']}"]

@@ -2,7 +2,8 @@
 (generate, serve, evaluate) and ``gptrain convert`` make.
 
 - ``"megatron"``: Megatron-LM's tracker naming an iteration folder of ``mp_rank_*`` subfolders
-  (interop/megatron.py reads it; train/megatron_load.py loads it into a run);
+  (``--ckpt-format torch``) or of a torch_dist checkpoint (``metadata.json``, DCP shards)
+  (interop/megatron.py reads both; train/megatron_load.py loads them into a run);
 - ``"huggingface"``: a Hugging Face GPT-2 folder, ``config.json`` beside the weights and no tracker
   (interop/hf.py);
 - ``"gptrain"``: gptrain's own tracker naming a DCP iteration folder (train/checkpoint.py), or
@@ -10,6 +11,7 @@
 """
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -37,7 +39,21 @@ def _tracked_folder(root: Path) -> Path | None:
 
 def _is_megatron(root: Path) -> bool:
     folder = _tracked_folder(root)
-    return folder is not None and folder.is_dir() and any(p.name.startswith("mp_rank_") for p in folder.iterdir())
+    if folder is None or not folder.is_dir():
+        return False
+    return is_torch_dist(folder) or any(p.name.startswith("mp_rank_") for p in folder.iterdir())
+
+
+def is_torch_dist(folder) -> bool:
+    """Whether the iteration folder holds a Megatron torch_dist checkpoint: ``metadata.json`` naming the
+    backend (gptrain's own DCP folders have ``state.json`` and no such file)."""
+    path = Path(folder) / "metadata.json"
+    if not path.is_file() or (Path(folder) / "state.json").is_file():
+        return False
+    try:
+        return json.loads(path.read_text()).get("sharded_backend") == "torch_dist"
+    except (ValueError, OSError, AttributeError):
+        return False
 
 
 def checkpoint_kind(path: str | os.PathLike, none_ok: bool = False) -> str | None:

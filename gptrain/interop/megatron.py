@@ -1,5 +1,5 @@
-"""Read Megatron-LM checkpoints (``--ckpt-format torch``: ``model_optim_rng.pt`` per rank) into full
-gptrain tensors, without importing Megatron and without running code named by the pickle.
+"""Read Megatron-LM checkpoints (``--ckpt-format torch``: ``model_optim_rng.pt`` per rank; the
+torch_dist format through :mod:`gptrain.interop.megatron_dist`) into full gptrain tensors, without importing Megatron and without running code named by the pickle.
 
 Each rank's file is loaded through the restricted unpickler (:mod:`gptrain.interop.safe_unpickle`),
 its storages on the meta device: only the bytes of the tensors that become gptrain parameters are
@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from gptrain.checkpoint_kind import TRACKER as TRACKER_FILENAME  # the one name, Megatron's
+from gptrain.interop.megatron_dist import BACKEND_FILE, is_torch_dist, read_torch_dist
 from gptrain.interop.megatron_keys import flatten, layout_of, legacy_qkv_to_per_head, map_key, merge_shards
 from gptrain.interop.safe_unpickle import load_pickle_lazily
 
@@ -71,7 +72,7 @@ def find_megatron_iteration_dir(root, iteration: int | str | None = None) -> tup
     root = Path(root)
     if not root.is_dir():
         raise FileNotFoundError(f"{root}: no such checkpoint directory")
-    if any(p.name.startswith("mp_rank_") for p in root.iterdir()):  # an iteration folder itself
+    if is_torch_dist(root) or any(p.name.startswith("mp_rank_") for p in root.iterdir()):  # an iteration folder
         m = _ITER_DIR.match(root.name)
         found = int(m.group(1)) if m else ("release" if root.name == "release" else root.name)
         if iteration is not None and _normalize_iteration(iteration, root) != found:
@@ -167,7 +168,7 @@ def _args_dict(obj) -> dict:
     return {}
 
 
-def _check_supported(args: dict, where) -> None:
+def check_supported(args: dict, where) -> None:
     """Refuse architectures gptrain's GPT cannot represent (one line naming the option)."""
     problems = []
     if args.get("swiglu"):
@@ -214,13 +215,14 @@ def read_megatron_checkpoint(root, iteration=None, *, overrides: dict | None = N
     taken from the ``mp_rank_*`` folders).
     """
     folder, it = find_megatron_iteration_dir(root, iteration)
+    if is_torch_dist(folder):
+        ckpt = read_torch_dist(folder, it)
+        if overrides:
+            ckpt.args.update(overrides)
+        return ckpt
     entries = [p.name for p in folder.iterdir() if p.is_dir()]
     if not any(n.startswith("mp_rank_") for n in entries):
-        if any(n.endswith(".distcp") for n in entries + [p.name for p in folder.iterdir()]) or \
-                (folder / "metadata.json").is_file():
-            raise ValueError(f"{folder}: a distributed (--ckpt-format torch_dist) checkpoint; only "
-                             f"--ckpt-format torch (mp_rank_XX/{CHECKPOINT_FILENAME}) can be read")
-        raise FileNotFoundError(f"{folder}: no mp_rank_XX folders")
+        raise FileNotFoundError(f"{folder}: no mp_rank_XX folders and no torch_dist {BACKEND_FILE}")
     ranks = [m for n in entries if (m := _RANK_DIR.match(n))]
     if any(m.group(3) for m in ranks):
         raise ValueError(f"{folder}: expert-parallel (mp_rank_XX_YYY_ZZZ) checkpoints are not supported")
@@ -240,7 +242,7 @@ def read_megatron_checkpoint(root, iteration=None, *, overrides: dict | None = N
     if staged != (pp > 1):
         raise FileNotFoundError(f"{_rank_file(folder, 0, 0, pp)}: missing: args say tensor parallel "
                                 f"{tp} x pipeline {pp}, the folder has {', '.join(sorted(entries))}")
-    _check_supported(args, first_path)
+    check_supported(args, first_path)
     version = first.get("checkpoint_version")
     heads = args.get("num_attention_heads")
 
@@ -333,6 +335,24 @@ def read_megatron_checkpoint(root, iteration=None, *, overrides: dict | None = N
                 state[gname] = full
             offset += len(local)
 
+    finish_state(state, args, folder, tp, pp, offset)
+    emb = state["word_embeddings.weight"]
+
+    matches = None
+    if output_copy is not None:
+        matches = bool(output_copy.shape == emb.shape and torch.equal(output_copy, emb))
+    return MegatronCheckpoint(args=args, iteration=it, state=state,
+                              checkpoint_version=None if version is None else float(version),
+                              layout=layout, tp=tp, pp=pp, output_layer_matches_embeddings=matches)
+
+
+def finish_state(state: dict[str, torch.Tensor], args: dict, folder, tp: int, pp: int,
+                 layers_found: int | None = None) -> None:
+    """Check a read checkpoint's tensors against its ``args`` (every parameter present, shapes as the
+    args say) and fill the ``args`` a checkpoint may lack from the tensors."""
+    offset = layers_found if layers_found is not None else len(
+        {int(k.split(".")[1]) for k in state if k.startswith("layers.")})
+    heads = args.get("num_attention_heads")
     num_layers = args.get("num_layers")
     if num_layers is None:
         args["num_layers"] = num_layers = offset
@@ -361,9 +381,3 @@ def read_megatron_checkpoint(root, iteration=None, *, overrides: dict | None = N
         raise ValueError(f"{folder}: fused QKV has {state['layers.0.attn.qkv.weight'].shape[0]} rows, "
                          f"expected 3 x hidden {emb.shape[1]} for {heads} heads")
 
-    matches = None
-    if output_copy is not None:
-        matches = bool(output_copy.shape == emb.shape and torch.equal(output_copy, emb))
-    return MegatronCheckpoint(args=args, iteration=it, state=state,
-                              checkpoint_version=None if version is None else float(version),
-                              layout=layout, tp=tp, pp=pp, output_layer_matches_embeddings=matches)

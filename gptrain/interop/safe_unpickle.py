@@ -1,35 +1,27 @@
 """A restricted unpickler for torch checkpoint files (``torch.save``'s zip archive and the pre-1.6
-sequential format): it loads what a Megatron-LM ``model_optim_rng.pt`` holds without importing
-Megatron or numpy and without running code the pickle names.
+sequential format): it loads what a Megatron-LM ``model_optim_rng.pt`` (or a torch_dist checkpoint's
+``common_state``) holds without importing Megatron or numpy and without running code the pickle names.
 
-A ``model_optim_rng.pt`` names ``argparse.Namespace``, ``signal.Signals``, a few Megatron enums
-and torch's tensor rebuilders. ``torch.load(weights_only=False)`` would import Megatron (and run
-anything the file names); ``weights_only=True`` refuses the Megatron enums, and allow-listing them
-means importing the real classes, which differ between Megatron versions (an older megatron-core
-lacks ``InferenceCudaGraphScope``, so even the full ``torch.load`` fails on these fixtures). So
-here ``pickle.Unpickler.find_class`` is overridden, with the same ``persistent_load`` protocol as
-``torch.serialization``. ``find_class`` allows only:
+``torch.load(weights_only=False)`` would import Megatron (and run anything the file names);
+``weights_only=True`` refuses the Megatron enums, and allow-listing them means importing the real
+classes, which differ between Megatron versions (an older megatron-core lacks
+``InferenceCudaGraphScope``). So ``pickle.Unpickler.find_class`` is overridden, with the same
+``persistent_load`` protocol as ``torch.serialization``, and allows only:
 
-* torch's tensor rebuilders (``torch._utils._rebuild_tensor``, ``_rebuild_tensor_v2``,
-  ``_rebuild_parameter``, ``_rebuild_parameter_with_state``; wrapped so that serialized backward
-  hooks are dropped and parameter state may only set plain attribute names), the storage classes
-  (``torch.FloatStorage``, ``torch.BFloat16Storage``, ..., ``torch.UntypedStorage``), dtypes
-  (``torch.float32``, ...), ``torch.Size`` and ``torch.device``;
+* torch's tensor rebuilders (wrapped so that serialized backward hooks are dropped and parameter
+  state may only set plain attribute names), the storage classes, dtypes, ``torch.Size`` and
+  ``torch.device``;
 * ``collections.OrderedDict``, ``argparse.Namespace``, ``signal.Signals`` and a few harmless
   builtins (``set``, ``frozenset``, ``complex``, ``slice``, ``range``, ``bytes``, ``bytearray``,
   and ``_codecs.encode`` restricted to ``str -> latin-1`` as protocol 2 writes ``bytes``);
 * any global of a ``megatron.*`` module (the enums in ``args``), and numpy's array/scalar
   reconstructors (``np.random.get_state()`` in Megatron's ``rng_state``), each as an *inert*
-  placeholder (:class:`InertGlobal`): a class made here that records the module, the name, the
-  arguments and the state it was built with, and does nothing else. Megatron and numpy are never
-  imported.
+  placeholder (:class:`InertGlobal`) that records what it was built with and does nothing else.
 
 Anything else raises :class:`UnsafeCheckpointError` naming ``module.name`` before it is called
 (``torch.storage._load_from_bytes`` is refused too: it runs an unrestricted ``torch.load``).
-The loader only reads: nothing is written next to the checkpoint.
-
-:func:`load_pickle_safely` gives the tensors on the CPU; :func:`load_pickle_lazily` on the meta
-device, a tensor's bytes read only when asked (:meth:`LazyStorages.materialize`).
+Nothing is written next to the checkpoint. :func:`load_pickle_safely` gives the tensors on the CPU;
+:func:`load_pickle_lazily` on the meta device, a tensor's bytes read only when asked.
 """
 from __future__ import annotations
 
@@ -51,13 +43,13 @@ from typing import Any, Callable
 
 import torch
 
-__all__ = ["UnsafeCheckpointError", "InertGlobal", "LazyStorages", "load_pickle_safely", "load_pickle_lazily"]
+__all__ = ["UnsafeCheckpointError", "InertGlobal", "LazyStorages", "load_pickle_safely", "load_pickle_lazily",
+           "load_pickle_bytes"]
 
 class UnsafeCheckpointError(ValueError):
     """The pickle names a global outside the allow-list (it could run code when loaded)."""
 
 
-# ----------------------------------------------------------------------------------------------
 # inert placeholders
 
 
@@ -127,7 +119,6 @@ def _signal_or_inert(value):
         return _inert_class("signal", "Signals")(value)
 
 
-# ----------------------------------------------------------------------------------------------
 # allowed callables (wrappers over torch's rebuilders that ignore serialized hooks)
 
 
@@ -212,7 +203,6 @@ def _decode(s):
     return s.decode("ascii") if isinstance(s, bytes) else s
 
 
-# ----------------------------------------------------------------------------------------------
 # the restricted unpickler
 
 
@@ -323,14 +313,17 @@ def _open_error(path: Path, what: str) -> ValueError:
     return _FormatError(f"{path}: {what}")
 
 
-def _unpickle(path, lazy: bool):
-    """(object, LazyStorages) for a torch checkpoint file; the LazyStorages is None when not lazy."""
+def _unpickle(path, lazy: bool, source=None):
+    """(object, LazyStorages) for a torch checkpoint file (or ``source``, its bytes as a file object);
+    the LazyStorages is None when not lazy."""
     path = Path(path)
-    if not path.is_file():
+    if source is None and not path.is_file():
         raise FileNotFoundError(f"{path}: no such checkpoint file")
     try:
-        if zipfile.is_zipfile(path):
-            return _unpickle_zip(path, lazy)
+        if zipfile.is_zipfile(path if source is None else source):
+            return _unpickle_zip(path, lazy, source)
+        if source is not None:
+            raise _open_error(path, "not a torch.save archive")
         return _unpickle_legacy(path, lazy)
     except (UnsafeCheckpointError, FileNotFoundError, _FormatError):
         raise
@@ -340,8 +333,10 @@ def _unpickle(path, lazy: bool):
         raise _open_error(path, f"not a readable torch checkpoint ({type(e).__name__}: {msg})") from e
 
 
-def _unpickle_zip(path: Path, lazy: bool):
-    with zipfile.ZipFile(path) as zf:
+def _unpickle_zip(path: Path, lazy: bool, source=None):
+    """``source``: the archive's bytes as a file object (a pickle held inside another file); ``path``
+    then only names it in messages."""
+    with zipfile.ZipFile(source if source is not None else path) as zf:
         names = zf.namelist()
         pickles = [n for n in names if n.endswith("data.pkl") and n.count("/") == 1]
         if len(pickles) != 1:
@@ -495,3 +490,10 @@ def load_pickle_lazily(path) -> tuple[Any, LazyStorages]:
     ``(object, lazy)``, where ``lazy.materialize(t)`` reads one tensor's bytes (a CPU tensor) and
     ``lazy.close()`` closes the file and drops what was read."""
     return _unpickle(path, lazy=True)
+
+
+
+def load_pickle_bytes(data: bytes, where) -> Any:
+    """As :func:`load_pickle_safely`, for a ``torch.save`` archive held in memory (a byte entry of a
+    DCP checkpoint, e.g. Megatron's ``common_state``); ``where`` names it in messages."""
+    return _unpickle(where, False, source=io.BytesIO(data))[0]

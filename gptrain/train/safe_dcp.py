@@ -14,12 +14,13 @@ from __future__ import annotations
 import collections
 import pathlib
 import pickle
+import warnings
 
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, StorageMeta, TensorStorageMetadata
 
 
 class UnsafeDCPMetadata(ValueError):
@@ -27,7 +28,7 @@ class UnsafeDCPMetadata(ValueError):
 
 
 _METADATA_RECORDS = {"Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
-                     "ChunkStorageMetadata", "_MEM_FORMAT_ENCODING"}
+                     "ChunkStorageMetadata", "_MEM_FORMAT_ENCODING", "BytesStorageMetadata"}
 _ALLOWED = {
     ("torch", "Size"): torch.Size,
     ("torch.serialization", "_get_layout"): torch.serialization._get_layout,
@@ -66,9 +67,10 @@ class _MetadataUnpickler(pickle.Unpickler):
         raise UnsafeDCPMetadata(f"{self._path}: refuses persistent id {pid!r:.80} in DCP metadata")
 
 
-def read_metadata_safely(path) -> Metadata:
-    """The ``.metadata`` of the DCP checkpoint folder ``path``, checked: tensor entries only, shard
-    files named inside the folder."""
+def read_metadata_safely(path, allow_bytes: bool = False) -> Metadata:
+    """The ``.metadata`` of the DCP checkpoint folder ``path``, checked: tensor entries only (with
+    ``allow_bytes``, byte entries too, which the caller reads through its own restricted unpickler:
+    Megatron's torch_dist checkpoints hold their common state so), shard files named inside the folder."""
     folder = pathlib.Path(path)
     meta_path = folder / ".metadata"
     if meta_path.is_symlink():
@@ -78,11 +80,16 @@ def read_metadata_safely(path) -> Metadata:
     if not isinstance(metadata, Metadata):
         raise UnsafeDCPMetadata(f"{meta_path}: holds a {type(metadata).__name__}, not DCP metadata")
     for key, entry in metadata.state_dict_metadata.items():
+        if isinstance(entry, BytesStorageMetadata) and allow_bytes:
+            continue
         if not isinstance(entry, TensorStorageMetadata):
             raise UnsafeDCPMetadata(f"{meta_path}: entry {key!r} is a {type(entry).__name__}; gptrain checkpoints "
                                     "hold tensors only")
     for info in (metadata.storage_data or {}).values():
         name = str(getattr(info, "relative_path", ""))
+        if getattr(info, "transform_descriptors", None):
+            raise UnsafeDCPMetadata(f"{meta_path}: entries stored through transforms {info.transform_descriptors} "
+                                    "(compression or an extension) are not read")
         if not name or name != pathlib.PurePath(name).name or name in (".", "..") or (folder / name).is_symlink():
             raise UnsafeDCPMetadata(f"{meta_path}: names shard file {name!r} outside the checkpoint folder "
                                     "(or a symbolic link)")
@@ -90,12 +97,18 @@ def read_metadata_safely(path) -> Metadata:
 
 
 class SafeFileSystemReader(dcp.FileSystemReader):
-    """DCP's file reader with :func:`read_metadata_safely` in place of ``pickle.load``."""
+    """DCP's file reader with :func:`read_metadata_safely` in place of ``pickle.load`` (byte entries
+    are allowed in the metadata with ``allow_bytes``; :class:`TensorsOnlyLoadPlanner` still refuses to
+    read one)."""
+
+    def __init__(self, path, allow_bytes: bool = False):
+        super().__init__(path)
+        self._allow_bytes = allow_bytes
 
     def read_metadata(self, *args, **kwargs) -> Metadata:
         if kwargs.get("rank") is not None:
             raise UnsafeDCPMetadata(f"{self.path}: per-rank metadata files are not part of gptrain checkpoints")
-        metadata = read_metadata_safely(self.path)
+        metadata = read_metadata_safely(self.path, self._allow_bytes)
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
@@ -110,6 +123,10 @@ class TensorsOnlyLoadPlanner(DefaultLoadPlanner):
                                 "tensors only")
 
 
-def load_safely(state_dict: dict, path) -> None:
-    """``dcp.load(state_dict, checkpoint_id=path)`` through the checked reader and planner."""
-    dcp.load(state_dict, storage_reader=SafeFileSystemReader(path), planner=TensorsOnlyLoadPlanner())
+def load_safely(state_dict: dict, path, allow_bytes: bool = False, no_dist: bool = False) -> None:
+    """``dcp.load(state_dict, checkpoint_id=path)`` through the checked reader and planner (``no_dist``:
+    this process reads alone, even inside a process group)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # reading alone is the intent
+        dcp.load(state_dict, storage_reader=SafeFileSystemReader(path, allow_bytes), planner=TensorsOnlyLoadPlanner(),
+                 no_dist=no_dist)

@@ -1,0 +1,118 @@
+"""Read Megatron-LM's ``--ckpt-format torch_dist`` checkpoints (its default since core_r0.8): one
+``torch.distributed.checkpoint`` folder per iteration (``__R_S.distcp`` shards, ``.metadata``,
+``metadata.json`` saying ``{"sharded_backend": "torch_dist"}``), into full gptrain tensors.
+
+Nothing in the folder runs: the ``.metadata`` pickle goes through gptrain's allow-list unpickler
+(:mod:`gptrain.train.safe_dcp`), the tensors through DCP with ``torch.load(weights_only=True)``, and
+the byte entries (Megatron's ``common_state``: ``args``, ``iteration``, ``checkpoint_version``; an
+older ``common.pt`` file) through the restricted unpickler of :mod:`gptrain.interop.safe_unpickle`.
+
+Megatron saves every tensor at its global shape whatever the layout it trained at: the per-layer
+tensors of ``decoder.layers.*`` stacked on a leading layer dimension (global layer numbers, all
+pipeline stages and virtual chunks), the tensor-parallel shards already joined (the fused QKV rows
+per head, as gptrain keeps them), the word embeddings padded for the saving run's TP size. So a
+read needs no layout: the tensors are cut per layer and named as :mod:`megatron_keys` names them.
+"""
+from __future__ import annotations
+
+import argparse
+import re
+from pathlib import Path
+
+import torch
+
+from gptrain.checkpoint_kind import is_torch_dist  # noqa: F401 (the one test of the format)
+from gptrain.interop.megatron_keys import map_key
+from gptrain.interop.safe_unpickle import load_pickle_bytes, load_pickle_safely
+from gptrain.train.safe_dcp import load_safely, read_metadata_safely
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
+
+BACKEND_FILE = "metadata.json"  # {"sharded_backend": "torch_dist", ...}
+_STACKED = re.compile(r"^decoder\.layers\.(?!\d+\.)(.+)$")  # decoder.layers.<name>, layer dim first
+_SKIPPED = re.compile(r"(^|\.)_extra_state(/|$)|^rerun_state_machine_state(/|$)|^common_state(/|$)|^rng_state")
+
+
+def _common_state(folder: Path, metadata) -> dict:
+    """Megatron's common state: the ``common_state`` byte entry (Megatron-LM of today) or ``common.pt``."""
+    for index, info in (metadata.storage_data or {}).items():
+        if index.fqn.startswith("common_state"):
+            with open(folder / info.relative_path, "rb") as f:
+                f.seek(info.offset)
+                data = f.read(info.length)
+            if len(data) != info.length:
+                raise ValueError(f"{folder / info.relative_path}: shorter than its common_state entry")
+            state = load_pickle_bytes(data, f"{folder / info.relative_path} (common_state)")
+            break
+    else:
+        common = folder / "common.pt"
+        state = load_pickle_safely(common) if common.is_file() else {}
+    if isinstance(state, list) and len(state) == 1:
+        state = state[0]  # Megatron-LM of today saves it as a one-object list (a sharded object)
+    if not isinstance(state, dict):
+        raise ValueError(f"{folder}: Megatron's common state is a {type(state).__name__}, not a dict")
+    return state
+
+
+def _model_keys(folder: Path, metadata) -> dict[str, TensorStorageMetadata]:
+    keys = {}
+    for key, entry in metadata.state_dict_metadata.items():
+        if _SKIPPED.search(key) or isinstance(entry, BytesStorageMetadata):
+            continue
+        if key.startswith("optimizer.") or key.startswith("opt_param_scheduler"):
+            continue  # the optimizer starts fresh (as for the legacy format's import)
+        keys[key] = entry
+    if not keys:
+        raise ValueError(f"{folder}: a torch_dist checkpoint without model tensors")
+    return keys
+
+
+def read_torch_dist(folder, iteration):
+    """A :class:`~gptrain.interop.megatron.MegatronCheckpoint` from the torch_dist iteration folder."""
+    from gptrain.interop.megatron import MegatronCheckpoint, check_supported, finish_state
+
+    folder = Path(folder)
+    metadata = read_metadata_safely(folder, allow_bytes=True)
+    common = _common_state(folder, metadata)
+    raw_args = common.get("args")
+    args = dict(vars(raw_args)) if isinstance(raw_args, argparse.Namespace) else dict(raw_args or {})
+    check_supported(args, folder)
+    entries = _model_keys(folder, metadata)
+    tensors = {key: torch.empty(tuple(entry.size), dtype=entry.properties.dtype) for key, entry in entries.items()}
+    load_safely(tensors, folder, allow_bytes=True, no_dist=True)
+
+    state: dict[str, torch.Tensor] = {}
+    output_copy = None
+    for key, tensor in tensors.items():
+        stacked = _STACKED.match(key)
+        per_layer = [(f"decoder.layers.{i}.{stacked.group(1)}", t) for i, t in enumerate(tensor.unbind(0))] \
+            if stacked else [(key, tensor)]
+        for name, value in per_layer:
+            try:
+                mapped = map_key(name, "megatron-core")
+            except KeyError:
+                raise ValueError(f"{folder}: unsupported model key {key!r} (gptrain's GPT has no such "
+                                 "parameter)") from None
+            if mapped is None:
+                continue
+            gname, layer, _ = mapped
+            if gname == "output_layer.weight":
+                output_copy = value
+                continue
+            full = f"layers.{layer}.{gname}" if layer is not None else gname
+            if full in state:
+                raise ValueError(f"{folder}: two keys map to {full}")
+            state[full] = value.clone()
+    iteration = common.get("iteration", iteration)
+    version = common.get("checkpoint_version")
+    tp = int(args.get("tensor_model_parallel_size") or 1)
+    pp = int(args.get("pipeline_model_parallel_size") or 1)
+    finish_state(state, args, folder, tp, pp)
+    emb = state["word_embeddings.weight"]
+    matches = None if output_copy is None else bool(output_copy.shape == emb.shape and torch.equal(output_copy, emb))
+    if matches is False and args.get("untie_embeddings_and_output_weights"):
+        raise ValueError(f"{folder}: an untied output layer (output_layer.weight); gptrain ties it to the "
+                         "word embeddings")
+    return MegatronCheckpoint(args=args, iteration=iteration, state=state,
+                              checkpoint_version=None if version is None else float(version),
+                              layout="megatron-core torch_dist", tp=tp, pp=pp,
+                              output_layer_matches_embeddings=matches)

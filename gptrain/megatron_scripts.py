@@ -1,0 +1,234 @@
+"""``gptrain megatron-scripts DIR``: Megatron-LM's entry points as small files that call gptrain.
+
+It writes ``pretrain_gpt.py``, ``tools/preprocess_data.py``, ``tools/merge_datasets.py``,
+``tools/run_text_generation_server.py`` and ``tools/text_generation_cli.py`` into DIR, so a Megatron
+user's script runs unchanged from DIR (``torchrun ... pretrain_gpt.py $ARGS``, ``python
+tools/preprocess_data.py ...``). Each file passes its command line to :func:`entry`, which runs the
+gptrain command of the same job: the flags are Megatron's, and only where gptrain's command names a
+flag differently (the text generation server) are they translated, each translation printed.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+# Megatron's file -> the gptrain command that does its job
+SCRIPTS: dict[str, str] = {
+    "pretrain_gpt.py": "train",
+    "tools/preprocess_data.py": "preprocess",
+    "tools/merge_datasets.py": "merge-datasets",
+    "tools/run_text_generation_server.py": "serve",
+    "tools/text_generation_cli.py": "client",
+}
+
+_TEMPLATE = '''#!/usr/bin/env python3
+"""Megatron-LM's {path}, run by `gptrain {command}` (written by `gptrain megatron-scripts`).
+
+The flags are Megatron's; `gptrain {command} --help` lists what gptrain accepts."""
+import sys
+
+from gptrain.megatron_scripts import entry
+
+if __name__ == "__main__":
+    sys.exit(entry("{path}", sys.argv[1:]))
+'''
+
+
+def script_text(path: str) -> str:
+    """The text written for one of ``SCRIPTS``."""
+    return _TEMPLATE.format(path=path, command=SCRIPTS[path])
+
+
+def entry(path: str, argv: list[str]) -> int:
+    """What a written script runs: the gptrain command of ``path`` over its command line."""
+    from gptrain.cli import main
+
+    command = SCRIPTS[path]
+    if command == "train":
+        argv = _drop_launcher_local_rank(argv)
+    elif command == "serve":
+        try:
+            argv, notes = server_argv(argv)
+        except ValueError as err:
+            print(f"gptrain serve: error: {path}: {err}", file=sys.stderr)
+            return 2
+        if os.environ.get("RANK", "0") == "0":
+            for note in notes:
+                print(f"{path}: {note}", flush=True)
+    return main([command, *argv])
+
+
+def _drop_launcher_local_rank(argv: list[str]) -> list[str]:
+    """``python -m torch.distributed.launch`` appends ``--local-rank=N`` to the script's flags (as
+    Megatron-DeepSpeed's scripts launch); the same number is in the environment as LOCAL_RANK, which
+    gptrain reads, so the flag is dropped when it says the same (any other value is left for gptrain
+    to refuse)."""
+    local = os.environ.get("LOCAL_RANK")
+    out: list[str] = []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        name, eq, value = arg.partition("=")
+        if name in ("--local-rank", "--local_rank") and local is not None:
+            if not eq and i + 1 < len(argv):
+                value, i = argv[i + 1], i + 1
+            if value == local:
+                i += 1
+                continue
+            out.extend([name, value])
+            i += 1
+            continue
+        out.append(arg)
+        i += 1
+    return out
+
+
+# --- tools/run_text_generation_server.py: Megatron's flags onto `gptrain serve` ---------------------
+
+# the same name and meaning in `gptrain serve` (Megatron's first; then gptrain serve's own, so they may be added)
+_SERVE_VALUE = {"--load", "--vocab-file", "--merge-file", "--tensor-model-parallel-size", "--port",
+                "--host", "--device", "--dtype", "--max-batch", "--max-queue", "--max-body-bytes", "--model-name"}
+_SERVE_SWITCH = {"--no-cuda-graph", "--no-warmup"}
+# the architecture: gptrain serve reads it from the checkpoint (Megatron's --use-checkpoint-args)
+_FROM_CHECKPOINT = {"--num-layers", "--hidden-size", "--num-attention-heads", "--ffn-hidden-size", "--kv-channels",
+                    "--max-position-embeddings", "--seq-length", "--make-vocab-size-divisible-by"}
+# accepted, changing nothing here (why, printed)
+_NO_OP_VALUE = {
+    "--micro-batch-size": "a request's prompts are batched by the server",
+    "--distributed-backend": "NCCL on GPUs, gloo on CPUs, chosen by device",
+    "--seed": "sampling is seeded per request (the request's random_seed)",
+    "--data-impl": "no data is read",
+    "--transformer-impl": "gptrain's own layers",
+}
+_NO_OP_SWITCH = {
+    "--use-checkpoint-args": "the architecture is always the checkpoint's",
+    "--no-load-rng": "serving loads no RNG state", "--no-load-optim": "serving loads no optimizer",
+    "--use-mcore-models": "either model layout loads", "--use-legacy-models": "either model layout loads",
+    "--attention-softmax-in-fp32": "the softmax is fp32 already",
+    "--no-masked-softmax-fusion": "no fusion switch applies", "--no-bias-gelu-fusion": "no fusion switch applies",
+    "--no-bias-dropout-fusion": "no fusion switch applies", "--no-gradient-accumulation-fusion": "no training",
+    "--no-async-tensor-model-parallel-allreduce": "no fusion switch applies",
+}
+
+
+def server_argv(argv: list[str]) -> tuple[list[str], list[str]]:
+    """Megatron's ``run_text_generation_server.py`` flags -> ``gptrain serve`` flags, and the lines
+    saying what was translated or taken from the checkpoint. A flag with no meaning here is a
+    ValueError naming it (never ignored)."""
+    out: list[str] = []
+    from_ckpt: list[str] = []
+    no_ops: list[str] = []
+    unknown: list[str] = []
+    dtype = None
+    i = 0
+
+    def value(name: str) -> str:
+        nonlocal i
+        if i + 1 >= len(argv):
+            raise ValueError(f"{name} needs a value")
+        i += 1
+        return argv[i]
+
+    while i < len(argv):
+        arg = argv[i]
+        name, eq, inline = arg.partition("=")
+        take = (lambda: inline) if eq else (lambda: value(name))
+        if name in ("-h", "--help"):
+            out.append("--help")
+        elif name in _SERVE_VALUE:
+            out += [name, take()]
+        elif name in _SERVE_SWITCH:
+            out.append(name)
+        elif name in ("--fp16", "--bf16"):
+            dtype = name[2:]
+        elif name == "--pipeline-model-parallel-size":
+            if take() != "1":
+                raise ValueError("--pipeline-model-parallel-size: gptrain serves with tensor parallelism only "
+                                 "(--tensor-model-parallel-size); pipeline-parallel serving is not implemented")
+        elif name == "--tokenizer-type":
+            if take() != "GPT2BPETokenizer":
+                raise ValueError("--tokenizer-type: only GPT2BPETokenizer is supported")
+        elif name in _FROM_CHECKPOINT:
+            from_ckpt.append(f"{name} {take()}")
+        elif name in _NO_OP_VALUE:
+            no_ops.append(f"{name} {take()} ({_NO_OP_VALUE[name]})")
+        elif name in _NO_OP_SWITCH:
+            no_ops.append(f"{name} ({_NO_OP_SWITCH[name]})")
+        else:
+            unknown.append(name)
+            while not eq and i + 1 < len(argv) and not argv[i + 1].startswith("--"):
+                i += 1  # its values
+        i += 1
+    if unknown:
+        raise ValueError(f"flag(s) {' '.join(unknown)} not implemented by gptrain serve (see `gptrain serve --help`)")
+    if dtype and "--dtype" not in out:
+        out += ["--dtype", dtype]
+    notes = [f"runs gptrain serve {' '.join(out)}"]
+    if from_ckpt:
+        notes.append(f"the architecture is read from the checkpoint ({', '.join(from_ckpt)} not used)")
+    if no_ops:
+        notes.append(f"accepted, changing nothing: {'; '.join(no_ops)}")
+    if "--host" not in out:
+        notes.append("listening on 127.0.0.1 only (Megatron binds 0.0.0.0): add --host 0.0.0.0 to serve other hosts")
+    return out, notes
+
+
+# --- the `gptrain megatron-scripts DIR` command --------------------------------------------------------
+
+def write_scripts(folder: str | os.PathLike, force: bool = False) -> list[tuple[Path, str]]:
+    """Write the scripts into ``folder``: [(path, 'wrote' | 'unchanged' | 'overwrote')]. An existing
+    different file is a FileExistsError before anything is written, unless ``force``."""
+    root = Path(folder)
+    if root.exists() and not root.is_dir():
+        raise NotADirectoryError(f"{root}: not a folder")
+    plan = []
+    clashes = []
+    for rel in SCRIPTS:
+        path, text = root / rel, script_text(rel)
+        if path.is_dir():
+            raise IsADirectoryError(f"{path}: a folder is in the way")
+        if not path.exists():
+            plan.append((path, text, "wrote"))
+        elif path.read_bytes() == text.encode():
+            plan.append((path, text, "unchanged"))
+        else:
+            clashes.append(path)
+            plan.append((path, text, "overwrote"))
+    if clashes and not force:
+        raise FileExistsError(f"{', '.join(map(str, clashes))}: already there and different "
+                              "(pass --force to overwrite); nothing written")
+    for path, text, action in plan:
+        if action == "unchanged":
+            continue
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+        tmp.write_text(text, encoding="utf-8")
+        tmp.chmod(0o755 & ~_umask())
+        os.replace(tmp, path)
+    return [(path, action) for path, _, action in plan]
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def megatron_scripts_main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(
+        prog="gptrain megatron-scripts",
+        description="write Megatron-LM's pretrain_gpt.py and tools/ scripts into DIR, each calling gptrain, so "
+                    "`cd DIR && bash my_megatron_script.sh` runs unchanged")
+    p.add_argument("dir", metavar="DIR")
+    p.add_argument("--force", action="store_true", help="overwrite existing files that differ")
+    args = p.parse_args(argv)
+    try:
+        done = write_scripts(args.dir, force=args.force)
+    except OSError as err:
+        print(f"gptrain: error: {err}", file=sys.stderr)
+        return 2
+    for path, action in done:
+        print(f"{action} {path} -> gptrain {SCRIPTS[path.relative_to(args.dir).as_posix()]}")
+    return 0

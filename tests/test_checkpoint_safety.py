@@ -20,7 +20,8 @@ from gptrain.config import parse_megatron_args
 from gptrain.model.gpt import GPT
 from gptrain.checkpoint_kind import TRACKER
 from gptrain.train.checkpoint import load_checkpoint
-from gptrain.train.checkpoint_files import file_sha256, is_complete, read_tracker
+from gptrain.file_hash import file_sha256
+from gptrain.train.checkpoint_files import is_complete, read_tracker
 from gptrain.train.run import train_main
 
 SCHEDULE = ["--lr-decay-iters", "6"]  # one schedule for runs of 4 and 6 iterations

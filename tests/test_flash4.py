@@ -6,9 +6,10 @@ import torch
 
 from gptrain.config import parse_megatron_args
 from gptrain.kernels import flash4
-from gptrain.model.gpt import GPT, GPTConfig
+from gptrain.model.gpt import GPT
 from gptrain.kernels.convert import Flash4Attention, attention_choice, use_flash4
 from model_parity import assert_ops_change_nothing
+from tiny import tiny_config
 
 
 @pytest.mark.parametrize("shape", [(2, 16, 4, 8), (1, 33, 3, 16)])
@@ -51,8 +52,7 @@ def test_unavailable_reasons():
     assert "cpu device" in flash4.unavailable_reason(cpu, torch.bfloat16, 64, 0.0)
     assert "float32" in flash4.unavailable_reason(cuda, torch.float32, 64, 0.0)
     assert "dropout 0.1" in flash4.unavailable_reason(cuda, torch.bfloat16, 64, 0.1)
-    model = GPT(GPTConfig(num_layers=1, hidden_size=32, num_attention_heads=4, seq_length=16, vocab_size=100,
-                          attention_dropout=0.1))
+    model = GPT(tiny_config(num_layers=1, seq_length=16, vocab_size=100, attention_dropout=0.1))
     # no dropout in the kernels: SDPA keeps it
     assert "dropout" in use_flash4(model, cpu, torch.float32, allow_reference=True)
 

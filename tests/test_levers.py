@@ -8,15 +8,16 @@ from gptrain.config import parse_megatron_args
 from gptrain.data.gpt_dataset import MockGPTDataset
 from gptrain.kernels.convert import KernelChoice
 from gptrain.model import loss as loss_module
-from gptrain.model.gpt import GPT, GPTConfig
+from gptrain.model.gpt import GPT
 from gptrain.model.loss import LMLoss
 from gptrain.parallel.parallelize import apply_recompute
 from gptrain.train.build import TrainModule, build_training, parallel_dims
 from gptrain.train.loop import Trainer
 from gptrain.train.main_params import MainParams
 
-SMALL = dict(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32, vocab_size=1000,
-             attention_dropout=0.0, hidden_dropout=0.0)
+from tiny import tiny_config
+
+SMALL = dict(hidden_size=64, seq_length=32, vocab_size=1000)  # the tiny model, wider
 FLAGS = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --max-position-embeddings 32 "
          "--micro-batch-size 2 --global-batch-size 4 --lr 1e-2 --train-iters 8 --mock-data --device cpu "
          "--attention-dropout 0 --hidden-dropout 0 --seed 2").split()
@@ -25,7 +26,7 @@ FLAGS = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 3
 
 
 def _model(recompute=None) -> TrainModule:
-    model = GPT(GPTConfig(**SMALL))
+    model = GPT(tiny_config(**SMALL))
     model.init_weights(0)
     apply_recompute(model, recompute)
     return TrainModule(model, LMLoss(SMALL["vocab_size"]))

@@ -7,8 +7,9 @@ from gptrain.model.gpt import GPT, GPTConfig
 from gptrain.model.loss import LMLoss
 from gptrain.train.build import TrainModule
 
-TINY = dict(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32, vocab_size=1000,
-            attention_dropout=0.0, hidden_dropout=0.0)
+from tiny import tiny_config
+
+TINY = dict(hidden_size=64, seq_length=32, vocab_size=1000)  # the tiny model, wider
 
 
 def test_345m_parameter_count_and_padding():
@@ -24,7 +25,7 @@ def test_345m_parameter_count_and_padding():
 
 def test_logits_equal_hugging_face_both_ways():
     transformers = pytest.importorskip("transformers")
-    cfg = GPTConfig(**TINY)
+    cfg = tiny_config(**TINY)
     hf = transformers.GPT2LMHeadModel(transformers.GPT2Config(**hf_config_kwargs(cfg))).eval()
     tokens = torch.randint(0, cfg.vocab_size, (3, cfg.seq_length))
     ours = from_hf_state_dict(hf.state_dict(), cfg).eval()
@@ -40,7 +41,7 @@ def test_logits_equal_hugging_face_both_ways():
 
 
 def test_padding_gets_no_probability_or_gradient(monkeypatch):
-    cfg = GPTConfig(**TINY)
+    cfg = tiny_config(**TINY)
     assert cfg.padded_vocab_size == 1024
     model = GPT(cfg)
     model.init_weights(0)
@@ -67,7 +68,7 @@ def test_padding_gets_no_probability_or_gradient(monkeypatch):
 
 
 def test_init_is_deterministic_and_scaled():
-    a, b = GPT(GPTConfig(**TINY)), GPT(GPTConfig(**TINY))
+    a, b = GPT(tiny_config(**TINY)), GPT(tiny_config(**TINY))
     a.init_weights(3)
     b.init_weights(3)
     assert all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters()))

@@ -27,6 +27,8 @@ from pathlib import Path
 
 import numpy as np
 
+from gptrain.file_hash import file_sha256
+
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1
 DTYPE_CODES = {
@@ -73,14 +75,6 @@ def remove_stale_temp_files(prefix: str | os.PathLike) -> list[Path]:
             Path(path).unlink(missing_ok=True)
             removed.append(Path(path))
     return removed
-
-
-def file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 24):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 _INDEX_HASHES: dict[tuple, str] = {}

@@ -21,7 +21,6 @@ a failed save's partial files are removed (``discard``).
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -31,6 +30,7 @@ from pathlib import Path
 import torch
 
 from gptrain.checkpoint_kind import TRACKER
+from gptrain.file_hash import file_sha256
 from gptrain.parallel.collectives import barrier, distributed
 from gptrain.train.durable import crash_point, fsync_tree, replace_durable, write_durable
 
@@ -72,14 +72,6 @@ def _iteration_of(name: str) -> int | str | None:
     if len(name) == 12 and name.startswith("iter_") and name[5:].isdigit():
         return int(name[5:])
     return None
-
-
-def file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 24):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _sums_file(folder: Path, rank: int) -> Path:

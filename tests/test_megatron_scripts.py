@@ -4,8 +4,8 @@ The seeds' shell scripts (seeds/000's single-GPU run, seeds/001's preprocessing,
 generation server and client, seeds/003's Megatron-DeepSpeed preprocessing and non-DeepSpeed training) are
 extracted from the seed documents in ../shared/seeds and kept verbatim in tests/megatron_seed_scripts/ (CI's
 clone has no ../shared: the copies run there, and the extraction is checked against them where the seeds are).
-Each runs under bash from DIR, as a Megatron user runs it, with only its paths, ports and model-shape and
-iteration flags changed (``_tiny``): 2 layers, hidden 64, sequences of 64, 3 iterations, on the CPU.
+Each runs under bash from DIR, as a Megatron user runs it, with only its paths, ports and model-shape, batch
+and iteration flags changed (``_tiny``): 2 layers, hidden 64, sequences of 64, 2 iterations, on the CPU.
 """
 from __future__ import annotations
 
@@ -187,9 +187,8 @@ TINY_SHAPE = [  # (pattern, replacement): the model's shape
     (r"--max-position-embeddings \d+", "--max-position-embeddings 64"),
 ]
 TINY_RUN = [  # the run's length
-    (r"--train-iters \d+", "--train-iters 3"), (r"--log-interval \d+", "--log-interval 1"),
-    (r"--eval-interval \d+", "--eval-interval 2"), (r"--eval-iters \d+", "--eval-iters 1"),
-    (r"--save-interval \d+", "--save-interval 3"),
+    (r"--train-iters \d+", "--train-iters 2"), (r"--log-interval \d+", "--log-interval 1"),
+    (r"--eval-iters \d+", "--eval-iters 1"), (r"--save-interval \d+", "--save-interval 2"),
 ]
 # the batch of seeds/001 (32 samples) and seeds/003 (8): fp16 matmuls on a CPU run at about 30 tokens/s per
 # process here (the 50304-row output layer), so their batches are made as small as their layouts allow
@@ -266,9 +265,10 @@ def seed001_data(work):
 
 def _check_training(result: subprocess.CompletedProcess, checkpoint: Path) -> None:
     out = result.stdout
-    assert re.search(r"^ iteration        3/       3 \| consumed samples: ", out, flags=re.M), out[-3000:]
+    assert re.search(r"^ iteration        2/       2 \| consumed samples: ", out, flags=re.M), out[-3000:]
     assert "validation loss at the end of training for val data" in out
-    assert (checkpoint / "latest_checkpointed_iteration.txt").read_text().strip() == "3"
+    assert "validation loss at the end of training for test data" in out
+    assert (checkpoint / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
 
 
 @pytest.mark.slow

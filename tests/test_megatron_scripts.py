@@ -139,6 +139,20 @@ def test_command_line(tmp_path):
     assert (tmp_path / "d" / "tools" / "text_generation_cli.py").read_text() == "print('mine')\n"
 
 
+def test_each_script_runs_as_a_file(tmp_path):
+    """`python DIR/X.py --help` (the interpreter's path starts at the script's folder, not the repository)
+    reaches its gptrain command's parser."""
+    from gptrain.megatron_scripts import SCRIPTS, write_scripts
+
+    write_scripts(tmp_path)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    for rel, command in SCRIPTS.items():
+        result = subprocess.run([sys.executable, rel, "--help"], cwd=tmp_path, env=env, capture_output=True,
+                                text=True, timeout=120)
+        assert result.returncode == 0, f"{rel}: {result.stderr}"
+        assert f"usage: gptrain {command}" in result.stdout, f"{rel}: {result.stdout[:500]}"
+
+
 def test_server_flags_map_onto_gptrain_serve():
     from gptrain.megatron_scripts import server_argv
 
@@ -337,6 +351,10 @@ def test_seed003_megatron_deepspeed_preprocess_and_train(work):
     _bash(work, "003_preprocess_data.sh", seed_script("003_preprocess_data.sh"), timeout=120)
     _bash(work, "003_copy_data.sh", seed_script("003_copy_data.sh"))
     assert (megatron / "data" / "meg-gpt2_text_document.idx").is_file()
+    # Megatron's tools/merge_datasets.py --input DIR --output-prefix PREFIX over that folder (one dataset in it)
+    merged = _bash(work, "merge.sh", "python tools/merge_datasets.py --input data --output-prefix meg-gpt2-merged\n")
+    assert (megatron / "meg-gpt2-merged.bin").read_bytes() == (megatron / "data" / "meg-gpt2_text_document.bin"
+                                                                    ).read_bytes(), merged.stdout
     script = _tiny(seed_script("003_pretrain_gpt2.sh"), {"MASTER_PORT=6000": f"MASTER_PORT={_free_port()}"},
                    TINY_SHAPE + TINY_RUN + TINY_BATCH)
     result = _bash(work, "003_pretrain_gpt2.sh", script)

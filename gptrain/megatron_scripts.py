@@ -50,12 +50,14 @@ def entry(path: str, argv: list[str]) -> int:
         argv = _drop_launcher_local_rank(argv)
     elif command == "serve":
         try:
-            argv, notes = server_argv(argv)
+            argv, notes, shape = server_argv(argv)
+            if "--help" not in argv:
+                notes.insert(1, check_architecture(argv, shape))
         except ValueError as err:
             print(f"gptrain serve: error: {path}: {err}", file=sys.stderr)
             return 2
         if os.environ.get("RANK", "0") == "0":
-            for note in notes:
+            for note in filter(None, notes):
                 print(f"{path}: {note}", flush=True)
     return main([command, *argv])
 
@@ -91,9 +93,13 @@ def _drop_launcher_local_rank(argv: list[str]) -> list[str]:
 _SERVE_VALUE = {"--load", "--vocab-file", "--merge-file", "--tensor-model-parallel-size", "--port",
                 "--host", "--device", "--dtype", "--max-batch", "--max-queue", "--max-body-bytes", "--model-name"}
 _SERVE_SWITCH = {"--no-cuda-graph", "--no-warmup"}
-# the architecture: gptrain serve reads it from the checkpoint (Megatron's --use-checkpoint-args)
-_FROM_CHECKPOINT = {"--num-layers", "--hidden-size", "--num-attention-heads", "--ffn-hidden-size", "--kv-channels",
-                    "--max-position-embeddings", "--seq-length", "--make-vocab-size-divisible-by"}
+# the architecture: gptrain serve reads it from the checkpoint; these are checked against it, as Megatron's
+# load fails on a different shape (unless --use-checkpoint-args, which takes the checkpoint's)
+_ARCHITECTURE = {"--num-layers": "num_layers", "--hidden-size": "hidden_size",
+                 "--num-attention-heads": "num_attention_heads", "--ffn-hidden-size": "ffn_hidden_size",
+                 "--max-position-embeddings": "max_position_embeddings"}
+# the length of a request and the vocabulary's padding: the checkpoint's own
+_FROM_CHECKPOINT = {"--seq-length", "--make-vocab-size-divisible-by", "--kv-channels"}
 # accepted, changing nothing here (why, printed)
 _NO_OP_VALUE = {
     "--micro-batch-size": "a request's prompts are batched by the server",
@@ -103,7 +109,6 @@ _NO_OP_VALUE = {
     "--transformer-impl": "gptrain's own layers",
 }
 _NO_OP_SWITCH = {
-    "--use-checkpoint-args": "the architecture is always the checkpoint's",
     "--no-load-rng": "serving loads no RNG state", "--no-load-optim": "serving loads no optimizer",
     "--use-mcore-models": "either model layout loads", "--use-legacy-models": "either model layout loads",
     "--attention-softmax-in-fp32": "the softmax is fp32 already",
@@ -113,12 +118,15 @@ _NO_OP_SWITCH = {
 }
 
 
-def server_argv(argv: list[str]) -> tuple[list[str], list[str]]:
-    """Megatron's ``run_text_generation_server.py`` flags -> ``gptrain serve`` flags, and the lines
-    saying what was translated or taken from the checkpoint. A flag with no meaning here is a
-    ValueError naming it (never ignored)."""
+def server_argv(argv: list[str]) -> tuple[list[str], list[str], dict[str, str]]:
+    """Megatron's ``run_text_generation_server.py`` flags -> ``gptrain serve`` flags, the lines saying
+    what was translated or taken from the checkpoint, and the architecture flags to check against the
+    checkpoint (``check_architecture``). A flag with no meaning here is a ValueError naming it (never
+    ignored)."""
     out: list[str] = []
     from_ckpt: list[str] = []
+    shape: dict[str, str] = {}
+    use_checkpoint_args = False
     no_ops: list[str] = []
     unknown: list[str] = []
     dtype = None
@@ -150,8 +158,12 @@ def server_argv(argv: list[str]) -> tuple[list[str], list[str]]:
         elif name == "--tokenizer-type":
             if take() != "GPT2BPETokenizer":
                 raise ValueError("--tokenizer-type: only GPT2BPETokenizer is supported")
+        elif name in _ARCHITECTURE:
+            shape[name] = take()
         elif name in _FROM_CHECKPOINT:
             from_ckpt.append(f"{name} {take()}")
+        elif name == "--use-checkpoint-args":
+            use_checkpoint_args = True
         elif name in _NO_OP_VALUE:
             no_ops.append(f"{name} {take()} ({_NO_OP_VALUE[name]})")
         elif name in _NO_OP_SWITCH:
@@ -166,13 +178,62 @@ def server_argv(argv: list[str]) -> tuple[list[str], list[str]]:
     if dtype and "--dtype" not in out:
         out += ["--dtype", dtype]
     notes = [f"runs gptrain serve {' '.join(out)}"]
+    if use_checkpoint_args:
+        from_ckpt[:0] = [f"{k} {v}" for k, v in shape.items()]
+        shape = {}
     if from_ckpt:
-        notes.append(f"the architecture is read from the checkpoint ({', '.join(from_ckpt)} not used)")
+        notes.append(f"the checkpoint's own values are used for {', '.join(from_ckpt)}")
     if no_ops:
         notes.append(f"accepted, changing nothing: {'; '.join(no_ops)}")
     if "--host" not in out:
         notes.append("listening on 127.0.0.1 only (Megatron binds 0.0.0.0): add --host 0.0.0.0 to serve other hosts")
-    return out, notes
+    return out, notes, shape
+
+
+def check_architecture(serve_argv: list[str], shape: dict[str, str]) -> str | None:
+    """The architecture flags (``shape``: flag -> value) against the checkpoint of ``--load``: a ValueError
+    naming each difference, else the line saying they match. A checkpoint whose architecture cannot be read
+    here is left to ``gptrain serve`` to load and report."""
+    if not shape:
+        return None
+    load = serve_argv[serve_argv.index("--load") + 1] if "--load" in serve_argv else None
+    cfg = _checkpoint_architecture(load) if load else None
+    flags = ", ".join(f"{k} {v}" for k, v in shape.items())
+    if cfg is None:
+        return f"the architecture is the checkpoint's ({flags} not checked)"
+    differ = [f"{k} {v} (the checkpoint: {cfg[_ARCHITECTURE[k]]})" for k, v in shape.items()
+              if str(cfg[_ARCHITECTURE[k]]) != v]
+    if differ:
+        raise ValueError(f"{load} is another model: {', '.join(differ)} (--use-checkpoint-args takes the "
+                         "checkpoint's)")
+    return f"the architecture flags match the checkpoint ({flags})"
+
+
+def _checkpoint_architecture(path: str) -> dict | None:
+    """num_layers, hidden_size, ... of the checkpoint at ``path``, or None where it does not read here."""
+    try:
+        from gptrain.checkpoint_kind import checkpoint_kind
+
+        kind = checkpoint_kind(path)
+        if kind == "gptrain":
+            from gptrain.inference.load import _gptrain_config
+
+            cfg = vars(_gptrain_config(Path(path))[0])
+        elif kind == "megatron":
+            from gptrain.interop.megatron import read_megatron_checkpoint
+
+            cfg = vars(read_megatron_checkpoint(path).gpt_config())
+        elif kind == "huggingface":
+            import json
+
+            c = json.loads((Path(path) / "config.json").read_text())
+            cfg = {"num_layers": c["n_layer"], "hidden_size": c["n_embd"], "num_attention_heads": c["n_head"],
+                   "ffn_hidden_size": c.get("n_inner") or 4 * c["n_embd"], "max_position_embeddings": c["n_positions"]}
+        else:
+            return None
+        return {field: cfg[field] for field in _ARCHITECTURE.values()}
+    except Exception:  # noqa: BLE001 - gptrain serve's own load reports what is wrong with the checkpoint
+        return None
 
 
 # --- the `gptrain megatron-scripts DIR` command --------------------------------------------------------

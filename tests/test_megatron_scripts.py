@@ -157,10 +157,13 @@ def test_server_flags_map_onto_gptrain_serve():
     from gptrain.megatron_scripts import server_argv
 
     flags = _flags(seed_script("001_run_text_generation_server_345M.sh"))
-    argv, notes = server_argv(flags)
+    argv, notes, shape = server_argv(flags)
     assert argv == ["--tensor-model-parallel-size", "1", "--load", "${CHECKPOINT}", "--vocab-file", "$VOCAB_FILE",
                     "--merge-file", "$MERGE_FILE", "--dtype", "fp16"]
-    assert "--num-layers 24" in notes[1] and "--seed 42" in notes[2] and "--micro-batch-size 1" in notes[2]
+    assert shape == {"--num-layers": "24", "--hidden-size": "1024", "--num-attention-heads": "16",
+                     "--max-position-embeddings": "1024"}
+    assert "--seq-length 1024" in notes[1] and "--seed 42" in notes[2] and "--micro-batch-size 1" in notes[2]
+    assert server_argv(flags + ["--use-checkpoint-args"])[2] == {}
     assert server_argv(["--load", "c", "--bf16", "--port", "5001", "--host", "0.0.0.0"])[0] == [
         "--load", "c", "--port", "5001", "--host", "0.0.0.0", "--dtype", "bf16"]
     for bad, message in ((["--pipeline-model-parallel-size", "2"], "tensor parallelism only"),
@@ -335,7 +338,16 @@ def test_seed001_train_serve_and_client(work, seed001_data):
         log.close()
         server_log = log_path.read_text()
     assert "tools/run_text_generation_server.py: runs gptrain serve " in server_log, server_log
-    assert "the architecture is read from the checkpoint (--num-layers 2, --hidden-size 64" in server_log
+    assert ("the architecture flags match the checkpoint (--num-layers 2, --hidden-size 64, --num-attention-heads 4, "
+            "--max-position-embeddings 64)") in server_log
+    # the seed's own shape against the tiny checkpoint: refused before anything loads, as Megatron's load fails
+    checkpoint = work["workspace"] / "model" / "megatron-models" / "345m-1dp-out"
+    result = subprocess.run([sys.executable, "tools/run_text_generation_server.py", "--load", str(checkpoint),
+                             "--num-layers", "24", "--hidden-size", "64"], cwd=work["megatron"], env=work["env"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and result.stderr == (
+        f"gptrain serve: error: tools/run_text_generation_server.py: {checkpoint} is another model: --num-layers 24 "
+        "(the checkpoint: 2) (--use-checkpoint-args takes the checkpoint's)\n"), result.stderr
 
 
 @pytest.mark.slow

@@ -21,6 +21,8 @@ from gptrain.parallel.collectives import all_reduce_, global_norm_and_sum, world
 from gptrain.parallel.data_parallel import average_flat, average_gradients
 from gptrain.parallel.dims import is_logging_rank, world_from_env
 from gptrain.train import metrics
+from gptrain.train.startup import datetime_line
+from gptrain.train.interval_log import TrainingStopped, log_interval  # noqa: F401 (re-exported)
 from gptrain.train.build import TrainingParts
 from gptrain.train import signals
 from gptrain.train.checkpoint import Checkpointer, load_checkpoint
@@ -31,10 +33,6 @@ from gptrain.checkpoint_kind import checkpoint_kind
 from gptrain.train.megatron_load import load_hf, load_megatron
 from gptrain.train.precision import LossScaler
 from gptrain.train.schedule import LRSchedule
-
-
-class TrainingStopped(RuntimeError):
-    """The run stopped on purpose (too many NaN iterations); the message says why and what was saved."""
 
 
 @dataclass
@@ -95,7 +93,8 @@ class Trainer:
         # autocast only where the parameters stay fp32 (--autocast)
         self.compute_dtype = None if p.half_params else torch.bfloat16 if p.bf16 else torch.float16 if p.fp16 else None
         self.eod = cfg.data.eod_token if cfg.data.eod_mask_loss else None
-        self.tb = metrics.TensorBoard(cfg.train.tensorboard_dir, rank=world_from_env()[1])  # rank 0 writes
+        self.tb = metrics.TensorBoard(cfg.train.tensorboard_dir, rank=world_from_env()[1],  # rank 0 writes
+                                      wandb_run=metrics.wandb_run(cfg, world_from_env()[1]))
         self.peak = metrics.device_peak_tflops(device, cfg.train.peak_tflops)
         self.flops_per_token = cfg.model.flops_per_token()
         self.params = list(self.opt_params.values())
@@ -114,6 +113,7 @@ class Trainer:
         self.test_loss: float | None = None
         self.exit_reason: str | None = None
         self.checkpointer = Checkpointer(cfg.train.async_save, self.log)
+        self.run_start: float | None = None  # when train() began (--exit-duration-in-mins counts from it)
 
     def loader(self, dataset, start: int) -> MicroBatchLoader | NoData:
         if self.pipeline is not None and not self.pipeline.needs_data:
@@ -379,53 +379,7 @@ class Trainer:
 
     # ---- the loop
     def _log_interval(self, stats: IntervalStats) -> None:
-        t = self.cfg.train
-        loss_sum, advanced, nan_count, nan_run, grad_norm = torch.stack(
-            [self._loss_sum, self._advanced, self._nan_count, self._nan_run, self._grad_norm]).tolist()
-        elapsed = time.perf_counter() - stats.start_time
-        nans = int(round(nan_count))
-        if self.scaler is None and nans:
-            # give back the schedule steps of updates skipped on the device (Megatron never takes them)
-            self.schedule.num_steps -= nans * t.global_batch_size
-        skipped = stats.skipped + (nans if self.scaler is None else 0)
-        avg_loss = loss_sum / advanced if advanced > 0 else None
-        ms = 1000.0 * elapsed / stats.iterations
-        # per GPU: the global batch's tokens over every rank of the layout (Megatron's figure)
-        tokens_per_s = stats.iterations * t.global_batch_size * self.cfg.model.seq_length / elapsed / world_size()
-        tflops = tokens_per_s * self.flops_per_token / 1e12
-        eta = (t.train_iters - self.iteration) * ms / 1000.0
-        line = metrics.iteration_line(self.iteration, t.train_iters, self.consumed_train, ms, self.schedule.lr(),
-                                      t.global_batch_size, avg_loss, self.loss_scale,
-                                      grad_norm if advanced > 0 else None, skipped, nans)
-        self.log(line + metrics.throughput_suffix(tokens_per_s, tflops, self.peak, eta, self.device.type))
-        if not self.memory_reported:
-            mem = metrics.memory_line(self.iteration, self.device)
-            if mem:
-                self.log(mem)
-                from gptrain.plan.report import measured_line
-
-                plan = measured_line(self.cfg, world_size(), self.device, tokens_per_s)
-                if plan:
-                    self.log(plan)
-            self.memory_reported = True
-        if avg_loss is not None:
-            self.last_train_loss = avg_loss
-            self.train_losses.append((self.iteration, avg_loss))
-            if self.first_train_loss is None:
-                self.first_train_loss = avg_loss
-        self.tb.scalars({"learning-rate": self.schedule.lr(), "batch-size": t.global_batch_size, "lm loss": avg_loss,
-                         "loss-scale": self.loss_scale, "grad-norm": grad_norm if advanced > 0 else None,
-                         "tokens-per-second-per-gpu": tokens_per_s, "tflops-per-gpu": tflops},
-                        self.iteration, self.consumed_train)
-        for counter in (self._loss_sum, self._advanced, self._nan_count):
-            counter.zero_()
-        if nan_run >= t.max_nan_iterations:
-            self.save()
-            self.checkpointer.close()
-            saved = f"the last good state is saved in {t.save}" if t.save else "no --save was given, nothing saved"
-            raise TrainingStopped(f"{int(nan_run)} NaN/inf iterations in a row at iteration {self.iteration} "
-                                  f"(--max-nan-iterations {t.max_nan_iterations}): stopping; {saved}. Lower --lr, "
-                                  "check the data, or use --bf16 instead of --fp16.")
+        log_interval(self, stats)  # train/interval_log.py: the iteration line, its extra fields, the scalars
 
     def _out_of_time(self, run_start: float) -> bool:
         """--exit-duration-in-mins: every rank must stop at the same iteration, so with several
@@ -442,7 +396,7 @@ class Trainer:
         t = self.cfg.train
         self.parts.train_module.train()
         loader = self.loader(self.train_ds, self.consumed_train)
-        run_start = time.perf_counter()
+        run_start = self.run_start = time.perf_counter()
         stats = IntervalStats(start_time=time.perf_counter())
         exit_reason = None
         try:
@@ -488,6 +442,8 @@ class Trainer:
                 and not (t.save_interval and self.iteration % t.save_interval == 0):
             self.save()
         self.checkpointer.close()  # the last save is published before the run goes on or ends
+        if not t.skip_train:
+            self.log(datetime_line("after training is done"))
         if exit_reason:
             self.exit_reason = exit_reason
             self.log(exit_reason)

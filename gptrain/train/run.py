@@ -21,6 +21,8 @@ from gptrain.train import signals
 from gptrain.train.checkpoint import CheckpointError
 from gptrain.train.checkpoint_files import newest_complete
 from gptrain.train.loop import Trainer, TrainingStopped
+from gptrain.train.startup import (MISSING_CHECKPOINT_LINE, ExitOnMissingCheckpoint, arguments_block,
+                                   check_before_build, datetime_line, megatron_arguments)
 
 
 @dataclass
@@ -143,6 +145,8 @@ def _train_main(argv: list[str], log=None) -> TrainResult:
         device = init_distributed(pick_device(cfg.train.device), cfg.parallel.distributed_timeout_minutes)
         mesh = dims.build_mesh(device.type)
         log(f"{dims.describe()} ; device {device.type}, precision {cfg.precision.name}")
+        check_before_build(cfg)  # paths and packages, before the model is built
+        log(arguments_block(megatron_arguments(cfg, argv, world, dims.dp)))
         if _cpu_precision_warning(cfg, device):
             log(_cpu_precision_warning(cfg, device))
         log(f"setting number of micro-batches to constant {cfg.train.micro_batches_per_step(dims.dp)}")
@@ -152,12 +156,15 @@ def _train_main(argv: list[str], log=None) -> TrainResult:
             log(f"> tensor-model-parallel seed {cfg.data.seed} + 2718 + tensor rank (attention dropout differs across "
                 "tensor-parallel ranks; hidden dropout is the same on all of them)")
         seed_everything(cfg.data.seed, tp_rank)
+        log(datetime_line("after megatron is initialized"))
         log("building GPT model ...")
         parts = build_training(cfg, device, dims, mesh, log)
         log(f" > padded vocab (size: {cfg.model.vocab_size}) with "
             f"{cfg.model.padded_vocab_size - cfg.model.vocab_size} dummy tokens (new size: {cfg.model.padded_vocab_size})")
         _report_parameters(parts, log)
+        log(datetime_line("after model, optimizer, and learning rate scheduler are built"))
         train_ds, valid_ds, test_ds = build_datasets(cfg, tokenizer, log)
+        log(datetime_line("after dataloaders are built"))
         trainer = Trainer(cfg, parts, train_ds, valid_ds, test_ds, device, log)
         log(_precision_line(cfg, parts, device))
         log(f" > parameters: {parts.impls['parameters']}")
@@ -169,7 +176,11 @@ def _train_main(argv: list[str], log=None) -> TrainResult:
         log(f" > attention: {trainer.attention_impl.brief(cfg.train.verbose)}")
         trainer.load()
         log("training ...")
+        log(datetime_line("before the start of training step"))
         trainer.train()
+    except ExitOnMissingCheckpoint:  # Megatron's line and its sys.exit(): status 0
+        log(MISSING_CHECKPOINT_LINE)
+        return TrainResult.of(0, trainer)
     except TrainingStopped as err:
         if is_logging_rank():
             print(f"gptrain: training stopped: {err}", file=sys.stderr)

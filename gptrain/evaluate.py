@@ -11,6 +11,11 @@ counts its loss and no bytes).
 
 Cloze: each passage's last word is the target; a passage counts when greedy decoding from the
 context produces every token of that word (strict, as Megatron's --strict-lambada).
+
+``--split`` / ``--split-name`` with ``--data-path``: only the documents of that split, as Megatron's
+``--split`` divides them for training (megatron-core's rule, data/gpt_dataset.parse_split): ``--split
+949,50,1 --split-name valid`` scores the documents Megatron validated on. Progress lines (Megatron's
+``Evaluating iter i/n``) go to stderr; flag errors are one line, a typo answered with the closest flag.
 """
 from __future__ import annotations
 
@@ -18,6 +23,7 @@ import argparse
 import json
 import math
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -42,12 +48,26 @@ def read_jsonl_texts(path: str | Path, key: str) -> list[str]:
     return texts
 
 
+SPLIT_NAMES = ("train", "valid", "test")
+
+
+def split_documents(num_documents: int, split: str, name: str) -> range:
+    """The documents of split ``name`` (train, valid or test) under ``--split``, as training divides them."""
+    from gptrain.data.gpt_dataset import parse_split
+
+    lo, hi = parse_split(split, num_documents)[SPLIT_NAMES.index(name)]
+    if hi == lo:
+        raise ValueError(f"--split {split} leaves no {name} documents (of {num_documents})")
+    return range(lo, hi)
+
+
 def token_stream(args, tokenizer) -> np.ndarray:
     if args.data_path:
         from gptrain.data.indexed import IndexedDataset
 
         data = IndexedDataset(args.data_path)
-        return np.concatenate([np.asarray(data[i], dtype=np.int64) for i in range(len(data))])
+        docs = range(len(data)) if args.split is None else split_documents(len(data), args.split, args.split_name)
+        return np.concatenate([np.asarray(data[i], dtype=np.int64) for i in docs])
     ids: list[int] = []
     for text in read_jsonl_texts(args.jsonl, args.json_key):
         ids += tokenizer.encode(text) + [tokenizer.eod]
@@ -56,7 +76,7 @@ def token_stream(args, tokenizer) -> np.ndarray:
 
 @torch.no_grad()
 def perplexity(model, tokens: np.ndarray, seq_length: int, stride: int, token_bytes: np.ndarray,
-               batch_size: int = 8) -> dict:
+               batch_size: int = 8, progress=None) -> dict:
     """Summed loss over every token after the first, scored in windows (see the module docstring)."""
     n = len(tokens)
     if n < 2:
@@ -81,6 +101,8 @@ def perplexity(model, tokens: np.ndarray, seq_length: int, stride: int, token_by
             targets = batch[r, first:e - b].to(device)
             total -= logp[r, first - 1:e - b - 1].gather(1, targets[:, None]).sum().item()
             count += e - b - first
+        if progress is not None:
+            progress(i // batch_size + 1, (len(windows) + batch_size - 1) // batch_size)
     scored_bytes = int(token_bytes[tokens[1:]].sum())
     loss = total / count
     return {"tokens": count, "loss": loss, "ppl": math.exp(min(loss, 700)),
@@ -115,10 +137,43 @@ def cloze_accuracy(model, tokenizer, texts: list[str]) -> dict:
     return {"passages": len(texts), "correct": correct, "accuracy": correct / len(texts)}
 
 
+class Progress:
+    """Megatron's ``Evaluating iter i/n`` lines on stderr: the first, the last, and one every few seconds."""
+
+    def __init__(self, every_s: float = 5.0):
+        self.every_s, self.last = every_s, None
+
+    def __call__(self, done: int, total: int) -> None:
+        now = time.monotonic()
+        if self.last is None or done == total or now - self.last >= self.every_s:
+            print(f"Evaluating iter {done}/{total}", file=sys.stderr, flush=True)
+            self.last = now
+
+
+def _parse(p: argparse.ArgumentParser, argv: list[str]):
+    """The flags, or one ValueError line (a typo answered with the closest flag)."""
+    from gptrain.flags import suggest
+
+    args, unknown = p.parse_known_args(argv)
+    if unknown:
+        flag = unknown[0].split("=")[0]
+        known = [o for action in p._actions for o in action.option_strings]
+        close = suggest(flag, known) if flag.startswith("--") else None
+        raise ValueError(f"unknown flag {flag}: did you mean {close}?" if close else
+                         f"unrecognized arguments: {' '.join(unknown)} (see `gptrain evaluate --help`)")
+    if (args.split is not None or args.split_name is not None) and not args.data_path:
+        raise ValueError("--split and --split-name choose documents of a --data-path dataset")
+    if args.split_name is not None and args.split is None:
+        args.split = "969,30,1"  # Megatron's default --split
+    args.split_name = args.split_name or "valid"
+    return args
+
+
 def evaluate_main(argv: list[str]) -> int:
+    from gptrain.flags import OneLineErrors
     from gptrain.inference.generate_cli import add_model_flags, load_from_flags
 
-    p = argparse.ArgumentParser(prog="gptrain evaluate", description=__doc__.splitlines()[0])
+    p = OneLineErrors(prog="gptrain evaluate", description=__doc__.splitlines()[0], allow_abbrev=False)
     add_model_flags(p)
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--data-path", help="an indexed dataset prefix (.bin/.idx): perplexity")
@@ -128,7 +183,14 @@ def evaluate_main(argv: list[str]) -> int:
     p.add_argument("--seq-length", type=int, default=None, help="window length (default: the model's positions)")
     p.add_argument("--stride", type=int, default=None, help="window start spacing (default: --seq-length, no overlap)")
     p.add_argument("--micro-batch-size", type=int, default=8)
-    args = p.parse_args(argv)
+    p.add_argument("--split", default=None, help="with --data-path: train,valid,test document weights as training's "
+                   "--split (Megatron's default 969,30,1); only --split-name's documents are scored")
+    p.add_argument("--split-name", choices=SPLIT_NAMES, default=None, help="with --split: which split (default valid)")
+    try:
+        args = _parse(p, argv)
+    except ValueError as err:
+        print(f"gptrain evaluate: error: {err}", file=sys.stderr)
+        return 2
     try:
         loaded = load_from_flags(args)
         model, tok = loaded.model, loaded.tokenizer
@@ -149,11 +211,15 @@ def evaluate_main(argv: list[str]) -> int:
         tokens = token_stream(args, tok)
         if tokens.max(initial=0) >= model.cfg.vocab_size:
             raise ValueError(f"token id {int(tokens.max())} is outside the model's vocabulary of {model.cfg.vocab_size}")
-        result = perplexity(model, tokens, seq, stride, token_byte_lengths(tok), args.micro_batch_size)
+        print(f"Evaluating on {len(tokens)} tokens", file=sys.stderr, flush=True)
+        result = perplexity(model, tokens, seq, stride, token_byte_lengths(tok), args.micro_batch_size, Progress())
     except (OSError, ValueError) as err:
         print(f"gptrain evaluate: error: {err}", file=sys.stderr)
         return 2
-    print(f"perplexity on {args.data_path or args.jsonl}: {result['tokens']} tokens scored in {result['windows']} "
+    where = args.data_path or args.jsonl
+    if args.data_path and args.split is not None:
+        where += f" ({args.split_name} split of --split {args.split})"
+    print(f"perplexity on {where}: {result['tokens']} tokens scored in {result['windows']} "
           f"windows of {seq} (stride {stride}) | loss {result['loss']:.6f} | PPL {result['ppl']:.4f} | "
           f"bits per byte {result['bits_per_byte']:.6f} ({result['bytes']} bytes)")
     return 0

@@ -1,5 +1,6 @@
 """``gptrain convert``: gptrain checkpoint -> Hugging Face GPT-2 folder, HF folder -> gptrain
-checkpoint, Megatron-LM folder -> gptrain checkpoint.
+checkpoint, Megatron-LM folder -> gptrain checkpoint, gptrain checkpoint -> Megatron-LM folder
+(:mod:`gptrain.interop.megatron_write`).
 
 Each conversion writes into a temporary folder beside OUT, reads what it wrote back, compares the
 logits of a fixed prompt against the source (transformers' own GPT2LMHeadModel where HF is on one
@@ -233,13 +234,28 @@ def convert_main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="gptrain convert", description="convert checkpoints; each conversion checks "
                                 "the logits of a fixed prompt against its source before it reports success")
     way = p.add_mutually_exclusive_group(required=True)
-    way.add_argument("--to", choices=["hf"], help="a gptrain checkpoint -> a Hugging Face GPT-2 folder")
+    way.add_argument("--to", choices=["hf", "megatron"],
+                     help="a gptrain checkpoint -> a Hugging Face GPT-2 folder or a Megatron-LM checkpoint")
     way.add_argument("--from", dest="source", choices=["hf", "megatron"],
                      help="a Hugging Face GPT-2 folder or a Megatron-LM checkpoint -> a gptrain checkpoint")
     p.add_argument("input")
     p.add_argument("output")
+    p.add_argument("--ckpt-format", choices=["torch_dist", "torch"], default="torch_dist",
+                   help="--to megatron: Megatron's checkpoint format (default: torch_dist, Megatron's default)")
+    p.add_argument("--tensor-model-parallel-size", type=int, default=1, help="--to megatron: the TP it is saved at")
+    p.add_argument("--pipeline-model-parallel-size", type=int, default=1, help="--to megatron: the PP it is saved at")
     args = p.parse_args(argv)
-    run = to_hf if args.to else from_hf if args.source == "hf" else from_megatron
+    run = to_hf if args.to == "hf" else from_hf if args.source == "hf" else from_megatron
+    if args.to != "megatron" and (args.ckpt_format, args.tensor_model_parallel_size,
+                                  args.pipeline_model_parallel_size) != ("torch_dist", 1, 1):
+        p.error("--ckpt-format and the parallel sizes choose what --to megatron writes")
+    if args.to == "megatron":
+        from functools import partial
+
+        from gptrain.interop.megatron_write import to_megatron
+
+        run = partial(to_megatron, ckpt_format=args.ckpt_format, tp=args.tensor_model_parallel_size,
+                      pp=args.pipeline_model_parallel_size)
     expected = "gptrain" if args.to else {"hf": "huggingface", "megatron": "megatron"}[args.source]
     try:
         # None, or a tracker without mp_rank_* folders read as Megatron's: the reader says what is missing

@@ -147,7 +147,7 @@ COMMANDS: dict[str, tuple[Callable[[list[str]], int], str]] = {
     "evaluate": (_entry("gptrain.evaluate", "evaluate_main"),
                  "perplexity / bits per byte and LAMBADA-style cloze accuracy of a checkpoint"),
     "convert": (_entry("gptrain.interop.convert", "convert_main"),
-                "gptrain <-> Hugging Face GPT-2, Megatron-LM -> gptrain (each checked on logits)"),
+                "gptrain <-> Hugging Face GPT-2 and Megatron-LM (each checked on logits)"),
     "megatron-scripts": (_entry("gptrain.megatron_scripts", "megatron_scripts_main"),
                          "write pretrain_gpt.py and tools/*.py into DIR: Megatron scripts run unchanged there"),
 }

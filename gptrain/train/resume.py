@@ -19,7 +19,7 @@ import json
 import os
 from pathlib import Path
 
-from gptrain.checkpoint_kind import TRACKER
+from gptrain.checkpoint_kind import TRACKER, checkpoint_kind
 from gptrain.flag_tables import MODEL_FLAGS
 from gptrain.train.checkpoint_files import complete_checkpoints, is_complete, iteration_dir, read_tracker
 
@@ -45,7 +45,8 @@ def load_folder(load: str | None, save: str | None, log) -> str | None:
             hint = f"; --save {save} holds complete checkpoints ({_names(saved)}): pass --load {save}" if saved else (
                 f" (to start fresh and resume later, pass the same folder to --save and --load)")
             raise ValueError(f"--load {load} does not exist{hint}")
-        if (Path(load) / TRACKER).is_file() or complete_checkpoints(load) or not Path(load).is_dir():
+        if (Path(load) / TRACKER).is_file() or complete_checkpoints(load) or not Path(load).is_dir() \
+                or checkpoint_kind(load, none_ok=True) == "huggingface":
             return load
         if save and _same(save, load):
             return None  # --save's own folder, empty so far

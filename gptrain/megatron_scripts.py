@@ -29,7 +29,10 @@ _TEMPLATE = '''#!/usr/bin/env python3
 The flags are Megatron's; `gptrain {command} --help` lists what gptrain accepts."""
 import sys
 
-from gptrain.megatron_scripts import entry
+try:
+    from gptrain.megatron_scripts import entry
+except ImportError as err:
+    sys.exit(f"{{sys.argv[0]}}: gptrain is not importable by {{sys.executable}} ({{err}}): install gptrain there")
 
 if __name__ == "__main__":
     sys.exit(entry("{path}", sys.argv[1:]))

@@ -112,7 +112,7 @@ def test_writes_the_scripts_then_refuses_to_overwrite_a_different_one(tmp_path):
     for rel, command in SCRIPTS.items():
         text = (out / rel).read_text()
         assert text == script_text(rel) and f"gptrain {command}" in text and "sys.argv[1:]" in text
-        assert len(text.splitlines()) <= 12 and os.access(out / rel, os.X_OK)
+        assert len(text.splitlines()) <= 15 and os.access(out / rel, os.X_OK)
     assert {a for _, a in write_scripts(out)} == {"unchanged"}
 
     (out / "tools" / "merge_datasets.py").write_text("# the user's own\n")
@@ -151,6 +151,12 @@ def test_each_script_runs_as_a_file(tmp_path):
                                 text=True, timeout=120)
         assert result.returncode == 0, f"{rel}: {result.stderr}"
         assert f"usage: gptrain {command}" in result.stdout, f"{rel}: {result.stdout[:500]}"
+    # a Python without gptrain (-I -S: no PYTHONPATH, no site-packages): one line saying so
+    result = subprocess.run([sys.executable, "-I", "-S", "pretrain_gpt.py", "--num-layers", "2"], cwd=tmp_path,
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1 and result.stderr == (
+        f"pretrain_gpt.py: gptrain is not importable by {sys.executable} (No module named 'gptrain'): "
+        "install gptrain there\n"), result.stderr
 
 
 def test_server_flags_map_onto_gptrain_serve():

@@ -51,6 +51,14 @@ def entry(path: str, argv: list[str]) -> int:
     command = SCRIPTS[path]
     if command == "train":
         argv = _drop_launcher_local_rank(argv)
+    elif command == "preprocess":
+        try:
+            argv, notes = preprocess_argv(argv)
+        except ValueError as err:
+            print(f"gptrain preprocess: error: {path}: {err}", file=sys.stderr)
+            return 2
+        for note in notes:
+            print(f"{path}: {note}", flush=True)
     elif command == "serve":
         try:
             argv, notes, shape = server_argv(argv)
@@ -88,6 +96,48 @@ def _drop_launcher_local_rank(argv: list[str]) -> list[str]:
         out.append(arg)
         i += 1
     return out
+
+
+# --- tools/preprocess_data.py: the flags Megatron has and gptrain preprocess has not, where they change nothing
+
+def preprocess_argv(argv: list[str]) -> tuple[list[str], list[str]]:
+    """Megatron's ``--partitions N`` splits the input and merges the parts' outputs in order: with
+    ``--keep-sequential-samples`` (contiguous parts) the documents are those of one pass in input order,
+    which gptrain writes (its threads keep the order), so both are dropped, with a line saying so;
+    without it Megatron deals the lines round-robin (another order) and the run is refused. ``--keep-newlines``
+    and ``--lang`` only act with ``--split-sentences`` (not implemented: gptrain preprocess refuses it)."""
+    out: list[str] = []
+    notes: list[str] = []
+    partitions, sequential = 1, "--keep-sequential-samples" in argv
+    splitting = "--split-sentences" in argv
+    i = 0
+    while i < len(argv):
+        name, eq, inline = argv[i].partition("=")
+        if name == "--partitions":
+            if not eq:
+                i += 1
+            raw = inline if eq else (argv[i] if i < len(argv) else "")
+            try:
+                partitions = int(raw)
+            except ValueError:
+                raise ValueError(f"--partitions {raw!r}: not a number") from None
+        elif name == "--keep-sequential-samples":
+            pass
+        elif name in ("--keep-newlines", "--lang") and not splitting:
+            if name == "--lang" and not eq:
+                i += 1
+            notes.append(f"{name} changes nothing without --split-sentences (as in Megatron)")
+        else:
+            out.append(argv[i])
+        i += 1
+    if partitions > 1 and not sequential:
+        raise ValueError(f"--partitions {partitions} without --keep-sequential-samples deals the input lines "
+                         "round-robin over the partitions (another document order): add --keep-sequential-samples "
+                         "for the input's order, which gptrain writes in one pass, or leave out --partitions")
+    if partitions > 1:
+        notes.append(f"--partitions {partitions} --keep-sequential-samples: the same documents in the same order, "
+                     "written in one pass (no partition files)")
+    return out, notes
 
 
 # --- tools/run_text_generation_server.py: Megatron's flags onto `gptrain serve` ---------------------

@@ -179,6 +179,20 @@ def test_server_flags_map_onto_gptrain_serve():
             server_argv(["--load", "c", *bad])
 
 
+def test_preprocess_flags_that_change_nothing_are_dropped():
+    from gptrain.megatron_scripts import preprocess_argv
+
+    base = ["--input", "a.jsonl", "--output-prefix", "p", "--workers", "4"]
+    assert preprocess_argv(base) == (base, [])
+    argv, notes = preprocess_argv(base + ["--partitions", "2", "--keep-sequential-samples", "--keep-newlines"])
+    assert argv == base and len(notes) == 2 and "--partitions 2 --keep-sequential-samples" in notes[1]
+    assert preprocess_argv(base + ["--partitions=1", "--lang", "english"])[0] == base
+    with pytest.raises(ValueError, match="round-robin"):
+        preprocess_argv(base + ["--partitions", "4"])
+    argv, _ = preprocess_argv(base + ["--split-sentences", "--keep-newlines"])  # left for gptrain to refuse
+    assert argv == base + ["--split-sentences", "--keep-newlines"]
+
+
 def test_launcher_local_rank_is_dropped(monkeypatch):
     from gptrain.megatron_scripts import _drop_launcher_local_rank
 

@@ -135,7 +135,7 @@ def full_tensors(model, tp: int) -> tuple[dict[str, torch.Tensor], dict[str, str
     rules: dict[str, str] = {}
     rows = padded_vocab_size(cfg.vocab_size, cfg.make_vocab_size_divisible_by, tp)
     for name, param in model.named_parameters():
-        value = _padded_embeddings(model, rows) if name == "word_embeddings.weight" else param.detach().clone()
+        value = _padded_embeddings(model, rows) if name == "word_embeddings.weight" else param.detach()
         if name.startswith("layers."):
             _, layer, rest = name.split(".", 2)
             key, _, rule = _LAYER[rest]

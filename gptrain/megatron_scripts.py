@@ -153,22 +153,23 @@ _ARCHITECTURE = {"--num-layers": "num_layers", "--hidden-size": "hidden_size",
                  "--max-position-embeddings": "max_position_embeddings"}
 # the length of a request and the vocabulary's padding: the checkpoint's own
 _FROM_CHECKPOINT = {"--seq-length", "--make-vocab-size-divisible-by", "--kv-channels"}
-# accepted, changing nothing here (why, printed)
+# accepted, changing nothing when serving (why, printed); then the no-op Megatron flags of `gptrain train`
+# (flag_tables.COMPATIBILITY, with their reasons), and its refused ones refused
 _NO_OP_VALUE = {
     "--micro-batch-size": "a request's prompts are batched by the server",
-    "--distributed-backend": "NCCL on GPUs, gloo on CPUs, chosen by device",
     "--seed": "sampling is seeded per request (the request's random_seed)",
-    "--data-impl": "no data is read",
-    "--transformer-impl": "gptrain's own layers",
 }
 _NO_OP_SWITCH = {
     "--no-load-rng": "serving loads no RNG state", "--no-load-optim": "serving loads no optimizer",
-    "--use-mcore-models": "either model layout loads", "--use-legacy-models": "either model layout loads",
-    "--attention-softmax-in-fp32": "the softmax is fp32 already",
-    "--no-masked-softmax-fusion": "no fusion switch applies", "--no-bias-gelu-fusion": "no fusion switch applies",
-    "--no-bias-dropout-fusion": "no fusion switch applies", "--no-gradient-accumulation-fusion": "no training",
-    "--no-async-tensor-model-parallel-allreduce": "no fusion switch applies",
+    "--no-bias-gelu-fusion": "the server's MLP is chosen by gptrain serve",
+    "--bias-gelu-fusion": "the server's MLP is chosen by gptrain serve",
 }
+
+
+def _training_compat() -> dict:
+    from gptrain.flag_tables import COMPATIBILITY
+
+    return {c.name: c for c in COMPATIBILITY}
 
 
 def server_argv(argv: list[str]) -> tuple[list[str], list[str], dict[str, str]]:
@@ -221,6 +222,14 @@ def server_argv(argv: list[str]) -> tuple[list[str], list[str], dict[str, str]]:
             no_ops.append(f"{name} {take()} ({_NO_OP_VALUE[name]})")
         elif name in _NO_OP_SWITCH:
             no_ops.append(f"{name} ({_NO_OP_SWITCH[name]})")
+        elif name in (compat := _training_compat()):
+            c = compat[name]
+            if c.kind == "refused":
+                raise ValueError(f"{name}: {c.reason}")
+            given = take() if c.kind == "value" else None
+            if c.values is not None and given not in c.values:
+                raise ValueError(f"{name} {given}: only {', '.join(c.values)} ({c.reason})")
+            no_ops.append(f"{name}{'' if given is None else ' ' + given} ({c.reason})")
         else:
             unknown.append(name)
             while not eq and i + 1 < len(argv) and not argv[i + 1].startswith("--"):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -55,7 +56,7 @@ def _megatron_core_logits(tmp_path, tp, folders, tokens):
     torch.save(tokens, tmp_path / "tokens.pt")
     done = subprocess.run([sys.executable, str(HELPER), str(tp), str(tmp_path / "tokens.pt"), str(tmp_path / "out.pt"),
                            *map(str, folders)], capture_output=True, text=True, timeout=600,
-                          env={**__import__("os").environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"})
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"})
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     return torch.load(tmp_path / "out.pt")
 

@@ -25,7 +25,6 @@ allow-list readers (and ``torch.load(weights_only=True)`` with Megatron's safe g
 from __future__ import annotations
 
 import argparse
-import io
 import json
 import warnings
 from collections import OrderedDict
@@ -294,7 +293,8 @@ def to_megatron(ckpt, out, log=print, ckpt_format: str = "torch_dist", tp: int =
                 raise c.ConversionError(f"{key} read back from the written checkpoint differs from the source's; "
                                         "nothing was written")
         layout = f"{ckpt_format}, TP{tp} x PP{pp}"
-        diff = c._compare(reference, c._logits(back, tokens), f"OUT ({layout}) read back vs the gptrain checkpoint", log)
+        what = f"OUT ({layout}) read back vs the gptrain checkpoint"
+        diff = c._compare(reference, c._logits(back, tokens), what, log)
         c._publish(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

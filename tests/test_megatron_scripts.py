@@ -233,7 +233,8 @@ TINY_RUN = [  # the run's length
 ]
 # the batch of seeds/001 (32 samples) and seeds/003 (8): fp16 matmuls on a CPU run at about 30 tokens/s per
 # process here (the 50304-row output layer), so their batches are made as small as their layouts allow
-TINY_BATCH = [(r"--micro-batch-size \d+", "--micro-batch-size 1"), (r"--global-batch-size \d+", "--global-batch-size 4")]
+TINY_BATCH = [(r"--micro-batch-size \d+", "--micro-batch-size 1"),
+              (r"--global-batch-size \d+", "--global-batch-size 4")]
 
 
 def _tiny(script: str, paths: dict[str, str] = {}, tiny: list = TINY_SHAPE + TINY_RUN) -> str:
@@ -266,7 +267,8 @@ def work(tmp_path_factory):
         (bin_dir / name).write_text(f"#!/bin/bash\n{body}\n")
         (bin_dir / name).chmod(0o755)
     env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "CUDA_DEVICE_MAX_CONNECTIONS")}
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
+                        "CUDA_DEVICE_MAX_CONNECTIONS")}
     env |= {"PATH": f"{bin_dir}{os.pathsep}{env['PATH']}", "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1",
             "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
             "PET_MASTER_PORT": str(_free_port())}  # torchrun's default port when a script names none (seeds/000)
@@ -289,7 +291,8 @@ def _bash(work, name: str, text: str, timeout: float = 240, **kw) -> subprocess.
     path.write_text(text)
     result = subprocess.run(["bash", str(path)], cwd=work["megatron"], env=work["env"], capture_output=True,
                             text=True, timeout=timeout, **kw)
-    assert result.returncode == 0, f"{name} exited {result.returncode}:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+    assert result.returncode == 0, (f"{name} exited {result.returncode}:\n{result.stdout[-3000:]}\n"
+                                    f"{result.stderr[-3000:]}")
     assert "gptrain: error" not in result.stderr
     return result
 
@@ -326,7 +329,8 @@ def test_seed001_train_serve_and_client(work, seed001_data):
     checkpoint served by `torchrun $DISTRIBUTED_ARGS tools/run_text_generation_server.py` and asked through
     `python tools/text_generation_cli.py`."""
     train = _tiny(seed_script("001_train_gpt2_345m_1dp1pp_distributed.sh"),
-                  work["paths"] | {"MASTER_PORT=6000": f"MASTER_PORT={_free_port()}"}, TINY_SHAPE + TINY_RUN + TINY_BATCH)
+                  work["paths"] | {"MASTER_PORT=6000": f"MASTER_PORT={_free_port()}"},
+                  TINY_SHAPE + TINY_RUN + TINY_BATCH)
     result = _bash(work, "001_train.sh", train)
     assert "using world size: 4, data-parallel-size: 4" in result.stdout
     _check_training(result, work["workspace"] / "model" / "megatron-models" / "345m-1dp-out")

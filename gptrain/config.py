@@ -419,12 +419,11 @@ def parse_megatron_args(argv: list[str], world_size: int | None = None) -> tuple
     parser = build_parser()
     known_flags = {o for action in parser._actions for o in action.option_strings}
     unknown = [x for x in given if x not in known_flags]
-    close = suggest(unknown[0], known_flags) if len(unknown) == 1 else None
-    if close:
-        raise ValueError(f"unknown flag {unknown[0]}: did you mean {close}? (see `gptrain train --help`)")
-    if unknown:
+    if unknown:  # a typo (or a Megatron flag gptrain lacks) answered with the closest declared flag
+        close = suggest(unknown[0], known_flags) if len(unknown) == 1 else None
         raise ValueError(f"unknown flag(s) {', '.join(unknown)}: gptrain refuses flags it does not implement "
-                         "rather than ignoring them (see `gptrain train --help`)")
+                         f"rather than ignoring them{f'; did you mean {close}?' if close else ''} "
+                         "(see `gptrain train --help`)")
     args = parser.parse_args(argv)
     notes = []
     for c in COMPATIBILITY:

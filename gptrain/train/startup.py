@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
+import tempfile
 from datetime import datetime
 from pathlib import Path
 
@@ -91,10 +92,10 @@ def _check_data_path(prefix: str) -> None:
 def _writable(folder: Path) -> bool:
     if not os.access(folder, os.W_OK | os.X_OK):
         return False
-    probe = folder / f".gptrain-write-check-{os.getpid()}"
-    try:
-        probe.touch()
-        probe.unlink()
+    try:  # a uniquely named probe: every rank (on every node) checks the same folder at once
+        fd, probe = tempfile.mkstemp(prefix=".gptrain-write-check-", dir=folder)
+        os.close(fd)
+        os.unlink(probe)
     except OSError:
         return False
     return True

@@ -1,5 +1,5 @@
 """gptrain convert --to megatron: torch_dist and legacy torch checkpoints that megatron-core's own
-GPTModel loads (dist_checkpointing.load at TP1 and TP2 in gloo processes, load_state_dict(strict=True)
+GPTModel loads (dist_checkpointing.load at TP1, TP2 and PP2 in gloo processes, load_state_dict(strict=True)
 of each rank's model_optim_rng.pt) with gptrain's logits, read back by gptrain bit for bit, refusals."""
 from __future__ import annotations
 
@@ -25,7 +25,8 @@ HELPER = Path(__file__).with_name("megatron_core_load.py")
 VOCAB = 1100  # Megatron pads it to 1152 at TP1 (128) and to 1280 at TP2 (256)
 TOLERANCE = 1e-5
 LAYOUTS = {"dist_tp1": ("torch_dist", 1, 1), "dist_tp2": ("torch_dist", 2, 1), "dist_tp1_pp2": ("torch_dist", 1, 2),
-           "torch_tp1": ("torch", 1, 1), "torch_tp2": ("torch", 2, 1), "torch_tp2_pp2": ("torch", 2, 2)}
+           "torch_tp1": ("torch", 1, 1), "torch_tp2": ("torch", 2, 1), "torch_tp1_pp2": ("torch", 1, 2),
+           "torch_tp2_pp2": ("torch", 2, 2)}
 
 
 def _random_model(vocab_size=VOCAB) -> GPT:
@@ -52,10 +53,10 @@ def converted(tmp_path_factory):
     return root
 
 
-def _megatron_core_logits(tmp_path, tp, folders, tokens):
+def _megatron_core_logits(tmp_path, tp, pp, folders, tokens):
     torch.save(tokens, tmp_path / "tokens.pt")
-    done = subprocess.run([sys.executable, str(HELPER), str(tp), str(tmp_path / "tokens.pt"), str(tmp_path / "out.pt"),
-                           *map(str, folders)], capture_output=True, text=True, timeout=600,
+    done = subprocess.run([sys.executable, str(HELPER), str(tp), str(pp), str(tmp_path / "tokens.pt"),
+                           str(tmp_path / "out.pt"), *map(str, folders)], capture_output=True, text=True, timeout=600,
                           env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"})
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     return torch.load(tmp_path / "out.pt")
@@ -132,7 +133,7 @@ def test_torch_layout_per_rank(converted):
 def test_torch_dist_tp1_loads_into_megatron_core_gptmodel(converted, tmp_path):
     tokens = _tokens()
     names = ["dist_tp1", "torch_tp1"]
-    results = _megatron_core_logits(tmp_path, 1, [converted / n / "iter_0000007" for n in names], tokens)
+    results = _megatron_core_logits(tmp_path, 1, 1, [converted / n / "iter_0000007" for n in names], tokens)
     meta = read_metadata_safely(converted / "dist_tp1" / "iter_0000007", allow_bytes=True).state_dict_metadata
     assert set(results[0]["keys"]) <= set(meta)  # every key megatron-core's sharded_state_dict asks for
     _check_against_gptrain(converted, results, tokens, names, 1152)
@@ -142,8 +143,18 @@ def test_torch_dist_tp1_loads_into_megatron_core_gptmodel(converted, tmp_path):
 def test_tp2_loads_into_megatron_core_gptmodel_in_two_processes(converted, tmp_path):
     tokens = _tokens()
     names = ["dist_tp2", "torch_tp2"]
-    results = _megatron_core_logits(tmp_path, 2, [converted / n / "iter_0000007" for n in names], tokens)
+    results = _megatron_core_logits(tmp_path, 2, 1, [converted / n / "iter_0000007" for n in names], tokens)
     _check_against_gptrain(converted, results, tokens, names, 1280)
+
+
+@pytest.mark.slow
+def test_pp2_stages_load_into_megatron_core_gptmodel(converted, tmp_path):
+    """Two pipeline stages, the hidden states sent between them: the last stage's output layer is its
+    own copy of the word embeddings (torch: output_layer.weight; torch_dist: the embeddings' key)."""
+    tokens = _tokens()
+    names = ["dist_tp1_pp2", "torch_tp1_pp2"]
+    results = _megatron_core_logits(tmp_path, 1, 2, [converted / n / "iter_0000007" for n in names], tokens)
+    _check_against_gptrain(converted, results, tokens, names, 1152)
 
 
 def test_round_trip_back_to_gptrain_is_bit_identical(converted, capsys):

@@ -135,8 +135,11 @@ def test_bf16_main_params_track_autocast_and_fp32():
     # tiny micro-batches stay on torch's matmuls
     assert trainer.linear_impl.impl == "torch" and trainer.linear_impl.reason.startswith("auto: ")
     assert fp32[-1] < fp32[0] - 2
+    # bf16 carries 8 bits of mantissa (0.4% per value): each step within 1% of fp32, on average within 0.25%
     for a, b, c in zip(fp32, main, autocast):
-        assert abs(a - b) < 0.005 * a and abs(a - c) < 0.005 * a
+        assert abs(a - b) < 0.01 * a and abs(a - c) < 0.01 * a
+    for other in (main, autocast):
+        assert sum(abs(a - b) / a for a, b in zip(fp32, other)) / len(fp32) < 0.0025
 
 
 @pytest.mark.slow  # the fast loop (-m "not slow") stays under 3 minutes; CI runs it

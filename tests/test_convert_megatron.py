@@ -179,6 +179,11 @@ def test_gpt2_vocabulary_is_written_as_gpt2bpetokenizer(tmp_path):
     ckpt = read_megatron_checkpoint(tmp_path / "out")
     assert ckpt.args["tokenizer_type"] == "GPT2BPETokenizer" and Path(ckpt.args["vocab_file"]).is_file()
     assert ckpt.gpt_config().vocab_size == 50257 and ckpt.args["padded_vocab_size"] == 50304
+    gone = {"vocab_file": str(tmp_path / "moved.json"), "merge_file": str(tmp_path / "moved.txt")}
+    write_gptrain(_random_model(50257), tmp_path / "src2", 3, {}, gone)  # its tokenizer files moved away
+    assert _convert(tmp_path / "src2", tmp_path / "out2", "torch", 1, 1) == 0
+    args = read_megatron_checkpoint(tmp_path / "out2").args
+    assert (args["tokenizer_type"], args["vocab_size"]) == ("NullTokenizer", 50256)
 
 
 @pytest.mark.parametrize("tp, pp, why", [
@@ -192,6 +197,12 @@ def test_layouts_megatron_cannot_split_are_refused(converted, tmp_path, capsys, 
     err = capsys.readouterr().err
     assert why in err and "nothing was written" in err and len(err.strip().splitlines()) == 1
     assert list(tmp_path.iterdir()) == []
+
+
+def test_megatron_flags_without_to_megatron_are_refused(converted, tmp_path):
+    with pytest.raises(SystemExit) as exit_:
+        main(["convert", "--to", "hf", str(converted / "src"), str(tmp_path / "hf"), "--ckpt-format", "torch"])
+    assert exit_.value.code == 2 and list(tmp_path.iterdir()) == []
 
 
 def test_an_existing_output_is_refused(converted, tmp_path, capsys):

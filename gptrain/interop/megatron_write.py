@@ -274,7 +274,13 @@ def to_megatron(ckpt, out, log=print, ckpt_format: str = "torch_dist", tp: int =
     check_layout(model.cfg, tp, pp)
     name = find_gptrain_iteration_dir(ckpt).name
     iteration = "release" if name == "release" else int(name.removeprefix("iter_"))
-    tokenizer = c._tokenizer_of(state) if model.cfg.vocab_size == 50257 else None
+    tokenizer = None
+    if model.cfg.vocab_size == 50257:  # GPT-2's: Megatron's GPT2BPETokenizer with the checkpoint's files
+        try:
+            tokenizer = c._tokenizer_of(state)
+        except (OSError, ValueError) as err:
+            log(f"note: the checkpoint's tokenizer files cannot be read ({err}); args name NullTokenizer "
+                "--vocab-size 50256 (the same 50257 tokens)")
     tokens = c._prompt_tokens(model.cfg, tokenizer)
     reference = c._logits(model, tokens)
     tmp = c._staging(out)

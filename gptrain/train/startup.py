@@ -78,8 +78,8 @@ def _check_data_path(prefix: str) -> None:
         if prefix.endswith(suffix):
             raise ValueError(f"--data-path {prefix}: give the prefix without {suffix} "
                              f"(--data-path {prefix[:-len(suffix)]}), as Megatron takes it")
-    if prefix.endswith((".jsonl", ".json", ".jsonl.gz", ".jsonl.zst", ".txt")):
-        stem = prefix.split(".json")[0].split(".txt")[0]
+    if prefix.endswith((".jsonl", ".json", ".jsonl.gz", ".jsonl.zst")) and not os.path.isfile(f"{prefix}.idx"):
+        stem = prefix.split(".json")[0]
         raise ValueError(f"--data-path {prefix} is raw text: preprocess it first (gptrain preprocess --input {prefix} "
                          f"--output-prefix {stem} --append-eod), then pass --data-path {stem}_text_document")
     missing = [f"{prefix}{s}" for s in (".idx", ".bin") if not os.path.isfile(f"{prefix}{s}")]

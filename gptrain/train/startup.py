@@ -55,10 +55,15 @@ def megatron_arguments(cfg: RunConfig, argv: list[str], world_size: int, data_pa
         if action.dest.startswith("compat:--no-"):
             value = not value
         values.setdefault(_megatron_name(option, negated), value)
+    final = {}  # field name -> its final value (a derived flag on the same dest shows it too, e.g. --fp8)
     for section, flags in field_flags().items():
         for f in flags:
-            negated = f.action == "store_false"
-            values[_megatron_name(f.name, negated)] = getattr(getattr(cfg, section), f.dest)
+            final[f.dest] = getattr(getattr(cfg, section), f.dest)
+            values[_megatron_name(f.name, f.action == "store_false")] = final[f.dest]
+    for action in parser._actions:
+        name = _megatron_name(action.option_strings[0], False) if action.option_strings else None
+        if name in values and action.dest == name and name in final:
+            values[name] = final[name]
     p = cfg.precision
     values.update(world_size=world_size, rank=0, data_parallel_size=data_parallel,
                   padded_vocab_size=cfg.model.padded_vocab_size,

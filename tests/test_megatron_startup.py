@@ -202,3 +202,20 @@ def test_wandb_not_installed_is_one_line(capsys, monkeypatch):
     _one_line_before_the_model(*_fails(capsys, ["--mock-data", "--wandb-project", "p"]),
                                r"^gptrain: error: --wandb-project needs the wandb package, which is not installed: "
                                r"pip install wandb")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", [["--tensor-model-parallel-size", "2"], ["--pipeline-model-parallel-size", "2"],
+                                    ["--use-distributed-optimizer"]])
+def test_params_norm_is_the_same_at_every_layout(layout):
+    """--log-params-norm counts shards once, replicas once and the tied output copy once: a TP2, PP2 or
+    ZeRO-1 run prints one process's params norm."""
+    from distributed import TINY, single, torchrun
+
+    def norms(out: str) -> list[float]:
+        return [float(x) for x in re.findall(r" params norm: (\S+) \|", out)]
+
+    argv = TINY + ["--train-iters", "3", "--log-params-norm"]
+    one = norms(single(argv))
+    two = norms(torchrun(2, argv + layout))
+    assert len(one) == 3 and two == pytest.approx(one, abs=1.5e-3)  # printed with 3 decimals

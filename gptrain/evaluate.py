@@ -210,7 +210,8 @@ def evaluate_main(argv: list[str]) -> int:
             raise ValueError("--micro-batch-size must be >= 1")
         tokens = token_stream(args, tok)
         if tokens.max(initial=0) >= model.cfg.vocab_size:
-            raise ValueError(f"token id {int(tokens.max())} is outside the model's vocabulary of {model.cfg.vocab_size}")
+            raise ValueError(f"token id {int(tokens.max())} is outside the model's vocabulary of "
+                             f"{model.cfg.vocab_size}")
         print(f"Evaluating on {len(tokens)} tokens", file=sys.stderr, flush=True)
         result = perplexity(model, tokens, seq, stride, token_byte_lengths(tok), args.micro_batch_size, Progress())
     except (OSError, ValueError) as err:

@@ -175,7 +175,8 @@ def test_derived_flags_are_read_by_the_translation():
                                                "--bias-gelu-fusion"}
     # the negative/positive halves of switches: the last one given wins
     assert parse("--fp16", "--no-fp16").precision == parse().precision
-    assert parse("--fp16", "--no-fp16", "--bf16").precision.bf16 and parse("--bf16", "--no-bf16").precision.name == "fp32"
+    assert parse("--fp16", "--no-fp16", "--bf16").precision.bf16
+    assert parse("--bf16", "--no-bf16").precision.name == "fp32"
     assert parse("--no-fp16", "--fp16").precision.fp16
     assert not parse("--bias-gelu-fusion", "--no-bias-gelu-fusion").kernels.bias_gelu_fusion
     assert parse("--no-bias-gelu-fusion", "--bias-gelu-fusion").kernels.bias_gelu_fusion
@@ -229,7 +230,8 @@ def test_a_typo_is_answered_with_the_closest_flag_and_bad_values_in_one_line():
     with pytest.raises(ValueError, match=r"^unknown flag\(s\) --hiden-size: .*; did you mean --hidden-size\? "):
         parse_megatron_args(BASE + ["--hiden-size=8"], world_size=1)
     # argparse's own errors are one line too (no usage block, no SystemExit)
-    with pytest.raises(ValueError, match=r"^argument --num-layers: invalid int value: 'x' \(see `gptrain train --help`\)$"):
+    with pytest.raises(ValueError, match=r"^argument --num-layers: invalid int value: 'x' \(see `gptrain train "
+                                         r"--help`\)$"):
         parse_megatron_args(BASE + ["--num-layers", "x"], world_size=1)
 
 
@@ -238,8 +240,8 @@ def test_a_typo_exits_2_with_one_line(capsys):
 
     assert train_main(BASE + ["--num-layer", "2"]).exit_code == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == ["gptrain: error: unknown flag(s) --num-layer: gptrain refuses flags it does not implement rather than "
-                   "ignoring them; did you mean --num-layers? (see `gptrain train --help`)"]
+    assert err == ["gptrain: error: unknown flag(s) --num-layer: gptrain refuses flags it does not implement rather "
+                   "than ignoring them; did you mean --num-layers? (see `gptrain train --help`)"]
 
 
 def test_current_megatron_flags_are_accepted_or_refused_with_their_reason():
@@ -271,11 +273,13 @@ def test_train_help_imports_no_torch():
     import time
 
     code = ("import sys\nfrom gptrain.cli import main\ntry:\n    main(['train', '--help'])\nexcept SystemExit as e:\n"
-            "    assert e.code == 0\nheavy = [m for m in sys.modules if m.split('.')[0] in ('torch', 'numpy', 'triton')]\n"
+            "    assert e.code == 0\n"
+            "heavy = [m for m in sys.modules if m.split('.')[0] in ('torch', 'numpy', 'triton')]\n"
             "assert not heavy, heavy[:5]\n")
     start = time.perf_counter()
+    root = str(__import__("pathlib").Path(__file__).parents[1])
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          env={**__import__("os").environ, "PYTHONPATH": str(__import__("pathlib").Path(__file__).parents[1])})
+                          env={**__import__("os").environ, "PYTHONPATH": root})
     assert done.returncode == 0, done.stderr
     assert "--log-throughput" in done.stdout and "--use-mcore-models: " in done.stdout
     assert time.perf_counter() - start < 2.0

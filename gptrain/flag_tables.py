@@ -89,8 +89,8 @@ COMPATIBILITY: tuple[Compat, ...] = (
            "the attention kernels here accumulate the scores and the softmax in fp32"),
     Compat("--accumulate-allreduce-grads-in-fp32", "data-parallel gradients are reduced in fp32 unless "
            "--grad-reduce-in-bf16"),
-    Compat("--no-async-tensor-model-parallel-allreduce", "tensor-parallel communication is gptrain's own "
-           "(parallel/tensor_parallel.py, DTensor): there is no asynchronous all-reduce to turn off"),
+    Compat("--no-async-tensor-model-parallel-allreduce", "a column-parallel layer's input-gradient all-reduce always "
+           "runs while its weight-gradient matmul computes (parallel/tensor_parallel.py): not turned off"),
     Compat("--override-opt_param-scheduler", "the learning-rate schedule always takes its settings from the "
            "flags; a checkpoint gives only its step count"),
     Compat("--use-mcore-models", "gptrain has one GPT implementation (model/gpt.py): there is no legacy or "
@@ -106,11 +106,13 @@ COMPATIBILITY: tuple[Compat, ...] = (
     Compat("--dataloader-type", "batches are read as Megatron's single sampler reads them (the split's shuffled "
            "sample order, from the consumed samples on, each data-parallel rank its slice); cyclic's new random "
            "order every epoch is not implemented", "value", ("single",)),
+    Compat("--ckpt-format", "gptrain saves torch.distributed.checkpoint folders (torch_dist) in its own parameter "
+           "names; `gptrain convert --to megatron --ckpt-format torch_dist|torch` writes Megatron-LM's, and --load "
+           "reads both of Megatron's", "value", ("torch_dist",)),
     Compat("--data-impl", "only mmap files exist", "value", ("mmap",)),
     Compat("--dataset-impl", "only mmap files exist", "value", ("mmap",)),
     Compat("--DDP-impl", "data parallelism is gptrain's own", "value", ("local", "torch")),
     Compat("--distributed-backend", "NCCL on GPUs, gloo on CPUs, chosen by device", "value", ("nccl", "gloo")),
-    Compat("--tokenizer-type", "GPT-2 BPE is the tokenizer", "value", ("GPT2BPETokenizer",)),
     Compat("--num-workers", "batches are assembled in a background thread", "value"),
     Compat("--rampup-batch-size", "batch-size ramp-up is not implemented", "refused"),
     Compat("--swiglu", "only the GPT-2 MLP is implemented", "refused"),

@@ -137,3 +137,35 @@ class GPT2Tokenizer:
             "eod": self.eod,
             "max_id": self.max_id,
         }
+
+
+class NullTokenizer:
+    """Megatron's ``NullTokenizer`` (``--tokenizer-type NullTokenizer --vocab-size N``) for data that is
+    already token ids: text is space-separated ids, the vocabulary is N ids plus the end-of-document id
+    N (Megatron's ``vocab_size + 1``)."""
+
+    def __init__(self, vocab_size: int):
+        if not isinstance(vocab_size, int) or vocab_size < 1:
+            raise ValueError(f"--vocab-size {vocab_size}: NullTokenizer needs a positive vocabulary size")
+        self.eod = vocab_size
+        self.vocab_size = vocab_size + 1
+        self.max_id = self.eod
+        self.fingerprint = hashlib.sha256(f"NullTokenizer:{vocab_size}".encode()).hexdigest()
+        self.files = None
+
+    def encode(self, text: str, allow_special: bool = False) -> list[int]:
+        ids = [int(t) for t in text.split()]
+        bad = [i for i in ids if not 0 <= i < self.vocab_size]
+        if bad:
+            raise ValueError(f"NullTokenizer: id {bad[0]} is outside the vocabulary of {self.vocab_size}")
+        return ids
+
+    def encode_array(self, text: str) -> np.ndarray:
+        return np.asarray(self.encode(text), dtype=np.uint32)
+
+    def decode(self, ids) -> str:
+        return " ".join(str(int(i)) for i in ids)
+
+    def describe(self) -> dict:
+        return {"type": "NullTokenizer", "sha256": self.fingerprint, "vocab_size": self.vocab_size,
+                "eod": self.eod, "max_id": self.max_id}

@@ -84,3 +84,11 @@ def test_a_torch_dist_folder_whose_pickles_run_code_is_refused(tmp_path):
     with pytest.raises(UnsafeDCPMetadata, match="refuses to load posix.system"):
         read_megatron_checkpoint(tmp_path / "meta")
     assert not _RunsCode.marker.exists()
+
+
+def test_ckpt_format_names_what_gptrain_writes():
+    from gptrain.config import parse_megatron_args
+
+    parse_megatron_args(["--ckpt-format", "torch_dist", "--mock-data"])  # gptrain's DCP folders: accepted
+    with pytest.raises(ValueError, match="--ckpt-format torch: only torch_dist .* convert --to megatron"):
+        parse_megatron_args(["--ckpt-format", "torch", "--mock-data"])

@@ -78,6 +78,25 @@ def test_pp2_fixture_evaluates_to_megatrons_losses_at_pipeline_2(builtin_prefix,
         (valid, test, ref_valid, ref_test)
 
 
+def test_fixture_evaluates_with_megatrons_own_tokenizer_flags(builtin_prefix, tmp_path, capsys):
+    # the run's own --tokenizer-type NullTokenizer --vocab-size 50256 (token ids, eod 50256, 50257 tokens)
+    lines: list[str] = []
+    result = train_main(FLAGS + ["--tokenizer-type", "NullTokenizer", "--vocab-size", "50256", "--data-path",
+                                 builtin_prefix, "--data-cache-path", str(tmp_path),
+                                 "--load", str(FIXTURES / "dev_dist_tp1")], log=lines.append)
+    assert result.exit_code == 0, lines[-5:]
+    assert "> building NullTokenizer tokenizer ..." in lines
+    ref_valid, ref_test = megatron_losses("dev_dist_tp1")
+    assert result.validation_losses[-1][1] == pytest.approx(ref_valid, rel=2e-5)
+    assert result.test_loss == pytest.approx(ref_test, rel=2e-5)
+    # NullTokenizer needs --vocab-size; --vocab-size is NullTokenizer's
+    for extra, message in ((["--tokenizer-type", "NullTokenizer"], "NullTokenizer needs --vocab-size"),
+                           (["--vocab-size", "50256"], "--vocab-size is NullTokenizer's")):
+        capsys.readouterr()
+        failed = train_main(FLAGS + extra + ["--data-path", builtin_prefix], log=lambda line: None)
+        assert failed.exit_code == 2 and message in capsys.readouterr().err
+
+
 @pytest.mark.slow
 def test_torch_dist_fixture_evaluates_to_megatrons_losses_at_tensor_parallel_2(builtin_prefix, tmp_path):
     # Megatron's torch_dist checkpoint saved at TP1, read by two tensor-parallel ranks (the padded

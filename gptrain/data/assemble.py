@@ -15,8 +15,24 @@ from gptrain.data.gpt_dataset import GPTDataset, MockGPTDataset, parse_split
 from gptrain.data.indexed import IndexedDataset
 from gptrain.data.provenance import check_tokenizer
 from gptrain.data.token_check import check_token_ids
-from gptrain.tokenizer import GPT2Tokenizer
+from gptrain.tokenizer import GPT2Tokenizer, NullTokenizer
 from gptrain.train.resume import with_checkpoint_args
+
+
+def build_tokenizer(cfg: RunConfig):
+    """The training flags' tokenizer: GPT-2's BPE (its files), or Megatron's NullTokenizer (--vocab-size)."""
+    data = cfg.data
+    if data.tokenizer_type == "NullTokenizer":
+        if data.vocab_size is None:
+            raise ValueError("--tokenizer-type NullTokenizer needs --vocab-size (the number of token ids before the "
+                             "end-of-document id)")
+        if data.vocab_file or data.merge_file:
+            raise ValueError("--vocab-file/--merge-file are GPT2BPETokenizer's; NullTokenizer reads token ids")
+        return NullTokenizer(data.vocab_size)
+    if data.vocab_size is not None:
+        raise ValueError("--vocab-size is NullTokenizer's (--tokenizer-type NullTokenizer); GPT2BPETokenizer's "
+                         "vocabulary comes from --vocab-file")
+    return GPT2Tokenizer(data.vocab_file, data.merge_file)
 
 
 def setup(argv: list[str], log=print):
@@ -24,11 +40,11 @@ def setup(argv: list[str], log=print):
     cfg, notes = parse_megatron_args(argv)
     for note in notes:
         log(f" > {note}")
-    tokenizer = GPT2Tokenizer(cfg.data.vocab_file, cfg.data.merge_file)
+    tokenizer = build_tokenizer(cfg)
     if cfg.train.use_checkpoint_args:
         cfg = with_checkpoint_args(cfg, log)
     cfg = cfg.with_tokenizer(tokenizer.vocab_size, tokenizer.eod, tokenizer.fingerprint)  # a new config, checked again
-    log("> building GPT2BPETokenizer tokenizer ...")
+    log(f"> building {cfg.data.tokenizer_type} tokenizer ...")
     return cfg, tokenizer
 
 
@@ -77,7 +93,8 @@ def build_datasets(cfg: RunConfig, tokenizer: GPT2Tokenizer, log=print):
     per_split: list[list] = [[], [], []]
     for weight, prefix in zip(weights, prefixes):
         indexed = IndexedDataset(prefix)
-        warning = check_tokenizer(prefix, tokenizer)
+        # token ids under NullTokenizer are the data's own: only their range is checked (below)
+        warning = None if isinstance(tokenizer, NullTokenizer) else check_tokenizer(prefix, tokenizer)
         if warning:
             log(f"WARNING: {warning}")
         if tokenizer.vocab_size > np.iinfo(indexed.dtype).max + 1:

@@ -89,6 +89,6 @@ def test_a_torch_dist_folder_whose_pickles_run_code_is_refused(tmp_path):
 def test_ckpt_format_names_what_gptrain_writes():
     from gptrain.config import parse_megatron_args
 
-    parse_megatron_args(["--ckpt-format", "torch_dist", "--mock-data"])  # gptrain's DCP folders: accepted
+    parse_megatron_args(["--ckpt-format", "torch_dist", "--mock-data", "--train-iters", "1"])  # gptrain's DCP folders: accepted
     with pytest.raises(ValueError, match="--ckpt-format torch: only torch_dist .* convert --to megatron"):
-        parse_megatron_args(["--ckpt-format", "torch", "--mock-data"])
+        parse_megatron_args(["--ckpt-format", "torch", "--mock-data", "--train-iters", "1"])

@@ -9,6 +9,7 @@ bf16 matmul ceiling measured here, peak memory, and the ratio.
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from contextlib import nullcontext
 
@@ -204,6 +205,13 @@ def bench_main(argv: list[str]) -> int:
     p.add_argument("--baseline-no-compile", action="store_true", help="run the baseline eagerly")
     simulate.add_flags(p)
     args, model_flags = p.parse_known_args(argv)
+    try:  # a bad flag: one line, no traceback
+        parse_megatron_args(model_flags + ["--mock-data", "--train-iters", str(args.iters)],
+                            world_size=args.simulate_world_size or world_from_env()[0])
+    except ValueError as err:
+        print(f"gptrain bench: error: {str(err).replace('gptrain train --help', 'gptrain bench --help')}",
+              file=sys.stderr)
+        return 2
     with simulate.simulated_world(args.simulate_world_size, args.simulate_rank):
         return _bench(args, model_flags)
 

@@ -211,7 +211,7 @@ def _demo(args: argparse.Namespace) -> int:
         if evaluated.exit_code:
             return evaluated.exit_code
         for line in lines:
-            if "validation loss at" in line or line.startswith("-" * 20):
+            if "validation loss at" in line or (line.startswith("-" * 20) and set(line.strip()) == {"-"}):
                 print(line, flush=True)
         val = {"val": val["val"] + evaluated.validation_losses, "test": final_test(evaluated)}
     print(f"== TensorBoard logs: {out / 'tensorboard'} (open with: tensorboard --logdir {out / 'tensorboard'}, "

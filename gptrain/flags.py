@@ -159,11 +159,16 @@ class OneLineErrors(argparse.ArgumentParser):
 
 
 def suggest(given: str, known: Iterable[str]) -> str | None:
-    """The declared flag closest to a mistyped one (difflib), or None."""
+    """The declared flag a mistyped one is (at most two characters inserted, dropped or changed), or None:
+    a Megatron flag gptrain lacks (--vocab-file for --vocab-size) gets no suggestion."""
     import difflib
 
-    close = difflib.get_close_matches(given, list(known), n=1, cutoff=0.75)
-    return close[0] if close else None
+    for close in difflib.get_close_matches(given, list(known), n=3, cutoff=0.75):
+        edits = sum(max(i2 - i1, j2 - j1) for op, i1, i2, j1, j2 in
+                    difflib.SequenceMatcher(None, given, close).get_opcodes() if op != "equal")
+        if edits <= 2:
+            return close
+    return None
 
 
 def build_parser(flags: Iterable[Flag], compat: Iterable[Compat], prog: str = "gptrain train",

@@ -261,7 +261,7 @@ def convert_main(argv: list[str]) -> int:
         # None, or a tracker without mp_rank_* folders read as Megatron's: the reader says what is missing
         kind = checkpoint_kind(args.input, none_ok=True)
         if kind not in (None, expected) and not (kind == "gptrain" and expected == "megatron"):
-            way = "--to hf" if kind == "gptrain" else f"--from {'hf' if kind == 'huggingface' else kind}"
+            way = "--to hf or --to megatron" if kind == "gptrain" else f"--from {'hf' if kind == 'huggingface' else kind}"
             raise ValueError(f"{args.input} is a {kind} checkpoint, not a {expected} one (convert it with {way})")
         run(args.input, args.output, log=lambda s: print(s, flush=True))
     except (ValueError, OSError) as err:

@@ -1,5 +1,6 @@
-"""Read Megatron-LM checkpoints (``--ckpt-format torch``: ``model_optim_rng.pt`` per rank; the
-torch_dist format through :mod:`gptrain.interop.megatron_dist`) into full gptrain tensors, without importing Megatron and without running code named by the pickle.
+"""Read Megatron-LM checkpoints (``--ckpt-format torch``: ``model_optim_rng.pt`` per rank; torch_dist
+through :mod:`gptrain.interop.megatron_dist`) into full gptrain tensors, without importing Megatron
+and without running code named by the pickle.
 
 Each rank's file is loaded through the restricted unpickler (:mod:`gptrain.interop.safe_unpickle`),
 its storages on the meta device: only the bytes of the tensors that become gptrain parameters are
@@ -222,6 +223,10 @@ def read_megatron_checkpoint(root, iteration=None, *, overrides: dict | None = N
         return ckpt
     entries = [p.name for p in folder.iterdir() if p.is_dir()]
     if not any(n.startswith("mp_rank_") for n in entries):
+        if (folder / BACKEND_FILE).is_file():
+            raise ValueError(f"{folder}: a distributed checkpoint of another backend ({BACKEND_FILE}: "
+                             f"{(folder / BACKEND_FILE).read_text()[:120].strip()}); only torch_dist and "
+                             f"--ckpt-format torch (mp_rank_XX/{CHECKPOINT_FILENAME}) are read")
         raise FileNotFoundError(f"{folder}: no mp_rank_XX folders and no torch_dist {BACKEND_FILE}")
     ranks = [m for n in entries if (m := _RANK_DIR.match(n))]
     if any(m.group(3) for m in ranks):

@@ -29,6 +29,8 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorSt
 
 BACKEND_FILE = "metadata.json"  # {"sharded_backend": "torch_dist", ...}
 _STACKED = re.compile(r"^decoder\.layers\.(?!\d+\.)(.+)$")  # decoder.layers.<name>, layer dim first
+# megatron-core's optimizer state (a ChainedOptimizer prefixes chained_N.) and schedule: not imported
+_OPTIMIZER = re.compile(r"^(chained_\d+\.)?(optimizer|opt_param_scheduler)(\.|/|$)")
 _SKIPPED = re.compile(r"(^|\.)_extra_state(/|$)|^rerun_state_machine_state(/|$)|^common_state(/|$)|^rng_state")
 
 
@@ -58,7 +60,7 @@ def _model_keys(folder: Path, metadata) -> dict[str, TensorStorageMetadata]:
     for key, entry in metadata.state_dict_metadata.items():
         if _SKIPPED.search(key) or isinstance(entry, BytesStorageMetadata):
             continue
-        if key.startswith("optimizer.") or key.startswith("opt_param_scheduler"):
+        if _OPTIMIZER.search(key):
             continue  # the optimizer starts fresh (as for the legacy format's import)
         keys[key] = entry
     if not keys:
@@ -109,9 +111,6 @@ def read_torch_dist(folder, iteration):
     finish_state(state, args, folder, tp, pp)
     emb = state["word_embeddings.weight"]
     matches = None if output_copy is None else bool(output_copy.shape == emb.shape and torch.equal(output_copy, emb))
-    if matches is False and args.get("untie_embeddings_and_output_weights"):
-        raise ValueError(f"{folder}: an untied output layer (output_layer.weight); gptrain ties it to the "
-                         "word embeddings")
     return MegatronCheckpoint(args=args, iteration=iteration, state=state,
                               checkpoint_version=None if version is None else float(version),
                               layout="megatron-core torch_dist", tp=tp, pp=pp,

@@ -123,11 +123,6 @@ def train_main(argv: list[str], log=None) -> TrainResult:
     return _train_main(argv, log)
 
 
-def train_command(argv: list[str]) -> int:
-    """``gptrain train`` as a command: its exit code."""
-    return train_main(argv).exit_code
-
-
 def _train_main(argv: list[str], log=None) -> TrainResult:
     log = log or (lambda s: print(s, flush=True))
     trainer = cfg = None

@@ -293,7 +293,8 @@ class KernelConfig:
 class ParallelConfig:
     """The layout asked for; the data-parallel size is what the world size leaves (parallel/dims.py)."""
     tensor_parallel: int = field(default=1, metadata=flag(
-        "--tensor-model-parallel-size", group="distributed", help="split each layer over this many GPUs (DTensor)"))
+        "--tensor-model-parallel-size", group="distributed",
+        help="split each layer over this many GPUs (Megatron's column/row-parallel layers)"))
     distributed_timeout_minutes: float = field(default=10.0, metadata=flag(
         "--distributed-timeout-minutes", group="distributed",
         help="a collective waiting longer than this (a rank stopped or hung) ends the run non-zero, naming it; "

@@ -92,3 +92,32 @@ def test_ckpt_format_names_what_gptrain_writes():
     parse_megatron_args(["--ckpt-format", "torch_dist", "--mock-data", "--train-iters", "1"])  # gptrain's DCP folders: accepted
     with pytest.raises(ValueError, match="--ckpt-format torch: only torch_dist .* convert --to megatron"):
         parse_megatron_args(["--ckpt-format", "torch", "--mock-data", "--train-iters", "1"])
+
+
+def test_an_older_torch_dist_folder_with_a_pickled_common_pt_is_refused(tmp_path):
+    # Megatron-LM before the common_state entry kept its common state in common.pt beside the shards
+    _RunsCode.marker = tmp_path / "ran"
+    folder = tmp_path / "old" / "iter_0000001"
+    dcp.save({"embedding.word_embeddings.weight": torch.zeros(8, 4)}, storage_writer=dcp.FileSystemWriter(str(folder)),
+             no_dist=True)
+    (folder / "metadata.json").write_text(json.dumps({"sharded_backend": "torch_dist", "sharded_backend_version": 1}))
+    (tmp_path / "old" / "latest_checkpointed_iteration.txt").write_text("1")
+    torch.save({"args": _RunsCode(), "iteration": 1}, folder / "common.pt")
+    with pytest.raises(UnsafeCheckpointError, match="refuses to load posix.system"):
+        read_megatron_checkpoint(tmp_path / "old")
+    assert not _RunsCode.marker.exists()
+
+
+def test_optimizer_and_rng_entries_of_a_torch_dist_folder_are_passed_over(tmp_path):
+    # the model's tensors are read; megatron-core's optimizer state (plain or chained), schedule and RNG are not
+    from gptrain.interop.megatron_dist import _model_keys
+    from gptrain.train.safe_dcp import read_metadata_safely
+
+    folder = tmp_path / "iter_0000001"
+    state = {"embedding.word_embeddings.weight": torch.zeros(8, 4),
+             "optimizer.state.exp_avg.embedding.word_embeddings.weight": torch.zeros(8, 4),
+             "chained_0.optimizer.state.exp_avg_sq.embedding.word_embeddings.weight": torch.zeros(8, 4),
+             "rng_state/shard_0_1": [{"random_rng_state": 1}], "opt_param_scheduler": {"num_steps": 3}}
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(str(folder)), no_dist=True)
+    assert list(_model_keys(folder, read_metadata_safely(folder, allow_bytes=True))) == [
+        "embedding.word_embeddings.weight"]

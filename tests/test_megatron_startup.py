@@ -9,6 +9,7 @@ import re
 import sys
 import time
 import types
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -222,3 +223,33 @@ def test_params_norm_is_the_same_at_every_layout(layout):
     one = norms(single(argv))
     two = norms(torchrun(2, argv + layout))
     assert len(one) == 3 and two == pytest.approx(one, abs=1.5e-3)  # printed with 3 decimals
+
+
+def _check_on_rank(rank: int, tmp: str, out: str) -> None:
+    import torch.distributed as dist
+
+    from gptrain.config import parse_megatron_args
+    from gptrain.train.startup import check_before_build_on_every_rank
+
+    dist.init_process_group("gloo")
+    bad = Path(tmp) / "a-file"
+    save = str(bad) if rank == 1 else str(Path(tmp) / "ok")  # a node-local path that fails on one rank only
+    cfg, _ = parse_megatron_args(["--mock-data", "--train-iters", "1", "--save", save], world_size=2)
+    try:
+        check_before_build_on_every_rank(cfg)
+        message = "passed"
+    except ValueError as err:
+        message = str(err)
+    (Path(out) / f"rank{rank}").write_text(message)
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_a_start_up_check_failing_on_one_rank_stops_every_rank(tmp_path):
+    from distributed import spawn
+
+    (tmp_path / "a-file").write_text("not a folder")
+    spawn(2, _check_on_rank, str(tmp_path), str(tmp_path))
+    assert (tmp_path / "rank1").read_text() == f"--save {tmp_path / 'a-file'} is a file, not a folder: give a folder " \
+                                               "for the checkpoints"
+    assert (tmp_path / "rank0").read_text().startswith("a start-up check failed on another rank")

@@ -22,7 +22,7 @@ from gptrain.train.checkpoint import CheckpointError
 from gptrain.train.checkpoint_files import newest_complete
 from gptrain.train.loop import Trainer, TrainingStopped
 from gptrain.train.startup import (MISSING_CHECKPOINT_LINE, ExitOnMissingCheckpoint, arguments_block,
-                                   check_before_build, datetime_line, megatron_arguments)
+                                   check_before_build_on_every_rank, datetime_line, megatron_arguments)
 
 
 @dataclass
@@ -140,7 +140,7 @@ def _train_main(argv: list[str], log=None) -> TrainResult:
         device = init_distributed(pick_device(cfg.train.device), cfg.parallel.distributed_timeout_minutes)
         mesh = dims.build_mesh(device.type)
         log(f"{dims.describe()} ; device {device.type}, precision {cfg.precision.name}")
-        check_before_build(cfg)  # paths and packages, before the model is built
+        check_before_build_on_every_rank(cfg)  # paths and packages, before the model is built
         log(arguments_block(megatron_arguments(cfg, argv, world, dims.dp)))
         if _cpu_precision_warning(cfg, device):
             log(_cpu_precision_warning(cfg, device))

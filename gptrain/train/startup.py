@@ -157,3 +157,24 @@ def check_before_build(cfg: RunConfig) -> None:
         _check_save(t.save)
     if t.load:
         _check_load(t.load, t.save, t.exit_on_missing_checkpoint)
+
+
+def check_before_build_on_every_rank(cfg: RunConfig) -> None:
+    """:func:`check_before_build` on each rank, then agreed: a path that fails on one node only (a node-local
+    disk) stops every rank, instead of leaving the others waiting in the model's first collective."""
+    import torch
+
+    from gptrain.parallel.collectives import distributed
+
+    error = None
+    try:
+        check_before_build(cfg)
+    except Exception as err:  # noqa: BLE001 (re-raised below, after the other ranks know)
+        error = err
+    failed = torch.tensor([0.0 if error is None else 1.0])
+    if distributed():
+        torch.distributed.all_reduce(failed, op=torch.distributed.ReduceOp.MAX)
+    if error is not None:
+        raise error
+    if failed.item():
+        raise ValueError("a start-up check failed on another rank (its line names the problem); every rank stops")

@@ -121,3 +121,14 @@ def test_optimizer_and_rng_entries_of_a_torch_dist_folder_are_passed_over(tmp_pa
     dcp.save(state, storage_writer=dcp.FileSystemWriter(str(folder)), no_dist=True)
     assert list(_model_keys(folder, read_metadata_safely(folder, allow_bytes=True))) == [
         "embedding.word_embeddings.weight"]
+
+
+@needs_fixture
+def test_generate_and_serve_read_a_torch_dist_checkpoint():
+    from gptrain.inference.load import load_for_inference
+
+    dist, legacy = load_for_inference(FIXTURES / "dev_dist_tp1"), load_for_inference(FIXTURES / "dev_tp1")
+    assert dist.kind == "megatron"
+    tokens = torch.randint(0, 50257, (2, 11), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(dist.model.logits(tokens), legacy.model.logits(tokens))

@@ -21,6 +21,9 @@
 #   checkpoint  ckpt_save.py: the 345M training state saved (sync, async) and loaded, 3 times each
 #   preprocess  preprocess.py: `gptrain preprocess` against raw tiktoken on 100 MB of text (CPU)
 #   lane        the GPU test lane (pytest -m gpu on the kernel and decode tests), then `gptrain demo`
+#   kernels     each GPU kernel against its reference, then timed: check_cublaslt.py, check_xent.py,
+#               check_flash4.py (if flash-attn-4 is installed), decode_gemv.py, decode_kernels.py --quick
+#   profile     profile_step.py: where one 345M training step's device and host time go (micro-batch 16)
 #   all         lane train ranks decode serve checkpoint preprocess scaling, in turn (no extra args)
 #
 # Extra args go to the suite's benchmark command(s) and, given last, override its defaults (e.g.
@@ -41,7 +44,7 @@ BENCH=("${M345[@]}" --hidden-dropout 0 --attention-dropout 0 --bf16 --compile)
 TORCHRUN=("$PY" -m torch.distributed.run --standalone --nproc-per-node)
 SERVER_PID=
 
-usage() { sed -n '2,29p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,32p' "$0" | sed 's/^# \{0,1\}//'; }
 
 # run LOG CMD...: print the command, run it, its output to the screen and to $OUT/LOG
 run() {
@@ -257,10 +260,30 @@ suite_lane() {
   return "$lane"
 }
 
+suite_kernels() {
+  need_gpu kernels || return
+  local rc=0
+  run kernels/cublaslt.txt "$PY" benchmarks/check_cublaslt.py "$@" || rc=1
+  run kernels/xent.txt "$PY" benchmarks/check_xent.py || rc=1
+  if "$PY" -c "import flash_attn.cute" 2>/dev/null; then
+    run kernels/flash4.txt "$PY" benchmarks/check_flash4.py || rc=1
+  else
+    echo "kernels: flash-attn-4 is not installed; check_flash4.py left out (pip install 'gptrain[flash4]')"
+  fi
+  run kernels/decode_gemv.txt "$PY" benchmarks/decode_gemv.py || rc=1
+  run kernels/decode_tiles.txt "$PY" benchmarks/decode_kernels.py --quick || rc=1
+  return $rc
+}
+
+suite_profile() {
+  need_gpu profile || return
+  run profile/step_mbs16.txt "$PY" benchmarks/profile_step.py "${BENCH[@]}" --micro-batch-size 16 "$@"
+}
+
 suite=${1:-}
 [ $# -gt 0 ] && shift
 case $suite in
-  train|scaling|ranks|decode|serve|checkpoint|preprocess|lane)
+  train|scaling|ranks|decode|serve|checkpoint|preprocess|lane|kernels|profile)
     device_info
     "suite_$suite" "$@"
     exit $? ;;

@@ -1,5 +1,10 @@
 """The server's generation queue: requests wait in a bounded queue, and one worker thread runs
-whatever has gathered as one batch (rows of several requests together), then the next.
+whatever has gathered as one batch (rows of several requests together), then the next. A batch
+holds at most ``max_batch`` rows: a larger request is split into parts of ``max_batch`` rows, each
+queued when the one before has run (so other requests take their turn between them). A request
+with more rows than the whole queue can hold is refused (``TooLarge``), one that does not fit now
+gets ``QueueFull``. A cancelled job (``job.cancel``: its client went away) is dropped from the
+queue, or its rows end at their next token.
 
 Rows never affect each other: each has its own sampling settings and seed, and a seeded row's
 noise depends only on its seed and position (inference/sampling.py). Streaming requests get each
@@ -21,7 +26,15 @@ from gptrain.inference.generate import EolIds, Generation, SamplingParams, gener
 
 
 class QueueFull(Exception):
-    pass
+    """No room now: retry later (HTTP 503)."""
+
+
+class TooLarge(Exception):
+    """More rows than the queue holds at all: retrying cannot help (HTTP 413)."""
+
+
+class Cancelled(Exception):
+    """The job's client went away before it ended."""
 
 
 @dataclass
@@ -34,6 +47,7 @@ class Job:
     # extra logit rules: rows where a newline may not follow a colon (Megatron's prevent_newline_after_colon)
     no_newline_after_colon: bool = False
     future: Future = field(default_factory=Future)
+    cancel: threading.Event = field(default_factory=threading.Event)  # set: drop it / end its rows
 
 
 class Engine:
@@ -46,6 +60,7 @@ class Engine:
         self.eol = EolIds(eol=_single(tokenizer, "\n", 198), double_eol=_single(tokenizer, "\n\n", 628),
                           colon=_single(tokenizer, ":", 25))
         self._queue: queue.Queue[Job] = queue.Queue()
+        self._carry: Job | None = None  # taken but did not fit the last batch: it starts the next
         self._lock = threading.Lock()
         self._waiting = 0  # rows queued, not yet running
         self.batches = 0
@@ -55,37 +70,63 @@ class Engine:
         self._thread.start()
 
     def submit(self, job: Job) -> Future:
+        rows = len(job.prompts)
+        if rows > self.max_queue:
+            raise TooLarge(f"the request has {rows} rows (prompts x n) and the server holds at most {self.max_queue} "
+                           f"(--max-queue): send at most {self.max_queue} per request")
         with self._lock:
-            if self._waiting + len(job.prompts) > self.max_queue:
+            if self._waiting + rows > self.max_queue:
                 raise QueueFull(f"the queue holds {self._waiting} prompts (limit {self.max_queue}); retry later")
-            self._waiting += len(job.prompts)
-        self._queue.put(job)
+            self._waiting += rows  # a split job reserves all its rows now
+        if rows <= self.max_batch:
+            self._queue.put(job)
+        else:
+            _Split(self, job).queue_next()
         return job.future
+
+    def _release(self, rows: int) -> None:
+        with self._lock:
+            self._waiting -= rows
 
     def close(self, timeout: float | None = 10) -> None:
         """Stop taking batches; wait for the running one (``timeout`` None: however long it takes)."""
         self._stop.set()
         self._thread.join(timeout=timeout)
 
+    def _get(self, timeout: float) -> Job | None:
+        """The next job that is still wanted (cancelled ones are dropped here), or None."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                job = self._queue.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                return None
+            if not job.cancel.is_set():
+                return job
+            self._release(len(job.prompts))
+            _settle(job.future, error=Cancelled("the client went away"))
+
     def _take(self) -> list[Job]:
-        try:
-            first = self._queue.get(timeout=0.2)
-        except queue.Empty:
+        first, self._carry = self._carry, None
+        if first is not None and first.cancel.is_set():
+            self._release(len(first.prompts))
+            _settle(first.future, error=Cancelled("the client went away"))
+            first = None
+        first = first or self._get(0.2)
+        if first is None:
             return []
         jobs, rows = [first], len(first.prompts)
         deadline = time.monotonic() + self.gather_s
         while rows < self.max_batch:
-            try:
-                job = self._queue.get(timeout=max(0.0, deadline - time.monotonic()))
-            except queue.Empty:
+            job = self._get(deadline - time.monotonic())
+            if job is None:
                 break
             if rows + len(job.prompts) > self.max_batch:
-                self._queue.put(job)  # it runs in the next batch
+                self._carry = job  # it starts the next batch
                 break
             jobs.append(job)
             rows += len(job.prompts)
-        with self._lock:
-            self._waiting -= rows
+        self._release(rows)
         return jobs
 
     def _run(self) -> None:
@@ -111,6 +152,8 @@ class Engine:
 
         def on_token(row: int, token: int):
             j, r = owner[row]
+            if jobs[j].cancel.is_set():
+                return True  # its client went away: the row ends here
             hook = jobs[j].on_token
             if hook is None:
                 return None
@@ -125,7 +168,7 @@ class Engine:
                                        on_token=on_token, no_newline_after_colon=colon_rows)
         except Exception as err:  # noqa: BLE001 - reported to every waiting request
             for job in jobs:
-                job.future.set_exception(err)
+                _settle(job.future, error=err)
             if isinstance(err, torch.cuda.OutOfMemoryError):
                 torch.cuda.empty_cache()
             return
@@ -133,7 +176,55 @@ class Engine:
         for (j, _), res in zip(owner, results):
             grouped[j].append(res)
         for job, res in zip(jobs, grouped):
-            job.future.set_result(res)
+            _settle(job.future, result=res)
+
+
+class _Split:
+    """A job of more than ``max_batch`` rows, run as parts of ``max_batch`` rows in turn: each
+    part is queued when the one before has run. Its rows are reserved in the queue count from the
+    start; a part that fails or is cancelled ends the job and releases the rows not queued yet."""
+
+    def __init__(self, engine: Engine, job: Job):
+        self.engine, self.job, self.start, self.results = engine, job, 0, []
+
+    def queue_next(self) -> None:
+        job, end = self.job, min(self.start + self.engine.max_batch, len(self.job.prompts))
+        offset = self.start
+        hook = None if job.on_token is None else (lambda row, token: job.on_token(offset + row, token))
+        part = Job(prompts=job.prompts[offset:end], params=job.params[offset:end], logprobs=job.logprobs,
+                   top_logprobs=job.top_logprobs, on_token=hook, no_newline_after_colon=job.no_newline_after_colon,
+                   cancel=job.cancel)
+        part.future.add_done_callback(self._done)
+        self.engine._queue.put(part)
+
+    def _done(self, part: Future) -> None:  # on the engine's thread (or the one that cancelled)
+        self.start += self.engine.max_batch
+        total = len(self.job.prompts)
+        failed = part.exception()
+        if failed is None and self.job.cancel.is_set() and self.start < total:
+            failed = Cancelled("the client went away")
+        if failed is not None:
+            self.engine._release(max(0, total - self.start))
+            _settle(self.job.future, error=failed)
+            return
+        self.results += part.result()
+        if self.start >= total:
+            _settle(self.job.future, result=self.results)
+        else:
+            self.queue_next()
+
+
+def _settle(future: Future, result=None, error: BaseException | None = None) -> None:
+    """Set a job's outcome unless it already has one (its waiter may have cancelled it)."""
+    if future.done():
+        return
+    try:
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+    except Exception:  # noqa: BLE001 - cancelled in between
+        pass
 
 
 def _single(tokenizer, text: str, fallback: int) -> int:

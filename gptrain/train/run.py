@@ -21,6 +21,7 @@ from gptrain.train import signals
 from gptrain.train.checkpoint import CheckpointError
 from gptrain.train.checkpoint_files import newest_complete
 from gptrain.train.loop import Trainer, TrainingStopped
+from gptrain.train.rampup import micro_batches_line
 from gptrain.train.startup import (MISSING_CHECKPOINT_LINE, ExitOnMissingCheckpoint, arguments_block,
                                    check_before_build_on_every_rank, datetime_line, megatron_arguments)
 
@@ -87,7 +88,7 @@ def dry_run(cfg: RunConfig, world: int, log) -> None:
     dims = parallel_dims(cfg, world)
     log("dry run: flags and layout checked; nothing is built or trained")
     log(dims.describe())
-    log(f"setting number of micro-batches to constant {cfg.train.micro_batches_per_step(dims.dp)}")
+    log(micro_batches_line(cfg.train, dims.dp))
     log(f" > padded vocab (size: {cfg.model.vocab_size}) with "
         f"{cfg.model.padded_vocab_size - cfg.model.vocab_size} dummy tokens (new size: {cfg.model.padded_vocab_size})")
     counts = parameter_counts(cfg.model, dims, cfg.parallel.first_stage_layers, cfg.parallel.last_stage_layers)
@@ -144,7 +145,7 @@ def _train_main(argv: list[str], log=None) -> TrainResult:
         log(arguments_block(megatron_arguments(cfg, argv, world, dims.dp)))
         if _cpu_precision_warning(cfg, device):
             log(_cpu_precision_warning(cfg, device))
-        log(f"setting number of micro-batches to constant {cfg.train.micro_batches_per_step(dims.dp)}")
+        log(micro_batches_line(cfg.train, dims.dp))
         log(f"> setting random seeds to {cfg.data.seed} ...")
         tp_rank = mesh["tp"].get_local_rank() if dims.tp > 1 else None
         if tp_rank is not None:

@@ -1,7 +1,10 @@
 """The HTTP application (FastAPI): Megatron's ``PUT /api``, OpenAI's ``/v1/completions`` (with
 server-sent events), ``/v1/models``, ``/health``, the tokenizer endpoints lm-evaluation-harness's
 remote tokenizer uses, and the web page at ``/``. Every error is ``{"error": ...}``: 400 for a bad
-field, 413 for a body over the limit, 503 when the queue is full."""
+field (or JSON nested too deeply), 403 for a ``Host`` that is not this server's (guard.py), 413 for a
+body over the limit or more rows than the queue can ever hold, 415 for a body that is not
+``application/json``, 503 when the queue is full (retry later), 500 (one log line) when generation
+fails. A client that goes away while it waits ends its generation (its rows stop at the next token)."""
 from __future__ import annotations
 
 import asyncio
@@ -10,75 +13,93 @@ import time
 import uuid
 
 from fastapi import FastAPI, Request
-from fastapi.responses import HTMLResponse, JSONResponse, StreamingResponse
+from fastapi.responses import HTMLResponse, StreamingResponse
 
 from gptrain.serve import megatron_api, openai_api
-from gptrain.serve.engine import Engine, Job, QueueFull
+from gptrain.serve.engine import Engine, Job, QueueFull, TooLarge
+from gptrain.serve.guard import TOO_DEEP, HostGuard, Refused, error, json_body, own_names, require_json
 from gptrain.serve.megatron_api import BadRequest
 
-
-def _error(status: int, message: str) -> JSONResponse:
-    return JSONResponse({"error": message}, status_code=status)
+POLL_S = 0.2  # how often a waiting request checks that its client is still there
 
 
-async def _json_body(request: Request, limit: int):
-    length = request.headers.get("content-length")
-    if length is not None and length.isdigit() and int(length) > limit:
-        raise _TooLarge(int(length))
-    raw = b""
-    async for piece in request.stream():
-        raw += piece
-        if len(raw) > limit:
-            raise _TooLarge(len(raw))
-    try:
-        return json.loads(raw or b"null")
-    except ValueError as err:
-        raise BadRequest(f"body: not valid JSON ({err})") from None
-
-
-class _TooLarge(Exception):
+class _ClientGone(Exception):
     pass
 
 
-def build_app(engine: Engine, model_name: str, max_body_bytes: int = 1 << 20, log=print) -> FastAPI:
+class _Failed(Exception):
+    pass
+
+
+def build_app(engine: Engine, model_name: str, max_body_bytes: int = 1 << 20, log=print,
+              host: str | None = None, allowed_hosts: list[str] | None = None) -> FastAPI:
+    """``host``: the bind address; it, loopback names, IP addresses, this machine's name and
+    ``allowed_hosts`` (``*``: any) are the ``Host`` headers served."""
     from gptrain.serve.page import PAGE
 
     app = FastAPI(title="gptrain text generation server", version="1")
+    app.add_middleware(HostGuard, names=own_names(host, allowed_hosts))
     tok = engine.tokenizer
     window = engine.window
 
-    async def run(job: Job):
-        return await asyncio.wrap_future(engine.submit(job))
+    async def run(job: Job, request: Request):
+        """The job's results; while it waits, a client that went away cancels it."""
+        future = asyncio.wrap_future(engine.submit(job))
+        try:
+            while not future.done():
+                await asyncio.wait({future}, timeout=POLL_S)
+                if not future.done() and await request.is_disconnected():
+                    raise _ClientGone
+        finally:
+            if not future.done():
+                job.cancel.set()  # dropped from the queue, or its rows end at their next token
+        if future.exception() is not None:
+            raise _Failed(f"{type(future.exception()).__name__}: {future.exception()}")
+        return future.result()
 
     def guarded(handler):
         async def wrapper(request: Request):
             try:
-                body = await _json_body(request, max_body_bytes)
-                return await handler(body)
+                require_json(request)
+                body = await json_body(request, max_body_bytes)
+                return await handler(body, request)
             except BadRequest as err:
-                return _error(400, str(err))
-            except _TooLarge as err:
-                return _error(413, f"body: {err.args[0]} bytes exceeds the limit of {max_body_bytes}")
+                return error(400, str(err))
+            except RecursionError:  # a value nested near Python's limit, shown in a message
+                return error(400, TOO_DEEP)
+            except Refused as err:
+                return error(err.status, str(err))
+            except TooLarge as err:
+                return error(413, str(err))
             except QueueFull as err:
-                return _error(503, str(err))
+                return error(503, str(err), headers={"Retry-After": "1"})
+            except _ClientGone:
+                log(f"{request.method} {request.url.path}: the client went away; its generation was stopped")
+                return error(499, "the client went away")
+            except _Failed as err:
+                log(f"{request.method} {request.url.path}: generation failed: {err}")
+                return error(500, f"generation failed: {err}")
+            except Exception as err:  # noqa: BLE001 - one line, not a traceback per request
+                log(f"{request.method} {request.url.path}: error: {type(err).__name__}: {err}")
+                return error(500, f"{type(err).__name__}: {err}")
         wrapper.__name__ = handler.__name__
         return wrapper
 
-    async def megatron(body):
+    async def megatron(body, request):
         job, no_log = megatron_api.parse_request(body, tok, window)
         start = time.perf_counter()
-        results = await run(job)
+        results = await run(job, request)
         if not no_log:
             log(f"PUT /api: {len(job.prompts)} prompts, {sum(len(g.generated) for g in results)} tokens generated "
                 f"in {time.perf_counter() - start:.2f} s")
         return megatron_api.response(results, tok, job.logprobs)
 
-    async def completions(body):
+    async def completions(body, request):
         req = openai_api.parse_request(body, tok, window, model_name)
         job = Job(prompts=req.prompts, params=req.params, logprobs=req.logprobs is not None,
                   top_logprobs=req.logprobs or 0)
         if not req.stream:
-            return openai_api.response(req, await run(job), tok)
+            return openai_api.response(req, await run(job, request), tok)
         return _stream(req, job)
 
     def _stream(req, job: Job) -> StreamingResponse:
@@ -86,11 +107,8 @@ def build_app(engine: Engine, model_name: str, max_body_bytes: int = 1 << 20, lo
         events: asyncio.Queue = asyncio.Queue()
         cid = f"cmpl-{uuid.uuid4().hex}"
         rows = [{"tokens": [], "sent": 0, "done": False} for _ in req.prompts]
-        cancelled = [False]
 
         def on_token(row: int, token: int):  # on the engine's thread
-            if cancelled[0]:
-                return True
             state = rows[row]
             if token == tok.eod:
                 return None
@@ -141,12 +159,12 @@ def build_app(engine: Engine, model_name: str, max_body_bytes: int = 1 << 20, lo
                                           "total_tokens": prompt_tokens + completion_tokens}})
                 yield "data: [DONE]\n\n"
             finally:
-                cancelled[0] = True  # a client that went away ends its rows at the next token
+                job.cancel.set()  # a client that went away: dropped from the queue, or its rows end at the next token
 
         return StreamingResponse(body(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
-    async def tokenize(body):
+    async def tokenize(body, request):
         if not isinstance(body, dict) or set(body) - {"prompt", "add_special_tokens", "model"}:
             raise BadRequest("body: expected {\"prompt\": str, \"add_special_tokens\": bool}")
         prompt = body.get("prompt")
@@ -157,7 +175,7 @@ def build_app(engine: Engine, model_name: str, max_body_bytes: int = 1 << 20, lo
         ids = tok.encode(prompt, allow_special=True)
         return {"tokens": ids, "count": len(ids), "max_model_len": window}
 
-    async def detokenize(body):
+    async def detokenize(body, request):
         ids = body.get("tokens") if isinstance(body, dict) else None
         if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool)
                                                 and 0 <= t < tok.vocab_size for t in ids):

@@ -13,8 +13,13 @@ def serve_main(argv: list[str]) -> int:
     add_model_flags(p)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     p.add_argument("--port", type=int, default=5000)
-    p.add_argument("--max-batch", type=int, default=64, help="rows generated together")
-    p.add_argument("--max-queue", type=int, default=512, help="prompts waiting before 503")
+    p.add_argument("--allowed-hosts", default="", metavar="NAME[,NAME...]",
+                   help="Host names served besides loopback names, IP addresses, --host and this machine's name "
+                        "(a guard against DNS rebinding; '*': any)")
+    p.add_argument("--max-batch", type=int, default=64,
+                   help="rows generated together (a larger request runs as parts of this many rows)")
+    p.add_argument("--max-queue", type=int, default=512,
+                   help="rows waiting before 503 (a request of more rows gets 413)")
     p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger requests get 413")
     p.add_argument("--model-name", default=None, help="the id /v1/models reports (default: the folder's name)")
     p.add_argument("--no-cuda-graph", action="store_true", help="eager decode steps on a GPU")
@@ -78,7 +83,8 @@ def _serve(args, loaded, uvicorn, build_app, channel=None) -> int:
             generate_fn, how = graph_generate, "CUDA-graph decode"
     engine = Engine(model, loaded.tokenizer, max_batch=args.max_batch, max_queue=args.max_queue,
                     **({"generate_fn": generate_fn} if generate_fn else {}))
-    app = build_app(engine, args.model_name or loaded.name, max_body_bytes=args.max_body_bytes)
+    app = build_app(engine, args.model_name or loaded.name, max_body_bytes=args.max_body_bytes, host=args.host,
+                    allowed_hosts=[h for h in args.allowed_hosts.split(",") if h.strip()])
     print(f"gptrain serve: {loaded.kind} model {loaded.name} ({model.cfg.num_layers} layers, "
           f"{model.cfg.max_position_embeddings} positions) on {model.word_embeddings.weight.device}, {how}, "
           f"http://{args.host}:{args.port}/", flush=True)

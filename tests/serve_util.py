@@ -58,18 +58,40 @@ def call(method: str, url: str, body=None, timeout: float = 60, raw: bytes | Non
         return err.code, json.loads(err.read() or b"null")
 
 
+def send(base: str, method: str, path: str, body: bytes | None = None, headers: dict | None = None,
+         timeout: float = 60) -> tuple[int, str, bytes]:
+    """(status, Content-Type, body) of one request with exactly these headers (http.client)."""
+    import http.client
+    from urllib.parse import urlparse
+
+    where = urlparse(base)
+    conn = http.client.HTTPConnection(where.hostname, where.port, timeout=timeout)
+    try:
+        conn.putrequest(method, path, skip_host="Host" in (headers or {}))
+        for k, v in {**({} if body is None else {"Content-Length": str(len(body))}), **(headers or {})}.items():
+            conn.putheader(k, v)
+        conn.endheaders(body)
+        resp = conn.getresponse()
+        return resp.status, resp.getheader("Content-Type", ""), resp.read()
+    finally:
+        conn.close()
+
+
 @contextlib.contextmanager
-def running_server(load: Path, *extra: str, wait_s: float = 120):
+def running_server(load: Path, *extra: str, wait_s: float = 120, output: Path | None = None):
+    """``output``: a file that receives the server's stdout and stderr (else they go to a pipe)."""
     port = free_port()
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    sink = open(output, "wb") if output is not None else subprocess.PIPE
     proc = subprocess.Popen([sys.executable, "-m", "gptrain", "serve", "--load", str(load), "--port", str(port),
-                             "--device", "cpu", *extra], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
+                             "--device", "cpu", *extra], stdout=sink, stderr=subprocess.STDOUT, env=env)
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + wait_s
         while True:
             if proc.poll() is not None:
-                raise RuntimeError(f"gptrain serve exited {proc.returncode}: {proc.stdout.read().decode()[-2000:]}")
+                said = proc.stdout.read().decode() if output is None else Path(output).read_text()
+                raise RuntimeError(f"gptrain serve exited {proc.returncode}: {said[-2000:]}")
             try:
                 get_json(base + "/health", timeout=2)
                 break
@@ -85,3 +107,5 @@ def running_server(load: Path, *extra: str, wait_s: float = 120):
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(timeout=15)
+        if output is not None:
+            sink.close()

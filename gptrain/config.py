@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from gptrain.flag_tables import COMPATIBILITY, DERIVED_FLAGS, MODEL_FLAGS
 from gptrain.flags import Flag, build_parser as _build_parser, field_flag, flag, suggest
 from gptrain.model.config import GPTConfig
+from gptrain.train.rampup import check_sample_based, rampup_of, train_iters_for_samples
 
 
 @dataclass
@@ -69,7 +70,12 @@ class OptimConfig:
     lr_warmup_iters: int = field(default=0, metadata=flag(
         "--lr-warmup-iters", group="learning rate", help="linear warmup iterations"))
     lr_warmup_fraction: float | None = field(default=None, metadata=flag(
-        "--lr-warmup-fraction", group="learning rate", help="warmup as a fraction of the decay iterations"))
+        "--lr-warmup-fraction", group="learning rate", help="warmup as a fraction of the decay iterations (samples)"))
+    lr_decay_samples: int | None = field(default=None, metadata=flag(  # sample-based (train/rampup.py's rules)
+        "--lr-decay-samples", group="learning rate", help="with --train-samples: samples of warmup + decay "
+        "(default: --train-samples)"))
+    lr_warmup_samples: int = field(default=0, metadata=flag(
+        "--lr-warmup-samples", group="learning rate", help="with --train-samples: linear warmup samples"))
 
     def __post_init__(self):
         if self.lr_decay_style not in ("constant", "linear", "cosine", "inverse-square-root"):
@@ -144,7 +150,12 @@ class TrainConfig:
     train_iters: int | None = field(default=None, metadata=flag(
         "--train-iters", group="training", help="optimizer steps to train for"))
     train_samples: int | None = field(default=None, metadata=flag(
-        "--train-samples", group="training", help="samples to train for (instead of --train-iters)"))
+        "--train-samples", group="training", help="samples to train for (instead of --train-iters; the "
+        "schedule then in samples: --lr-decay-samples, --lr-warmup-samples)"))
+    rampup_batch_size: list[int] | None = field(default=None, metadata=flag(
+        "--rampup-batch-size", group="training", type=int, nargs=3, metavar=("START", "INCREMENT", "SAMPLES"),
+        help="with --train-samples: start at global batch START, add INCREMENT every SAMPLES / ((global - START) "
+             "/ INCREMENT) consumed samples up to --global-batch-size (Megatron's ramp-up)"))
     eval_interval: int = field(default=1000, metadata=flag(
         "--eval-interval", group="validation", help="evaluate on the validation split every this many iterations"))
     eval_iters: int = field(default=100, metadata=flag(
@@ -230,8 +241,8 @@ class TrainConfig:
                              f"--micro-batch-size {self.micro_batch_size} (times the data-parallel size)")
         if self.train_iters is None and self.train_samples is None:
             raise ValueError("give --train-iters or --train-samples")
-        if self.train_iters is None:
-            self.train_iters = self.train_samples // self.global_batch_size
+        if self.train_iters is None:  # Megatron's update_train_iters (the ramp-up's iterations, then the rest)
+            self.train_iters = train_iters_for_samples(self.train_samples, self.global_batch_size, rampup_of(self))
         if self.log_interval < 1:
             raise ValueError("--log-interval must be positive")
 
@@ -242,7 +253,15 @@ class TrainConfig:
         if data_parallel < 1 or self.global_batch_size % per_pass:
             raise ValueError(f"--global-batch-size {self.global_batch_size} is not divisible by --micro-batch-size "
                              f"{self.micro_batch_size} x data-parallel size {data_parallel} = {per_pass}")
+        odd = [b for b in (rampup_of(self).sizes() if self.rampup_batch_size else []) if b % per_pass]
+        if odd:  # megatron-core's consistency check, before the run rather than at the step
+            raise ValueError(f"--rampup-batch-size: global batch {odd[0]} of the ramp-up is not divisible by "
+                             f"--micro-batch-size {self.micro_batch_size} x data-parallel size {data_parallel}")
         return self.global_batch_size // per_pass
+
+    def global_batch_at(self, consumed: int) -> int:
+        """The global batch of the iteration starting at ``consumed`` samples (the ramp-up's, else constant)."""
+        return self.global_batch_size if self.rampup_batch_size is None else rampup_of(self).global_batch_at(consumed)
 
 
 @dataclass
@@ -445,6 +464,7 @@ def parse_megatron_args(argv: list[str], world_size: int | None = None) -> tuple
         raise ValueError("--deepspeed needs --deepspeed_config ds.json")
     values = {section: {f.dest: getattr(args, f.dest) for f in flags} for section, flags in field_flags().items()}
     model, train, parallel = values["model"], values["train"], values["parallel"]
+    check_sample_based(train, values["optim"])
     zero_stage = parallel["zero_stage"]
     parallel["zero_stage"] = zero_stage if zero_stage is not None else 1 if args.use_distributed_optimizer else 0
     if args.use_distributed_optimizer and parallel["zero_stage"] == 0:

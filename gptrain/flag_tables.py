@@ -114,7 +114,6 @@ COMPATIBILITY: tuple[Compat, ...] = (
     Compat("--DDP-impl", "data parallelism is gptrain's own", "value", ("local", "torch")),
     Compat("--distributed-backend", "NCCL on GPUs, gloo on CPUs, chosen by device", "value", ("nccl", "gloo")),
     Compat("--num-workers", "batches are assembled in a background thread", "value"),
-    Compat("--rampup-batch-size", "batch-size ramp-up is not implemented", "refused"),
     Compat("--swiglu", "only the GPT-2 MLP is implemented", "refused"),
     Compat("--use-rotary-position-embeddings", "only learned positions", "refused"),
     Compat("--position-embedding-type", "only learned absolute positions", "refused"),

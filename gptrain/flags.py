@@ -39,6 +39,7 @@ class Flag:
     const: Any = None
     nargs: str | None = None
     choices: tuple | None = None
+    metavar: str | tuple[str, ...] | None = None  # the value's name(s) in --help (default: N, X, PATH or VALUE)
     default: Any = FIELD_DEFAULT
     dest: str | None = None
 
@@ -61,7 +62,7 @@ class Flag:
             if self.action == "store_const":
                 kwargs["const"] = self.const
         else:
-            for key in ("type", "nargs", "choices"):
+            for key in ("type", "nargs", "choices", "metavar"):
                 if getattr(self, key) is not None:
                     kwargs[key] = list(self.choices) if key == "choices" else getattr(self, key)
         if self.default is not FIELD_DEFAULT and self.action not in ("store_true", "store_false"):

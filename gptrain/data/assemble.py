@@ -49,9 +49,9 @@ def setup(argv: list[str], log=print):
 
 
 def target_samples(cfg: RunConfig) -> tuple[int, int, int]:
-    """Megatron's dataset target sizes for train / validation / test."""
+    """Megatron's dataset target sizes for train / validation / test (--train-samples itself where given)."""
     t = cfg.train
-    train = t.train_iters * t.global_batch_size
+    train = t.train_samples if t.train_samples is not None else t.train_iters * t.global_batch_size
     valid = (t.train_iters // t.eval_interval + 1) * t.eval_iters * t.global_batch_size if t.eval_interval else 0
     test = t.eval_iters * t.global_batch_size
     return train, valid, test

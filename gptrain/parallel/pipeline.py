@@ -221,8 +221,6 @@ class Pipeline:
     def __init__(self, model: GPT, loss: nn.Module, chunks: list[PipelineChunk], plan: StagePlan,
                  dims: ParallelDims, mesh: DeviceMesh, device: torch.device, n_micro: int,
                  autocast_dtype: torch.dtype | None, shapes: StageShapes):
-        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
-
         self.model, self.loss, self.plan, self.dims = model, loss, plan, dims
         self.pp_rank = mesh["pp"].get_local_rank()
         self.first, self.last = self.pp_rank == 0, self.pp_rank == dims.pp - 1
@@ -230,24 +228,42 @@ class Pipeline:
         self.compute_dtype = autocast_dtype
         self.factor = 1.0
         self.chunks = chunks
-        group = mesh["pp"].get_group()
-        # every stage is given its shapes: no shape inference over the network at the first step
-        simulated = dist.get_backend(group) == "fake"
-        stages = [PipelineStage(c, s, plan.num_stages, device, group=group,
-                                **_given_shapes(shapes, s, plan.num_stages, PipelineStage))
-                  for c, s in zip(self.chunks, plan.stages)]
-        check_micro_batches(n_micro, dims.pp, len(stages))
-        if len(stages) == 1:
-            self.schedule = Schedule1F1B(stages[0], n_micro, loss_fn=self._loss_fn, scale_grads=False)
-        else:
-            self.schedule = ScheduleInterleaved1F1B(stages, n_micro, loss_fn=self._loss_fn, scale_grads=False)
+        self.device, self.shapes, self.group = device, shapes, mesh["pp"].get_group()
+        self.schedule = self._build_schedule(n_micro)  # the global batch's (evaluation's too)
+        # --rampup-batch-size: (count, schedule) of the steps' smaller micro-batch count, one at a time (the
+        # count only grows, and each schedule's stages hold receive buffers for all its micro-batches)
+        self._ramp: tuple[int, object] | None = None
         self.schedule_name = type(self.schedule).__name__
-        if simulated:
-            _skip_warmup_vote(self.schedule)
         # torch >= 2.8 can skip merging the last stage's outputs, which training never reads
         params = inspect.signature(self.schedule.step).parameters
         self._no_outputs = {"return_outputs": False} if "return_outputs" in params else {}
         self.embedding_group = embedding_group(mesh, dims)
+
+    def _build_schedule(self, n_micro: int):
+        """This rank's stages over its chunks and their schedule for ``n_micro`` micro-batches per step."""
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
+
+        plan = self.plan
+        # every stage is given its shapes: no shape inference over the network at the first step
+        stages = [PipelineStage(c, s, plan.num_stages, self.device, group=self.group,
+                                **_given_shapes(self.shapes, s, plan.num_stages, PipelineStage))
+                  for c, s in zip(self.chunks, plan.stages)]
+        check_micro_batches(n_micro, self.dims.pp, len(stages))
+        if len(stages) == 1:
+            schedule = Schedule1F1B(stages[0], n_micro, loss_fn=self._loss_fn, scale_grads=False)
+        else:
+            schedule = ScheduleInterleaved1F1B(stages, n_micro, loss_fn=self._loss_fn, scale_grads=False)
+        if dist.get_backend(self.group) == "fake":
+            _skip_warmup_vote(schedule)
+        return schedule
+
+    def _schedule_for(self, n_micro: int):
+        if n_micro == self.n_micro:
+            return self.schedule
+        if self._ramp is None or self._ramp[0] != n_micro:
+            self._ramp = None  # the previous count's stages and buffers go before the next are made
+            self._ramp = (n_micro, self._build_schedule(n_micro))
+        return self._ramp[1]
 
     def describe(self) -> str:
         sizes = sorted(set(self.plan.sizes))
@@ -279,12 +295,12 @@ class Pipeline:
     def target(labels: torch.Tensor, loss_mask: torch.Tensor | None) -> torch.Tensor:
         return labels if loss_mask is None else torch.stack([labels, loss_mask.to(labels.dtype)], dim=1)
 
-    def _run(self, tokens, target, losses: list, train: bool, device: torch.device) -> None:
+    def _run(self, tokens, target, losses: list, train: bool, device: torch.device, n_micro: int | None = None) -> None:
         args = (tokens,) if self.first else ()
         kwargs = {"target": target, "losses": losses} if self.last else {}
         with self._autocast(device):
             if train:
-                self.schedule.step(*args, **kwargs, **self._no_outputs)
+                self._schedule_for(n_micro or self.n_micro).step(*args, **kwargs, **self._no_outputs)
             elif hasattr(self.schedule, "eval"):
                 self.schedule.eval(*args, **kwargs)
             else:  # torch without schedule.eval: the same forward-only mode it sets
@@ -295,13 +311,15 @@ class Pipeline:
                 finally:
                     self.schedule._has_backward = has_backward
 
-    def train_step(self, tokens, labels, loss_mask, loss_scale: float, device: torch.device) -> torch.Tensor:
-        """Forward and backward over the step's micro-batches (concatenated on dim 0); returns the
-        mean loss of the micro-batches on the last rank, zero elsewhere. Gradients hold the sum of
-        the micro-batches' mean-loss gradients / n (x the fp16 loss scale)."""
+    def train_step(self, tokens, labels, loss_mask, loss_scale: float, device: torch.device,
+                   n_micro: int | None = None) -> torch.Tensor:
+        """Forward and backward over the step's ``n_micro`` micro-batches (default: the global batch's;
+        concatenated on dim 0); returns the mean loss of the micro-batches on the last rank, zero elsewhere.
+        Gradients hold the sum of the micro-batches' mean-loss gradients / n (x the fp16 loss scale)."""
         losses: list[torch.Tensor] = []
-        self.factor = loss_scale / self.n_micro
-        self._run(tokens, self.target(labels, loss_mask) if self.last else None, losses, True, device)
+        n_micro = n_micro or self.n_micro
+        self.factor = loss_scale / n_micro
+        self._run(tokens, self.target(labels, loss_mask) if self.last else None, losses, True, device, n_micro)
         if not self.last:
             return torch.zeros((), device=device)
         return torch.stack([l.detach().float() for l in losses]).sum() / loss_scale

@@ -28,6 +28,7 @@ from gptrain.parallel.tensor_parallel import ShardLayout
 from gptrain.parallel.pipeline import Pipeline, StageShapes, check_micro_batches, pipeline_chunks, prune_for_stage, stage_layer_counts, virtual_stages
 from gptrain.train.checkpoint import init_optimizer_state
 from gptrain.train.main_params import MainParams
+from gptrain.train.rampup import rampup_of
 
 
 class TrainModule(nn.Module):
@@ -82,6 +83,11 @@ def parallel_dims(cfg: RunConfig, world_size: int) -> ParallelDims:
                          "device or with plain data parallelism)")
     virtual = virtual_stages(cfg.model.num_layers, dims.pp, cfg.parallel.layers_per_virtual_stage)
     check_micro_batches(cfg.train.micro_batches_per_step(dims.dp), dims.pp, virtual)
+    for batch in (rampup_of(cfg.train).sizes() if cfg.train.rampup_batch_size and dims.pp > 1 else []):
+        try:  # the pipeline runs each ramp-up batch's micro-batch count (parallel/pipeline.py)
+            check_micro_batches(batch // (cfg.train.micro_batch_size * dims.dp), dims.pp, virtual)
+        except ValueError as err:
+            raise ValueError(f"--rampup-batch-size: at global batch {batch}, {err}") from None
     return dims
 
 

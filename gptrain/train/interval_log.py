@@ -53,17 +53,17 @@ def log_interval(trainer, stats) -> None:
     nans = int(round(nan_count))
     if self.scaler is None and nans:
         # give back the schedule steps of updates skipped on the device (Megatron never takes them)
-        self.schedule.num_steps -= nans * t.global_batch_size
+        self.schedule.num_steps -= int(round(self._nan_samples.item()))
     skipped = stats.skipped + (nans if self.scaler is None else 0)
     avg_loss = loss_sum / advanced if advanced > 0 else None
     ms = 1000.0 * elapsed / stats.iterations
     # per GPU: the global batch's tokens over every rank of the layout (Megatron's figure)
-    tokens_per_s = stats.iterations * t.global_batch_size * self.cfg.model.seq_length / elapsed / world_size()
+    tokens_per_s = stats.samples * self.cfg.model.seq_length / elapsed / world_size()
     tflops = tokens_per_s * self.flops_per_token / 1e12
     eta, by_limit = eta_seconds(self, ms)
     norm = params_norm(self) if t.log_params_norm else None
     line = metrics.iteration_line(self.iteration, t.train_iters, self.consumed_train, ms, self.schedule.lr(),
-                                  t.global_batch_size, avg_loss, self.loss_scale,
+                                  self.global_batch, avg_loss, self.loss_scale,
                                   grad_norm if advanced > 0 else None, skipped, nans,
                                   throughput=tflops if t.log_throughput else None, params_norm=norm)
     self.log(line + metrics.throughput_suffix(tokens_per_s, tflops, self.peak, eta, self.device.type,
@@ -83,7 +83,7 @@ def log_interval(trainer, stats) -> None:
         self.train_losses.append((self.iteration, avg_loss))
         if self.first_train_loss is None:
             self.first_train_loss = avg_loss
-    scalars = {"learning-rate": self.schedule.lr(), "batch-size": t.global_batch_size, "lm loss": avg_loss,
+    scalars = {"learning-rate": self.schedule.lr(), "batch-size": self.global_batch, "lm loss": avg_loss,
                "loss-scale": self.loss_scale, "grad-norm": grad_norm if advanced > 0 else None,
                "params-norm": norm, "tokens-per-second-per-gpu": tokens_per_s, "tflops-per-gpu": tflops}
     if t.log_timers_to_tensorboard:  # Megatron's tags: seconds per iteration, and the throughput it logs
@@ -91,7 +91,7 @@ def log_interval(trainer, stats) -> None:
         if t.log_throughput:
             scalars["throughput"] = tflops
     self.tb.scalars(scalars, self.iteration, self.consumed_train)
-    for counter in (self._loss_sum, self._advanced, self._nan_count):
+    for counter in (self._loss_sum, self._advanced, self._nan_count, self._nan_samples):
         counter.zero_()
     if nan_run >= t.max_nan_iterations:
         self.save()

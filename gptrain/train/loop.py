@@ -38,6 +38,7 @@ from gptrain.train.schedule import LRSchedule
 @dataclass
 class IntervalStats:
     iterations: int = 0
+    samples: int = 0  # the interval's global batches summed (they grow under --rampup-batch-size)
     skipped: int = 0
     start_time: float = 0.0
 
@@ -102,6 +103,8 @@ class Trainer:
         zeros = lambda: torch.zeros((), device=device, dtype=torch.float32)  # noqa: E731
         self._loss_sum, self._advanced, self._nan_count, self._nan_run = zeros(), zeros(), zeros(), zeros()
         self._grad_norm = zeros()
+        self._nan_samples = zeros()  # samples of the steps skipped on the device (the log gives them back)
+        self.global_batch = cfg.train.global_batch_at(0)  # the last iteration's (the log line shows it)
         self.total_skipped = 0
         self.memory_reported = False
         self.last_train_loss: float | None = None
@@ -226,14 +229,13 @@ class Trainer:
         self.schedule.num_steps = self.consumed_train  # Megatron's schedule counts samples, as gptrain's does
 
     # ---- one optimisation step
-    def _forward_backward(self, loader: MicroBatchLoader, scale: float) -> torch.Tensor:
-        """This rank's share of the global batch, forward and backward; returns the mean of the
-        micro-batches' losses (zero on pipeline stages other than the last)."""
-        n_micro = self.num_micro_batches
+    def _forward_backward(self, loader: MicroBatchLoader, scale: float, n_micro: int) -> torch.Tensor:
+        """This rank's share of the global batch (``n_micro`` micro-batches), forward and backward; returns
+        the mean of the micro-batches' losses (zero on pipeline stages other than the last)."""
         if self.pipeline is not None:
             tokens, labels = loader.next_step(n_micro)
             mask = self._loss_mask(tokens) if self.pipeline.last else None
-            return self.pipeline.train_step(tokens, labels, mask, scale, self.device)
+            return self.pipeline.train_step(tokens, labels, mask, scale, self.device, n_micro)
         loss_acc = torch.zeros((), device=self.device)
         buckets = self.parts.grad_buckets
         for i in range(n_micro):
@@ -253,15 +255,18 @@ class Trainer:
         p = self.opt_params.get("word_embeddings.weight")
         return None if p is None else p.grad
 
-    def train_step(self, loader: MicroBatchLoader) -> bool | None:
-        """Forward/backward over this rank's share of the global batch and one update. Returns, for
-        fp16 only, whether the step was skipped (bf16/fp32 decide on the device and return None)."""
+    def train_step(self, loader: MicroBatchLoader, global_batch: int | None = None) -> bool | None:
+        """Forward/backward over this rank's share of the global batch (``global_batch`` samples, default
+        --global-batch-size) and one update. Returns, for fp16 only, whether the step was skipped
+        (bf16/fp32 decide on the device and return None)."""
         scale = self.loss_scale
+        gbs = global_batch or self.cfg.train.global_batch_size
         if self.parts.model.hashed_dropout:
             # the hashed dropout's counter follows the iteration, so a resumed run draws the masks
             # the straight run drew (each forward of the step advances it by one)
             self.parts.model.dropout_step.fill_(self.iteration << 16)
-        loss_acc = self._forward_backward(loader, scale if self.scaler else 1.0)
+        n_micro = gbs // (self.cfg.train.micro_batch_size * self.dp_size)
+        loss_acc = self._forward_backward(loader, scale if self.scaler else 1.0, n_micro)
         lr = self.schedule.lr()
         for group in self.optimizer.param_groups:
             group["lr"] = lr
@@ -306,7 +311,7 @@ class Trainer:
                 self.optimizer.grad_scale = clip * scale
                 self.optimizer.found_inf = None
                 self.optimizer.step()
-                self.schedule.step(self.cfg.train.global_batch_size)
+                self.schedule.step(gbs)
                 self._grad_norm = grad_norm.detach().float()
                 self._loss_sum += loss_acc
                 self._advanced += 1
@@ -324,11 +329,12 @@ class Trainer:
         self.optimizer.step()
         self._end_step(updated=True)  # a device-side skip left the main weights as they were
         # the schedule advances now; the log interval takes back steps that turned out skipped
-        self.schedule.step(self.cfg.train.global_batch_size)
+        self.schedule.step(gbs)
         good = 1.0 - bad
         self._loss_sum += torch.nan_to_num(loss_acc * good, nan=0.0, posinf=0.0, neginf=0.0)
         self._advanced += good
         self._nan_count += bad
+        self._nan_samples += bad * gbs
         self._nan_run = (self._nan_run + bad) * bad
         self._grad_norm = torch.where(bad > 0, self._grad_norm, grad_norm.detach().float())
         return None
@@ -402,9 +408,12 @@ class Trainer:
         try:
             while self.iteration < t.train_iters and not t.skip_train:
                 stall_point(world_from_env()[1], self.iteration + 1)
-                skipped = self.train_step(loader)
+                # Megatron's order: the global batch from the samples consumed so far (the ramp-up's)
+                self.global_batch = t.global_batch_at(self.consumed_train)
+                skipped = self.train_step(loader, self.global_batch)
                 self.iteration += 1
-                self.consumed_train += t.global_batch_size
+                self.consumed_train += self.global_batch
+                stats.samples += self.global_batch
                 self.checkpointer.poll()  # --async-save: publish a save whose data every rank has written
                 stats.iterations += 1
                 if skipped:

@@ -1,6 +1,7 @@
 """Megatron's learning-rate schedule (OptimizerParamScheduler), counted in samples.
 
-The step count advances by the global batch size after each successful (not skipped) update;
+The step count advances by the iteration's global batch size (the ramp-up's, train/rampup.py) after each
+successful (not skipped) update; with --train-samples the warmup and decay are given in samples;
 an update uses the rate of the current count, and the log shows the rate for the next one.
 """
 from __future__ import annotations
@@ -20,6 +21,11 @@ class LRSchedule:
 
     @classmethod
     def from_config(cls, optim, train) -> "LRSchedule":
+        if train.train_samples is not None:  # Megatron's sample-based schedule: its settings are samples
+            decay_steps = optim.lr_decay_samples if optim.lr_decay_samples is not None else train.train_samples
+            warmup_steps = (optim.lr_warmup_fraction * decay_steps if optim.lr_warmup_fraction is not None
+                            else optim.lr_warmup_samples)
+            return cls(optim.lr, optim.min_lr, warmup_steps, decay_steps, optim.lr_decay_style)
         gbs = train.global_batch_size
         decay_iters = optim.lr_decay_iters if optim.lr_decay_iters is not None else train.train_iters
         decay_steps = decay_iters * gbs

@@ -286,11 +286,9 @@ def _checkpoint_architecture(path: str) -> dict | None:
 
             cfg = vars(read_megatron_checkpoint(path).gpt_config())
         elif kind == "huggingface":
-            import json
+            from gptrain.interop.hf import read_hf_config
 
-            c = json.loads((Path(path) / "config.json").read_text())
-            cfg = {"num_layers": c["n_layer"], "hidden_size": c["n_embd"], "num_attention_heads": c["n_head"],
-                   "ffn_hidden_size": c.get("n_inner") or 4 * c["n_embd"], "max_position_embeddings": c["n_positions"]}
+            cfg = vars(read_hf_config(path))
         else:
             return None
         return {field: cfg[field] for field in _ARCHITECTURE.values()}

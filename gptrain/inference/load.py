@@ -41,8 +41,10 @@ def load_for_inference(path: str | Path, device: torch.device | str = "cpu", dty
     kind = checkpoint_kind(path)  # NoCheckpoint (a FileNotFoundError) where there is none
     tokenizer = GPT2Tokenizer(vocab_file, merge_file) if vocab_file or merge_file else None
     full, root = None, None  # the whole model (read on the CPU), or a gptrain checkpoint folder to read into shards
-    if kind == "huggingface":
-        full = _load_hf(path)
+    if kind == "huggingface":  # convert's reader: its refusals and checks of the weights against config.json
+        from gptrain.interop.hf import load_hf_folder
+
+        full = load_hf_folder(path, inference=True)
         cfg = full.cfg
     elif kind == "megatron":
         from gptrain.interop.megatron import read_megatron_checkpoint
@@ -134,28 +136,3 @@ def _gptrain_config(root: Path) -> tuple[GPTConfig, dict, Path]:
     cfg = _inference_config(GPTConfig(**{k: v for k, v in config["model"].items() if k in known}))
     cfg.tensor_parallel_size = 1  # the padding of this process; the checkpoint stores the real rows
     return cfg, config.get("data") or {}, folder
-
-
-def _load_hf(folder: Path) -> GPT:
-    """GPT-2 in transformers' layout (``GPT2LMHeadModel`` / ``GPT2Model`` weights)."""
-    from safetensors.torch import load_file
-
-    from gptrain.interop.hf import from_hf_state_dict
-
-    hf = json.loads((folder / "config.json").read_text())
-    if hf.get("model_type", "gpt2") != "gpt2":
-        raise ValueError(f"{folder}/config.json: model_type {hf.get('model_type')!r}; only gpt2 is supported")
-    if hf.get("activation_function", "gelu_new") not in ("gelu_new", "gelu_pytorch_tanh"):
-        raise ValueError(f"{folder}/config.json: activation_function {hf['activation_function']!r}; "
-                         "gptrain's MLP is the tanh GELU (gelu_new)")
-    weights = folder / "model.safetensors"
-    if not weights.is_file():
-        raise FileNotFoundError(f"{weights}: missing (only safetensors weights are read, never pickles)")
-    n_embd = hf.get("n_embd", 768)
-    cfg = _inference_config(GPTConfig(
-        num_layers=hf.get("n_layer", 12), hidden_size=n_embd, num_attention_heads=hf.get("n_head", 12),
-        ffn_hidden_size=hf.get("n_inner") or 4 * n_embd, seq_length=hf.get("n_positions", 1024),
-        max_position_embeddings=hf.get("n_positions", 1024), vocab_size=hf.get("vocab_size", 50257),
-        layernorm_epsilon=hf.get("layer_norm_epsilon", 1e-5)))
-    state = {k: v.float() for k, v in load_file(weights).items() if not k.endswith((".attn.bias", ".masked_bias"))}
-    return from_hf_state_dict(state, cfg)

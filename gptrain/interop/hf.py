@@ -7,6 +7,11 @@ of gptrain's embedding are dropped (export) or zero-filled (import).
 """
 from __future__ import annotations
 
+import json
+import os
+import re
+from pathlib import Path
+
 import torch
 
 from gptrain.model.gpt import GPT, GPTConfig
@@ -58,14 +63,17 @@ def to_hf_state_dict(model: GPT) -> dict[str, torch.Tensor]:
     return out
 
 
-def from_hf_state_dict(hf_sd: dict[str, torch.Tensor], cfg: GPTConfig) -> GPT:
-    """A gptrain GPT holding the weights of a HF GPT-2 state dict (``transformer.`` prefix optional)."""
-    sd = {k if k.startswith(("transformer.", "lm_head.")) else f"transformer.{k}": v for k, v in hf_sd.items()}
-    model = GPT(cfg)
+def from_hf_state_dict(hf_sd: dict[str, torch.Tensor], cfg: GPTConfig, where: str = "the weights") -> GPT:
+    """A gptrain GPT holding the weights of a HF GPT-2 state dict (``transformer.`` prefix optional):
+    every tensor used and every parameter found (check_hf_weights), an lm_head equal to the word
+    embeddings (tied) or absent."""
+    check_hf_weights({k: tuple(v.shape) for k, v in hf_sd.items()}, cfg, where)
+    sd = {_canonical(k): v for k, v in hf_sd.items() if not k.endswith(_SKIPPED)}
     wte = sd["transformer.wte.weight"]
-    if wte.shape != (cfg.vocab_size, cfg.hidden_size):
-        raise ValueError(f"HF word embeddings are {tuple(wte.shape)}, the config expects "
-                         f"({cfg.vocab_size}, {cfg.hidden_size})")
+    if "lm_head.weight" in sd and not torch.equal(sd["lm_head.weight"].to(wte.dtype), wte):
+        raise ValueError(f"{where}: lm_head.weight differs from transformer.wte.weight (an untied output layer); "
+                         "gptrain's output layer is the word embeddings")
+    model = GPT(cfg)
     word = torch.zeros(cfg.padded_vocab_size, cfg.hidden_size, dtype=wte.dtype)
     word[: cfg.vocab_size] = wte
     ours = {"word_embeddings.weight": word, "position_embeddings.weight": sd["transformer.wpe.weight"],
@@ -90,52 +98,192 @@ def hf_config_dict(cfg: GPTConfig, eod: int) -> dict:
             "bos_token_id": eod, "eos_token_id": eod, "torch_dtype": "float32"}
 
 
+_REQUIRED = object()
+
+
+def _setting(hf: dict, key: str, kind: str, where: str, default=_REQUIRED):
+    """``hf[key]`` checked to be of ``kind`` (count: a positive integer; number: a finite number >= 0;
+    flag: true/false; text: a string); a missing required key or a wrong type is one line naming both."""
+    if key not in hf or (hf[key] is None and default is not _REQUIRED):
+        if default is _REQUIRED:
+            raise ValueError(f"{where}: no {key!r} (a GPT-2 config.json gives n_layer, n_embd, n_head, n_positions "
+                             "and vocab_size)")
+        return default
+    v = hf[key]
+    ok = {"count": lambda: isinstance(v, int) and not isinstance(v, bool) and v > 0,
+          "number": lambda: isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v < float("inf"),
+          "flag": lambda: isinstance(v, bool),
+          "text": lambda: isinstance(v, str)}[kind]()
+    if not ok:
+        expected = {"count": "a positive integer", "number": "a number >= 0", "flag": "true or false",
+                    "text": "a string"}[kind]
+        raise ValueError(f"{where}: {key} is {json.dumps(v)}; expected {expected}")
+    return v
+
+
 def gpt_config_from_hf(hf: dict, where: str) -> GPTConfig:
     """The GPTConfig of a transformers GPT-2 ``config.json`` (dict); anything gptrain cannot
-    represent is an error naming the key."""
-    if hf.get("model_type", "gpt2") != "gpt2":
+    represent, a missing architecture key or a value of the wrong type is an error naming the key."""
+    if not isinstance(hf, dict):
+        raise ValueError(f"{where}: not a JSON object of GPT-2 settings")
+    if _setting(hf, "model_type", "text", where, "gpt2") != "gpt2":
         raise ValueError(f"{where}: model_type {hf.get('model_type')!r}; only gpt2 is supported")
-    if hf.get("activation_function", "gelu_new") not in ("gelu_new", "gelu_pytorch_tanh"):
+    if _setting(hf, "activation_function", "text", where, "gelu_new") not in ("gelu_new", "gelu_pytorch_tanh"):
         raise ValueError(f"{where}: activation_function {hf['activation_function']!r}; gptrain's MLP is the tanh "
                          "GELU (gelu_new)")
     for key in ("scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn", "add_cross_attention"):
-        if hf.get(key):
+        if _setting(hf, key, "flag", where, False):
             raise ValueError(f"{where}: {key} is set; gptrain's GPT-2 does not implement it")
-    if hf.get("tie_word_embeddings") is False:
+    if _setting(hf, "scale_attn_weights", "flag", where, True) is False:
+        raise ValueError(f"{where}: scale_attn_weights is false; gptrain's attention scales by 1/sqrt(head dim)")
+    if _setting(hf, "tie_word_embeddings", "flag", where, True) is False:
         raise ValueError(f"{where}: tie_word_embeddings is false; gptrain's output layer is the word embeddings")
-    n_embd = hf.get("n_embd", 768)
-    n_positions = hf.get("n_positions", 1024)
-    return GPTConfig(num_layers=hf.get("n_layer", 12), hidden_size=n_embd, num_attention_heads=hf.get("n_head", 12),
-                     ffn_hidden_size=hf.get("n_inner") or 4 * n_embd, seq_length=n_positions,
-                     max_position_embeddings=n_positions, vocab_size=hf.get("vocab_size", 50257),
-                     layernorm_epsilon=hf.get("layer_norm_epsilon", 1e-5),
-                     init_method_std=hf.get("initializer_range", 0.02),
-                     hidden_dropout=hf.get("resid_pdrop", 0.1), attention_dropout=hf.get("attn_pdrop", 0.1))
+    n_embd, n_positions = _setting(hf, "n_embd", "count", where), _setting(hf, "n_positions", "count", where)
+    try:
+        return GPTConfig(
+            num_layers=_setting(hf, "n_layer", "count", where), hidden_size=n_embd,
+            num_attention_heads=_setting(hf, "n_head", "count", where),
+            ffn_hidden_size=_setting(hf, "n_inner", "count", where, 4 * n_embd), seq_length=n_positions,
+            max_position_embeddings=n_positions, vocab_size=_setting(hf, "vocab_size", "count", where),
+            layernorm_epsilon=_setting(hf, "layer_norm_epsilon", "number", where, 1e-5),
+            init_method_std=_setting(hf, "initializer_range", "number", where, 0.02),
+            hidden_dropout=_setting(hf, "resid_pdrop", "number", where, 0.1),
+            attention_dropout=_setting(hf, "attn_pdrop", "number", where, 0.1))
+    except (TypeError, ValueError) as err:
+        if str(err).startswith(where):
+            raise
+        raise ValueError(f"{where}: {err}") from None
 
 
-def load_hf_folder(path) -> GPT:
-    """A gptrain GPT (fp32, on the CPU) from a Hugging Face GPT-2 folder: ``config.json`` and
-    ``model.safetensors`` (or its sharded index). Pickled weights (``pytorch_model.bin``) are refused."""
-    import json
-    from pathlib import Path
+def _read_json(path: Path, what: str):
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path}: not valid JSON ({err.msg} at line {err.lineno} column {err.colno}); "
+                         f"{what}") from None
+    except UnicodeDecodeError:
+        raise ValueError(f"{path}: not UTF-8 text; {what}") from None
 
-    from safetensors.torch import load_file
 
-    folder = Path(path)
-    config = folder / "config.json"
+def read_hf_config(folder: str | os.PathLike) -> GPTConfig:
+    """The architecture of a Hugging Face GPT-2 folder, from its ``config.json``: the one reader of it
+    (convert, --load, generate, serve and megatron-scripts all come here)."""
+    config = Path(folder) / "config.json"
     if not config.is_file():
         raise FileNotFoundError(f"{config}: missing (not a Hugging Face model folder)")
-    cfg = gpt_config_from_hf(json.loads(config.read_text()), str(config))
+    return gpt_config_from_hf(_read_json(config, "a Hugging Face config.json is a JSON object"), str(config))
+
+
+def expected_hf_shapes(cfg: GPTConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor of ``cfg``'s GPT2LMHeadModel as its safetensors hold it (the tied lm_head aside)."""
+    h, f, v = cfg.hidden_size, cfg.ffn_hidden_size, cfg.vocab_size
+    out = {"transformer.wte.weight": (v, h), "transformer.wpe.weight": (cfg.max_position_embeddings, h),
+           "transformer.ln_f.weight": (h,), "transformer.ln_f.bias": (h,)}
+    layer = {"ln_1.weight": (h,), "ln_1.bias": (h,), "attn.c_attn.weight": (h, 3 * h), "attn.c_attn.bias": (3 * h,),
+             "attn.c_proj.weight": (h, h), "attn.c_proj.bias": (h,), "ln_2.weight": (h,), "ln_2.bias": (h,),
+             "mlp.c_fc.weight": (h, f), "mlp.c_fc.bias": (f,), "mlp.c_proj.weight": (f, h), "mlp.c_proj.bias": (h,)}
+    for i in range(cfg.num_layers):
+        out.update({f"transformer.h.{i}.{name}": shape for name, shape in layer.items()})
+    return out
+
+
+def _canonical(name: str) -> str:
+    return name if name.startswith(("transformer.", "lm_head.")) else f"transformer.{name}"
+
+
+def _natural(name: str):
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
+
+
+def _some(items: list[str], at_most: int = 4) -> str:
+    return ", ".join(items[:at_most]) + (f" and {len(items) - at_most} more ({len(items)} in all)"
+                                         if len(items) > at_most else "")
+
+
+def check_hf_weights(shapes: dict[str, tuple[int, ...]], cfg: GPTConfig, where: str) -> None:
+    """Every tensor of the files (``shapes``: name -> shape) is a parameter of ``cfg``'s model at its
+    shape, and every parameter is there; else one line naming the missing, leftover and misshapen ones."""
+    expected = expected_hf_shapes(cfg)
+    given = {_canonical(k): (k, tuple(s)) for k, s in shapes.items() if not k.endswith(_SKIPPED)}
+    head = given.pop("lm_head.weight", None)
+    if head is not None and head[1] != expected["transformer.wte.weight"]:
+        given["lm_head.weight"] = head  # reported below as not used
+    problems = []
+    layers = {int(n.split(".")[2]) for n in given if re.fullmatch(r"transformer\.h\.\d+\..+", n)}
+    if layers and max(layers) + 1 != cfg.num_layers:
+        problems.append(f"config.json says n_layer {cfg.num_layers}, the weights hold {max(layers) + 1} layers")
+    missing = sorted(set(expected) - set(given), key=_natural)
+    if missing:
+        problems.append(f"missing {_some(missing)}")
+    leftover = sorted((given[n][0] for n in set(given) - set(expected)), key=_natural)
+    if leftover:
+        problems.append(f"not used {_some(leftover)}")
+    wrong = sorted((n for n in set(given) & set(expected) if given[n][1] != expected[n]), key=_natural)
+    if wrong:
+        problems.append("other shapes: " + _some([f"{given[n][0]} {list(given[n][1])} (config.json: "
+                                                  f"{list(expected[n])})" for n in wrong]))
+    if problems:
+        raise ValueError(f"{where}: the weights do not match config.json: " + "; ".join(problems))
+
+
+def _shard_files(folder: Path, index: Path) -> list[Path]:
+    """The shard files a ``model.safetensors.index.json`` names: plain file names of regular files in
+    ``folder`` (no path separators, no ``..``, no symbolic links)."""
+    data = _read_json(index, "a sharded model's index is a JSON object with a weight_map")
+    weight_map = data.get("weight_map") if isinstance(data, dict) else None
+    if not isinstance(weight_map, dict) or not weight_map or not all(isinstance(v, str) for v in weight_map.values()):
+        raise ValueError(f"{index}: no weight_map (tensor name -> shard file name)")
+    files = []
+    for name in sorted(set(weight_map.values())):
+        path = folder / name
+        if name in ("", ".", "..") or "/" in name or "\\" in name or "\0" in name or os.path.isabs(name):
+            raise ValueError(f"{index} names shard {name!r}: a shard must be a plain file name inside {folder}")
+        if path.is_symlink():
+            raise ValueError(f"{index} names shard {name}, a symbolic link: shards must be files inside {folder} "
+                             "(copy a Hugging Face cache snapshot with cp -rL first)")
+        if not path.is_file():
+            raise FileNotFoundError(f"{path}: missing (named by {index.name})")
+        files.append(path)
+    return files
+
+
+def _weight_files(folder: Path) -> list[Path]:
     index = folder / f"{HF_WEIGHTS}.index.json"
     if (folder / HF_WEIGHTS).is_file():
-        files = [folder / HF_WEIGHTS]
-    elif index.is_file():
-        files = [folder / name for name in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
-    else:
-        pickled = " (pytorch_model.bin is a pickle and is not read: save the model with safetensors)" \
-            if (folder / "pytorch_model.bin").exists() else ""
-        raise FileNotFoundError(f"{folder / HF_WEIGHTS}: missing{pickled}")
-    state: dict[str, torch.Tensor] = {}
-    for f in files:
-        state.update({k: v.float() for k, v in load_file(f).items() if not k.endswith(_SKIPPED)})
-    return from_hf_state_dict(state, cfg)
+        return [folder / HF_WEIGHTS]
+    if index.is_file():
+        return _shard_files(folder, index)
+    pickled = " (pytorch_model.bin is a pickle and is not read: save the model with safetensors)" \
+        if (folder / "pytorch_model.bin").exists() else ""
+    raise FileNotFoundError(f"{folder / HF_WEIGHTS}: missing{pickled}")
+
+
+def load_hf_folder(path, inference: bool = False) -> GPT:
+    """A gptrain GPT (fp32, on the CPU) from a Hugging Face GPT-2 folder: ``config.json`` and
+    ``model.safetensors`` (or its sharded index). Pickled weights (``pytorch_model.bin``) are refused;
+    the tensors' names and shapes are checked against the config (from the files' headers) before
+    anything is read. ``inference``: dropout off."""
+    from safetensors import SafetensorError, safe_open
+
+    folder = Path(path)
+    cfg = read_hf_config(folder)
+    if inference:
+        cfg.hidden_dropout = cfg.attention_dropout = 0.0
+    files = _weight_files(folder)
+    shapes: dict[str, tuple[int, ...]] = {}
+    origin: dict[str, Path] = {}
+    try:
+        for f in files:
+            with safe_open(f, "pt") as s:
+                for k in s.keys():
+                    if k in origin:
+                        raise ValueError(f"{folder}: tensor {k} is in both {origin[k].name} and {f.name}")
+                    origin[k], shapes[k] = f, tuple(s.get_slice(k).get_shape())
+        check_hf_weights(shapes, cfg, str(folder))
+        state: dict[str, torch.Tensor] = {}
+        for f in files:
+            with safe_open(f, "pt") as s:
+                state.update({k: s.get_tensor(k).float() for k in s.keys() if not k.endswith(_SKIPPED)})
+    except SafetensorError as err:
+        raise ValueError(f"{folder}: a weight file is not readable safetensors ({err})") from None
+    return from_hf_state_dict(state, cfg, str(folder))

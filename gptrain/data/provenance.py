@@ -1,8 +1,10 @@
 """Provenance sidecar ``{prefix}.json`` beside each ``.bin/.idx`` pair (the index has no room for it):
-which tokenizer made the tokens, from which inputs, with what counts, and which ``.idx`` it describes
-(size and sha256). The three files are one unit: a sidecar whose ``.idx`` record does not match the
-``.idx`` beside it is stale and never trusted. Training refuses data whose sidecar names another
-tokenizer."""
+which tokenizer made the tokens, from which inputs, with what counts, and which ``.idx`` and ``.bin``
+it describes (the ``.idx``'s size and sha256, the ``.bin``'s size and ``indexed.bin_fingerprint``).
+The three files are one unit: a sidecar whose ``.idx`` record does not match the ``.idx`` beside it is
+stale and never trusted, and a ``.bin`` other than the one written with the ``.idx`` is refused, each
+in one line at train time. Training refuses data whose sidecar names another tokenizer. Data made by
+other tools (Megatron's, no sidecar) is not checked."""
 from __future__ import annotations
 
 import datetime as _dt
@@ -11,7 +13,7 @@ import os
 from pathlib import Path
 
 from gptrain import __version__
-from gptrain.data.indexed import index_file, index_sha256, sidecar_file
+from gptrain.data.indexed import bin_fingerprint, data_file, index_file, index_sha256, sidecar_file
 
 FORMAT = "gptrain-provenance/2"
 
@@ -47,6 +49,7 @@ def _check_describes(prefix, record: dict) -> None:
         if idx.stat().st_size != index.get("idx_bytes") or index_sha256(prefix) != index.get("idx_sha256"):
             raise StaleProvenance(f"{path} is stale: it describes another {idx.name} than the one beside it "
                                   f"(an interrupted or partial write?); preprocess {prefix} again, or delete {path}")
+        _check_bin(prefix, path, idx, index)
         return
     # format 1 recorded only counts: check those
     from gptrain.data.indexed import IndexedDataset
@@ -57,6 +60,22 @@ def _check_describes(prefix, record: dict) -> None:
         raise StaleProvenance(f"{path} is stale: it counts {counts.get('documents')} documents / {counts.get('tokens')} "
                               f"tokens, {idx.name} holds {ds.num_documents} / {ds.num_tokens}; preprocess {prefix} "
                               f"again, or delete {path}")
+
+
+def _check_bin(prefix, sidecar: Path, idx: Path, index: dict) -> None:
+    """The ``.bin`` beside the ``.idx`` is the one written with it: its size and ``bin_fingerprint`` as
+    the sidecar records them (sidecars written before the fingerprint are not checked)."""
+    recorded = index.get("bin_sample_sha256")
+    bin_path = data_file(prefix)
+    if recorded is None or not bin_path.is_file():
+        return
+    size = bin_path.stat().st_size
+    found = bin_fingerprint(bin_path)
+    if size != index.get("bin_bytes") or found != recorded:
+        raise StaleProvenance(f"{bin_path} does not belong with {idx}: {sidecar} records a {bin_path.name} of "
+                              f"{index.get('bin_bytes')} bytes (sampled sha256 {str(recorded)[:12]}...), this one has "
+                              f"{size} bytes ({found[:12]}...): a .bin from another run? put back the .bin written "
+                              f"with {idx.name}, or preprocess {prefix} again")
 
 
 def read_provenance(prefix: str | os.PathLike, verify: bool = True) -> dict | None:

@@ -7,17 +7,14 @@
 # on 64 GPUs. The seed shows the variables of its train_gpt3_175b_distributed.sh and elides the rest
 # ("..."); the flags below are that script's, as in a public copy of the same document set.
 #
+# The seed's batch-size ramp-up and sample-based schedule are passed as written: --rampup-batch-size
+# 16 16 433870 (global batch 16, growing by 16 every 433870 / 95 = 4,567 samples to 1536: 8,247
+# iterations in all where a constant 1536 makes 7,061),
+# --lr-decay-samples 9400526, --lr-warmup-samples 13558.
 # Seed flags gptrain refuses, left out (gptrain's messages):
-#   --rampup-batch-size 16 16 433870
-#       gptrain: error: --rampup-batch-size is a Megatron flag gptrain does not implement: batch-size
-#       ramp-up is not implemented
-#   --lr-decay-samples 9400526, --lr-warmup-samples 13558, --use-flash-attn-v2,
-#   --log-validation-ppl-to-tensorboard
+#   --use-flash-attn-v2, --log-validation-ppl-to-tensorboard
 #       gptrain: error: unknown flag(s) <flag>: gptrain refuses flags it does not implement rather than
 #       ignoring them (see `gptrain train --help`)
-# Without the two sample-based schedule flags gptrain decays the learning rate over the whole run
-# (--train-samples / --global-batch-size = 7061 iterations) with no warmup; to come close to the seed's
-# schedule append e.g. `--lr-decay-iters 6120 --lr-warmup-iters 9` (its sample counts / 1536).
 # Attention always runs through PyTorch's scaled_dot_product_attention (flash kernels on GPU), which is
 # what --use-flash-attn-v2 asked for.
 #
@@ -64,6 +61,9 @@ TRAINING_ARGS=(
     --micro-batch-size $batch_size
     --global-batch-size $global_batch_size
     --train-samples 10846761
+    --rampup-batch-size 16 16 433870
+    --lr-decay-samples 9400526
+    --lr-warmup-samples 13558
     --lr 6.0e-5
     --min-lr 6.0e-6
     --lr-decay-style cosine

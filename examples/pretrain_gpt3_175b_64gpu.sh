@@ -10,11 +10,10 @@
 #          1F1B). The dry run checks it and prints all 64 ranks' parameter counts (vocabulary padded
 #          to 51200 = multiple of 128 x 8). Not yet run on 64 GPUs (the layouts are checked on CPU).
 #
+# The seed's --rampup-batch-size 16 16 433870, --lr-decay-samples and --lr-warmup-samples are passed.
 # Seed flags gptrain refuses, left out (details in gpt3_175b_flags.sh):
-#   --rampup-batch-size 16 16 433870   "batch-size ramp-up is not implemented"
-#   --lr-decay-samples 9400526, --lr-warmup-samples 13558, --use-flash-attn-v2,
-#   --log-validation-ppl-to-tensorboard   "unknown flag(s) <flag>: gptrain refuses flags it does not
-#                                          implement rather than ignoring them"
+#   --use-flash-attn-v2, --log-validation-ppl-to-tensorboard   "unknown flag(s) <flag>: gptrain refuses
+#                                          flags it does not implement rather than ignoring them"
 # What else differs from the seed:
 #   - the launcher: torchrun's c10d rendezvous (`--rdzv-backend c10d --rdzv-endpoint
 #     $MASTER_ADDR:$MASTER_PORT`, node ranks assigned by the rendezvous) and `-m gptrain train`

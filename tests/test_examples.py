@@ -140,6 +140,9 @@ def test_example_dry_run(case: Case, dry_runs):
         # 175B split over 64 ranks: the sum over the 8 stages of one tensor rank, times 8, is the model
         total = sum(counts.values())
         assert 174e9 < total < 176e9, total
+        # the seed's ramp-up and sample-based schedule, passed as written
+        assert ("will use batch size rampup starting from global batch size 16 to global batch size 1536 with "
+                "batch size increments 16 over 433870 samples.") in out
 
 
 @pytest.mark.slow  # the fast loop (-m "not slow") stays under 3 minutes; CI runs it
@@ -210,10 +213,6 @@ def test_deepspeed_config_is_the_seeds():
 # seed flags left out of the examples because gptrain refuses them: still refused, with the message the
 # headers quote (when gptrain learns one, put it back into the example and out of its header)
 REFUSED_SEED_FLAGS = [
-    (["--rampup-batch-size", "16", "16", "433870"],
-     "--rampup-batch-size is a Megatron flag gptrain does not implement: batch-size ramp-up is not implemented"),
-    (["--lr-decay-samples", "9400526"], "unknown flag(s) --lr-decay-samples: gptrain refuses flags"),
-    (["--lr-warmup-samples", "13558"], "unknown flag(s) --lr-warmup-samples: gptrain refuses flags"),
     (["--use-flash-attn-v2"], "unknown flag(s) --use-flash-attn-v2: gptrain refuses flags"),
     (["--log-validation-ppl-to-tensorboard"], "unknown flag(s) --log-validation-ppl-to-tensorboard: gptrain refuses"),
 ]

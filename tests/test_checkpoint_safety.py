@@ -23,6 +23,7 @@ from gptrain.train.checkpoint import load_checkpoint
 from gptrain.file_hash import file_sha256
 from gptrain.train.checkpoint_files import is_complete, read_tracker
 from gptrain.train.run import train_main
+from gptrain.train.save_lock import LOCK_NAME
 
 SCHEDULE = ["--lr-decay-iters", "6"]  # one schedule for runs of 4 and 6 iterations
 RUN = TINY + SCHEDULE + ["--save-interval", "2"]
@@ -39,7 +40,8 @@ def _subprocess(argv: list[str], env: dict | None = None, **kw) -> subprocess.Co
 
 
 def _dot_entries(root) -> list[str]:
-    return sorted(p.name for p in root.iterdir() if p.name.startswith("."))
+    """Temporary and moved-aside folders (the run's lock file is neither)."""
+    return sorted(p.name for p in root.iterdir() if p.name.startswith(".") and p.name != LOCK_NAME)
 
 
 @pytest.fixture(scope="module")
@@ -281,7 +283,10 @@ def test_a_mistyped_load_or_another_runs_save_folder_stops_before_training(strai
     _, saved = straight
     ck = tmp_path / "ck"
     shutil.copytree(saved, ck)
-    before = {p.name: p.stat().st_mtime_ns for p in ck.iterdir()}
+    def untouched():  # the checkpoints (the lock file names each run that takes it)
+        return {p.name: p.stat().st_mtime_ns for p in ck.iterdir() if p.name != LOCK_NAME}
+
+    before = untouched()
     rc, err = _errors(RUN + ["--train-iters", "6", "--load", str(tmp_path / "typo"), "--save", str(ck)])
     assert rc == 2 and err.strip() == (f"gptrain: error: --load {tmp_path / 'typo'} does not exist; --save {ck} "
                                        f"holds complete checkpoints (iter_0000004, iter_0000002): pass --load {ck}")
@@ -292,7 +297,7 @@ def test_a_mistyped_load_or_another_runs_save_folder_stops_before_training(strai
     rc, err = _errors(RUN + ["--train-iters", "6", "--load", str(older), "--save", str(ck)])
     assert rc == 2 and err.startswith(f"gptrain: error: --save {ck} holds complete checkpoints of another run newer "
                                       "than iteration 2 (iter_0000004; its tracker names 4)"), err
-    assert {p.name: p.stat().st_mtime_ns for p in ck.iterdir()} == before and read_tracker(ck) == 4
+    assert untouched() == before and read_tracker(ck) == 4
     rc, err = _errors(RUN + ["--train-iters", "6", "--load", str(tmp_path / "typo")])
     assert rc == 2 and "does not exist (to start fresh and resume later, pass the same folder" in err
 

@@ -10,6 +10,7 @@ recovery at start. Plain files only; what the folders hold and how the ranks wri
                                                writing them, in --async-save's background thread)
     SAVE/.iter_0000500.tmp/                    a save being written
     SAVE/.iter_0000500.old/                    a copy of the same iteration, moved aside by a re-save
+    SAVE/.gptrain.lock                         the running job's lock (save_lock.py), no checkpoint content
 
 Never losing work: everything is written into ``.iter_0000500.tmp`` and fsynced, rank 0 renames it
 into place (a copy of the same iteration is moved aside first, never deleted before), fsyncs the
@@ -33,6 +34,7 @@ from gptrain.checkpoint_kind import TRACKER
 from gptrain.file_hash import file_sha256
 from gptrain.parallel.collectives import barrier, distributed
 from gptrain.train.durable import crash_point, fsync_tree, replace_durable, write_durable
+from gptrain.train.save_lock import cleaning
 
 FORMAT = "gptrain-checkpoint/2"
 
@@ -140,26 +142,35 @@ def recover(root: str | os.PathLike | None, log=None) -> None:
     """At start (every rank calls it): put back a checkpoint that a killed re-save had moved aside,
     and remove the temporary folders of killed or failed saves, saying what was done."""
     if root and this_rank() == 0 and Path(root).is_dir():
-        root = Path(root)
-        for aside in sorted(root.glob(".*.old")):
-            final = root / aside.name[1:-len(".old")]
-            if _iteration_of(final.name) is None:
-                continue
-            if is_complete(final)[0]:
-                shutil.rmtree(aside)
-                continue
-            if final.exists():
-                shutil.rmtree(final)
-            replace_durable(aside, final)
-            rank0_log(log, f"WARNING: restored {final}, which a save killed before its replacement was complete "
-                           "had moved aside")
-        stale = sorted(p for p in root.iterdir() if p.name.startswith(".") and p.name.endswith(".tmp"))
-        for p in stale:
-            shutil.rmtree(p) if p.is_dir() else p.unlink()
-        if stale:
-            rank0_log(log, f"WARNING: removed {len(stale)} temporary folder(s) of interrupted saves from {root}: "
-                           + ", ".join(p.name for p in stale))
+        with cleaning(root) as (allowed, holder):
+            if allowed:
+                _recover(Path(root), log)
+            else:
+                rank0_log(log, f"WARNING: {root} is in use by another gptrain run{holder}: its temporary folders "
+                               "are left alone")
     barrier()
+
+
+def _recover(root: Path, log) -> None:
+    """recover()'s work, under the folder's lock."""
+    for aside in sorted(root.glob(".*.old")):
+        final = root / aside.name[1:-len(".old")]
+        if _iteration_of(final.name) is None:
+            continue
+        if is_complete(final)[0]:
+            shutil.rmtree(aside)
+            continue
+        if final.exists():
+            shutil.rmtree(final)
+        replace_durable(aside, final)
+        rank0_log(log, f"WARNING: restored {final}, which a save killed before its replacement was complete "
+                       "had moved aside")
+    stale = sorted(p for p in root.iterdir() if p.name.startswith(".") and p.name.endswith(".tmp"))
+    for p in stale:
+        shutil.rmtree(p) if p.is_dir() else p.unlink()
+    if stale:
+        rank0_log(log, f"WARNING: removed {len(stale)} temporary folder(s) of interrupted saves from {root}: "
+                       + ", ".join(p.name for p in stale))
 
 
 def discard(final_name: str) -> None:

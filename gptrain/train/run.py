@@ -22,6 +22,7 @@ from gptrain.train.checkpoint import CheckpointError
 from gptrain.train.checkpoint_files import newest_complete
 from gptrain.train.loop import Trainer, TrainingStopped
 from gptrain.train.rampup import micro_batches_line
+from gptrain.train.save_lock import release_all as release_save_lock
 from gptrain.train.startup import (MISSING_CHECKPOINT_LINE, ExitOnMissingCheckpoint, arguments_block,
                                    check_before_build_on_every_rank, datetime_line, megatron_arguments)
 
@@ -205,6 +206,7 @@ def _train_main(argv: list[str], log=None) -> TrainResult:
               "stopped, hung or died); exiting so the launcher can restart the group", file=sys.stderr)
         return TrainResult.of(1, trainer)
     finally:
+        release_save_lock()  # --save's lock (taken by the start-up checks) ends with the run
         signals.uninstall()
         if torch.distributed.is_initialized() and torch.distributed.get_backend() != "fake":
             torch.distributed.destroy_process_group()  # a simulated world ends with its context

@@ -6,7 +6,8 @@
 - ``check_before_build``: the paths and packages a run needs, each problem one line before the model is
   built: a ``--data-path`` naming a .bin/.idx/.jsonl file or nothing, a ``--save`` that cannot be written,
   a ``--load`` that is not a usable folder (``--exit-on-missing-checkpoint``: Megatron's exit instead),
-  ``--wandb-project`` without wandb installed.
+  ``--wandb-project`` without wandb installed; rank 0 then takes ``--save``'s lock (train/save_lock.py: a
+  second run on the same folder stops here, naming the holder).
 """
 from __future__ import annotations
 
@@ -157,6 +158,13 @@ def check_before_build(cfg: RunConfig) -> None:
         _check_save(t.save)
     if t.load:
         _check_load(t.load, t.save, t.exit_on_missing_checkpoint)
+    if t.save:
+        from gptrain.train.checkpoint_files import this_rank
+
+        if this_rank() == 0:  # one run per --save folder, before anything is written or cleaned there
+            from gptrain.train.save_lock import lock_save_folder
+
+            lock_save_folder(t.save)
 
 
 def check_before_build_on_every_rank(cfg: RunConfig) -> None:

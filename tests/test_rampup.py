@@ -176,9 +176,12 @@ def one_process_ramp_up():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", [[], ["--pipeline-model-parallel-size", "2"]], ids=["dp2", "pp2"])
-def test_data_and_pipeline_parallel_ramp_up_equal_one_process(one_process_ramp_up, layout):
-    """DP2: each rank its slice of every ramp-up batch; PP2: the pipeline's micro-batch count changes per step."""
+@pytest.mark.parametrize("layout", [[], ["--pipeline-model-parallel-size", "2"], ["--use-distributed-optimizer"],
+                                    ["--zero-stage", "2"], ["--tensor-model-parallel-size", "2"]],
+                         ids=["dp2", "pp2", "zero1", "zero2", "tp2"])
+def test_parallel_ramp_up_equals_one_process(one_process_ramp_up, layout):
+    """DP2: each rank its slice of every ramp-up batch; PP2: the pipeline's micro-batch count changes per step;
+    ZeRO-1/2: the gradients reduced after the last of a changing number of micro-batches; TP2."""
     from distributed import losses, torchrun
 
     flags, one = one_process_ramp_up

@@ -159,11 +159,16 @@ def test_resume_in_the_ramp_up_is_exact(straight, tmp_path):
     flags = RUN + ["--data-cache-path", str(tmp_path / "cache")]
     first, resumed = [], []
     assert train_main(flags + ["--save", str(tmp_path / "ck"), "--exit-interval", "10"], log=first.append).exit_code == 0
-    assert train_main(flags + ["--load", str(tmp_path / "ck")], log=resumed.append).exit_code == 0
+    assert train_main(flags + ["--load", str(tmp_path / "ck"), "--save", str(tmp_path / "ck")],
+                      log=resumed.append).exit_code == 0
     whole, a, b = _iterations(straight), _iterations(first), _iterations(resumed)
     assert a[10][1:4] == (48, whole[10][2], 8)  # stopped inside the ramp-up (8 batches of 4, 2 of 8)
     assert sorted(b) == list(range(11, 34))
     assert {**a, **b} == whole  # losses, learning rates, batch sizes, consumed samples: bit for bit
+    # Megatron-LM saves a checkpoint before each iteration whose global batch differs from the last one's (4 -> 8
+    # after iteration 8, 8 -> 12 after 12, 12 -> 16 after 15), besides --exit-interval's and the final one
+    assert sorted(p.name for p in (tmp_path / "ck").glob("iter_*")) == \
+        [f"iter_{i:07d}" for i in (8, 10, 12, 15, 33)]
 
 
 @pytest.fixture(scope="module")

@@ -405,11 +405,17 @@ class Trainer:
         run_start = self.run_start = time.perf_counter()
         stats = IntervalStats(start_time=time.perf_counter())
         exit_reason = None
+        self.global_batch = t.global_batch_at(self.consumed_train)  # where a resumed run's ramp-up stands
         try:
             while self.iteration < t.train_iters and not t.skip_train:
                 stall_point(world_from_env()[1], self.iteration + 1)
-                # Megatron's order: the global batch from the samples consumed so far (the ramp-up's)
-                self.global_batch = t.global_batch_at(self.consumed_train)
+                # Megatron's order: the global batch from the samples consumed so far (the ramp-up's); when it
+                # changes, Megatron-LM saves a checkpoint first (unless this iteration's is saved already)
+                batch = t.global_batch_at(self.consumed_train)
+                if batch != self.global_batch and self.iteration and \
+                        not (t.save_interval and self.iteration % t.save_interval == 0):
+                    self.save()
+                self.global_batch = batch
                 skipped = self.train_step(loader, self.global_batch)
                 self.iteration += 1
                 self.consumed_train += self.global_batch

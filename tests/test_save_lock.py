@@ -99,3 +99,18 @@ def test_a_second_run_on_the_same_save_stops_and_the_first_ones_save_survives(tm
     lines = []
     assert train_main(TINY + ["--save", str(only_lock), "--train-iters", "1"], log=lines.append).exit_code == 0
     assert not any(line.startswith("WARNING") for line in lines) and read_tracker(only_lock) == 1
+
+
+def test_a_file_system_without_flock_runs_unlocked_with_a_warning(tmp_path, monkeypatch, capsys):
+    import errno
+    import fcntl
+
+    from gptrain.train import save_lock
+
+    def no_locks(fd, op):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    save_lock.lock_save_folder(tmp_path / "save")
+    assert "does not support flock" in capsys.readouterr().err
+    assert not save_lock.holds(tmp_path / "save")

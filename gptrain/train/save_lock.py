@@ -22,6 +22,9 @@ from pathlib import Path
 LOCK_NAME = ".gptrain.lock"
 
 _held: dict[str, int] = {}  # absolute folder -> the open, locked file descriptor
+# a file system without flock (some Lustre and FUSE mounts): the run goes on unlocked, with a warning
+_NO_LOCKS = {errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL}
+_UNLOCKABLE = -1
 
 
 class FolderInUse(ValueError):
@@ -54,6 +57,8 @@ def _try_lock(folder: Path) -> int | None:
         os.close(fd)
         if err.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
             return None
+        if err.errno in _NO_LOCKS:
+            return _UNLOCKABLE
         raise
     if writable:
         os.ftruncate(fd, 0)
@@ -73,6 +78,12 @@ def lock_save_folder(save: str | os.PathLike) -> None:
     except OSError as err:  # a symbolic link in its place, a read-only folder, ...
         raise ValueError(f"--save {save}: its lock file {folder / LOCK_NAME} cannot be taken "
                          f"({err.strerror or err})") from None
+    if fd == _UNLOCKABLE:
+        import sys
+
+        print(f"WARNING: --save {save}: its file system does not support flock; this run does not lock the "
+              "folder against a second run saving into it", file=sys.stderr, flush=True)
+        return
     if fd is None:
         raise FolderInUse(f"--save {save} is in use by another gptrain run{_holder(folder / LOCK_NAME)}: two runs "
                           "saving into one folder would delete each other's saves; wait for it to end, or pass "

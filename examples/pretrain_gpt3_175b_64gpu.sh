@@ -11,9 +11,8 @@
 #          to 51200 = multiple of 128 x 8). Not yet run on 64 GPUs (the layouts are checked on CPU).
 #
 # The seed's --rampup-batch-size 16 16 433870, --lr-decay-samples and --lr-warmup-samples are passed.
-# Seed flags gptrain refuses, left out (details in gpt3_175b_flags.sh):
-#   --use-flash-attn-v2, --log-validation-ppl-to-tensorboard   "unknown flag(s) <flag>: gptrain refuses
-#                                          flags it does not implement rather than ignoring them"
+# Every seed flag is passed (--use-flash-attn-v2 and --log-validation-ppl-to-tensorboard change nothing
+# here; details in gpt3_175b_flags.sh).
 # What else differs from the seed:
 #   - the launcher: torchrun's c10d rendezvous (`--rdzv-backend c10d --rdzv-endpoint
 #     $MASTER_ADDR:$MASTER_PORT`, node ranks assigned by the rendezvous) and `-m gptrain train`

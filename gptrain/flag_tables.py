@@ -77,6 +77,11 @@ COMPATIBILITY: tuple[Compat, ...] = (
     Compat("--use-flash-attn", "attention runs on --attention-backend's kernels: by default cuDNN's forward and "
            "FlashAttention-4's backward where flash-attn-4 can run, else PyTorch SDPA's pick (cuDNN on H100); "
            "--attention-backend flash forces FlashAttention-2"),
+    Compat("--use-flash-attn-v2", "attention runs on --attention-backend's kernels: by default cuDNN's forward and "
+           "FlashAttention-4's backward where flash-attn-4 can run, else PyTorch SDPA's pick (cuDNN on H100); "
+           "--attention-backend flash forces FlashAttention-2"),
+    Compat("--log-validation-ppl-to-tensorboard", "validation perplexity is always written to TensorBoard, as "
+           "'lm loss validation ppl' (Megatron's tag), beside the validation loss"),
     Compat("--attention-softmax-in-fp32", "the attention kernels (SDPA's, FlashAttention-4's) take the softmax of "
            "bf16/fp16 scores in fp32"),
     Compat("--no-masked-softmax-fusion", "masking and softmax happen inside the causal attention call (SDPA or "

@@ -4,7 +4,8 @@ remote tokenizer uses, and the web page at ``/``. Every error is ``{"error": ...
 field (or JSON nested too deeply), 403 for a ``Host`` that is not this server's (guard.py), 413 for a
 body over the limit or more rows than the queue can ever hold, 415 for a body that is not
 ``application/json``, 503 when the queue is full (retry later), 500 (one log line) when generation
-fails. A client that goes away while it waits ends its generation (its rows stop at the next token)."""
+fails. A client that goes away while it waits ends its generation (its rows stop at the next token).
+``GET /metrics``: Prometheus text (metrics.py); each JSON endpoint counts its answers by outcome."""
 from __future__ import annotations
 
 import asyncio
@@ -13,7 +14,7 @@ import time
 import uuid
 
 from fastapi import FastAPI, Request
-from fastapi.responses import HTMLResponse, StreamingResponse
+from fastapi.responses import HTMLResponse, Response, StreamingResponse
 
 from gptrain.serve import megatron_api, openai_api
 from gptrain.serve.engine import Engine, Job, QueueFull, TooLarge
@@ -41,6 +42,7 @@ def build_app(engine: Engine, model_name: str, max_body_bytes: int = 1 << 20, lo
     app.add_middleware(HostGuard, names=own_names(host, allowed_hosts))
     tok = engine.tokenizer
     window = engine.window
+    metrics = engine.metrics
 
     async def run(job: Job, request: Request):
         """The job's results; while it waits, a client that went away cancels it."""
@@ -57,8 +59,14 @@ def build_app(engine: Engine, model_name: str, max_body_bytes: int = 1 << 20, lo
             raise _Failed(f"{type(future.exception()).__name__}: {future.exception()}")
         return future.result()
 
-    def guarded(handler):
+    def guarded(endpoint: str, handler):
         async def wrapper(request: Request):
+            response = await answer(request)
+            if not isinstance(response, StreamingResponse):  # a stream counts its outcome when it ends
+                metrics.outcome(endpoint, getattr(response, "status_code", 200))
+            return response
+
+        async def answer(request: Request):
             try:
                 require_json(request)
                 body = await json_body(request, max_body_bytes)
@@ -107,6 +115,7 @@ def build_app(engine: Engine, model_name: str, max_body_bytes: int = 1 << 20, lo
         events: asyncio.Queue = asyncio.Queue()
         cid = f"cmpl-{uuid.uuid4().hex}"
         rows = [{"tokens": [], "sent": 0, "done": False} for _ in req.prompts]
+        outcome = {"status": 499}  # until the stream ends as it should (a client that went away)
 
         def on_token(row: int, token: int):  # on the engine's thread
             state = rows[row]
@@ -142,6 +151,7 @@ def build_app(engine: Engine, model_name: str, max_body_bytes: int = 1 << 20, lo
                         break
                     yield _sse(event)
                 if future.exception() is not None:
+                    outcome["status"] = 500
                     yield _sse({"error": f"generation failed: {future.exception()}"})
                     return
                 results = future.result()
@@ -157,8 +167,10 @@ def build_app(engine: Engine, model_name: str, max_body_bytes: int = 1 << 20, lo
                                 "model": req.model, "choices": [],
                                 "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                                           "total_tokens": prompt_tokens + completion_tokens}})
+                outcome["status"] = 200
                 yield "data: [DONE]\n\n"
             finally:
+                metrics.outcome("/v1/completions", outcome["status"])
                 job.cancel.set()  # a client that went away: dropped from the queue, or its rows end at the next token
 
         return StreamingResponse(body(), media_type="text/event-stream",
@@ -182,10 +194,17 @@ def build_app(engine: Engine, model_name: str, max_body_bytes: int = 1 << 20, lo
             raise BadRequest(f"tokens: must be a list of token ids in [0, {tok.vocab_size})")
         return {"prompt": tok.decode(ids)}
 
-    app.add_api_route("/api", guarded(megatron), methods=["PUT"], summary="Megatron-LM's text generation API")
-    app.add_api_route("/v1/completions", guarded(completions), methods=["POST"], summary="OpenAI completions")
-    app.add_api_route("/tokenize", guarded(tokenize), methods=["POST"], summary="text -> token ids")
-    app.add_api_route("/detokenize", guarded(detokenize), methods=["POST"], summary="token ids -> text")
+    app.add_api_route("/api", guarded("/api", megatron), methods=["PUT"], summary="Megatron-LM's text generation API")
+    app.add_api_route("/v1/completions", guarded("/v1/completions", completions), methods=["POST"],
+                      summary="OpenAI completions")
+    app.add_api_route("/tokenize", guarded("/tokenize", tokenize), methods=["POST"], summary="text -> token ids")
+    app.add_api_route("/detokenize", guarded("/detokenize", detokenize), methods=["POST"],
+                      summary="token ids -> text")
+
+    @app.get("/metrics", response_class=Response, summary="Prometheus metrics (text format)")
+    async def prometheus():
+        text, kind = metrics.text()
+        return Response(content=text, media_type=kind)
 
     @app.get("/v1/models")
     async def models():

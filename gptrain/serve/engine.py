@@ -9,7 +9,9 @@ queue, or its rows end at their next token.
 Rows never affect each other: each has its own sampling settings and seed, and a seeded row's
 noise depends only on its seed and position (inference/sampling.py). Streaming requests get each
 token through a callback on the worker thread; a callback returning True ends its row (a client
-that went away, a stop string).
+that went away, a stop string). The engine keeps the server's metrics (metrics.py): queue depth,
+batch occupancy, generated tokens, time to first token and between tokens, timed on the host where
+each token already arrives.
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ from typing import Callable
 import torch
 
 from gptrain.inference.generate import EolIds, Generation, SamplingParams, generate
+from gptrain.serve.metrics import Metrics
 
 
 class QueueFull(Exception):
@@ -48,6 +51,7 @@ class Job:
     no_newline_after_colon: bool = False
     future: Future = field(default_factory=Future)
     cancel: threading.Event = field(default_factory=threading.Event)  # set: drop it / end its rows
+    submitted: float = 0.0  # time.perf_counter() when it was queued (time to first token)
 
 
 class Engine:
@@ -65,12 +69,14 @@ class Engine:
         self._waiting = 0  # rows queued, not yet running
         self.batches = 0
         self.busy = False
+        self.metrics = Metrics(max_batch, queued=lambda: self._waiting)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="gptrain-generate", daemon=True)
         self._thread.start()
 
     def submit(self, job: Job) -> Future:
         rows = len(job.prompts)
+        job.submitted = time.perf_counter()
         if rows > self.max_queue:
             raise TooLarge(f"the request has {rows} rows (prompts x n) and the server holds at most {self.max_queue} "
                            f"(--max-queue): send at most {self.max_queue} per request")
@@ -135,9 +141,11 @@ class Engine:
             if not jobs:
                 continue
             self.busy = True
+            self.metrics.batch(sum(len(j.prompts) for j in jobs))
             try:
                 self._run_batch(jobs)
             finally:
+                self.metrics.batch(0)
                 self.busy = False
                 self.batches += 1
 
@@ -149,9 +157,17 @@ class Engine:
                 prompts.append(p)
                 params.append(s)
                 owner.append((j, r))
+        last = [None] * len(prompts)  # each row's last token time (None: none yet)
+        ttft, itl = self.metrics.ttft, self.metrics.itl
 
         def on_token(row: int, token: int):
             j, r = owner[row]
+            now = time.perf_counter()
+            if last[row] is None:
+                ttft.observe(now - jobs[j].submitted)
+            else:
+                itl.observe(now - last[row])
+            last[row] = now
             if jobs[j].cancel.is_set():
                 return True  # its client went away: the row ends here
             hook = jobs[j].on_token
@@ -172,6 +188,7 @@ class Engine:
             if isinstance(err, torch.cuda.OutOfMemoryError):
                 torch.cuda.empty_cache()
             return
+        self.metrics.generated_tokens.inc(sum(len(g.generated) for g in results))
         grouped: list[list[Generation]] = [[] for _ in jobs]
         for (j, _), res in zip(owner, results):
             grouped[j].append(res)
@@ -193,7 +210,7 @@ class _Split:
         hook = None if job.on_token is None else (lambda row, token: job.on_token(offset + row, token))
         part = Job(prompts=job.prompts[offset:end], params=job.params[offset:end], logprobs=job.logprobs,
                    top_logprobs=job.top_logprobs, on_token=hook, no_newline_after_colon=job.no_newline_after_colon,
-                   cancel=job.cancel)
+                   cancel=job.cancel, submitted=job.submitted)
         part.future.add_done_callback(self._done)
         self.engine._queue.put(part)
 

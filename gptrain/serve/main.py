@@ -35,7 +35,7 @@ def serve_main(argv: list[str]) -> int:
 
         from gptrain.serve.app import build_app
     except ImportError as err:
-        return _fail(f"{err.name} is not installed: pip install fastapi uvicorn")
+        return _fail(_missing(err))
     try:
         try:
             loaded = load_from_flags(args)
@@ -117,6 +117,18 @@ def _hold_signals() -> None:
     (the other ranks) ends the process, with exit status 0."""
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: None)
+
+
+# the pip package of a module `gptrain serve` imports, where the names differ
+PACKAGES = {"prometheus_client": "prometheus-client", "starlette": "fastapi", "pydantic": "fastapi"}
+
+
+def _missing(err: ImportError) -> str:
+    """The module that is missing and the command that installs it (the server's packages are
+    gptrain dependencies, so reinstalling gptrain installs them too)."""
+    module = (err.name or str(err)).split(".", 1)[0]
+    package = PACKAGES.get(module, module.replace("_", "-"))
+    return f"{module} is not installed (`gptrain serve` needs it): pip install {package}"
 
 
 def _fail(message: str) -> int:

@@ -176,6 +176,10 @@ class TrainConfig:
     max_nan_iterations: int = field(default=10, metadata=flag(
         "--max-nan-iterations", group="training",
         help="stop (saving the last good state) after this many NaN/inf steps in a row"))
+    check_for_nan_in_loss_and_grad: bool = field(default=True, metadata=flag(
+        "--no-check-for-nan-in-loss-and-grad", group="training", action="store_false",
+        help="do not name the rank whose own loss or gradients went NaN/Inf (on by default, as in Megatron-LM; "
+             "a NaN/Inf step is skipped on every rank and counted either way)"))
     tensorboard_dir: str | None = field(default=None, metadata=flag(
         "--tensorboard-dir", group="logging", help="write TensorBoard scalars here"))
     compile: bool = field(default=False, metadata=flag(

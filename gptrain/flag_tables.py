@@ -80,6 +80,9 @@ COMPATIBILITY: tuple[Compat, ...] = (
     Compat("--use-flash-attn-v2", "attention runs on --attention-backend's kernels: by default cuDNN's forward and "
            "FlashAttention-4's backward where flash-attn-4 can run, else PyTorch SDPA's pick (cuDNN on H100); "
            "--attention-backend flash forces FlashAttention-2"),
+    Compat("--check-for-nan-in-loss-and-grad", "on by default (Megatron-LM's default): a rank whose own loss or "
+           "gradients go NaN/Inf names itself, the step is skipped on every rank and counted; "
+           "--no-check-for-nan-in-loss-and-grad turns the naming off"),
     Compat("--log-validation-ppl-to-tensorboard", "validation perplexity is always written to TensorBoard, as "
            "'lm loss validation ppl' (Megatron's tag), beside the validation loss"),
     Compat("--attention-softmax-in-fp32", "the attention kernels (SDPA's, FlashAttention-4's) take the softmax of "

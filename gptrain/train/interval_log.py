@@ -2,7 +2,8 @@
 ``log_interval``): Megatron's iteration line with the fields its flags add (``--log-throughput``'s
 throughput per GPU, ``--log-params-norm``'s params norm), gptrain's throughput suffix with an ETA that
 honours ``--exit-duration-in-mins``, the memory line once, the TensorBoard / wandb scalars
-(``--log-timers-to-tensorboard``: the iteration time too), and the stop after too many NaN steps."""
+(``--log-timers-to-tensorboard``: the iteration time too), the NaN check's lines, and the stop after too
+many NaN steps (its advice for the precision in use)."""
 from __future__ import annotations
 
 import time
@@ -11,6 +12,7 @@ import torch
 
 from gptrain.parallel.collectives import global_norm_and_sum, world_size
 from gptrain.train import metrics
+from gptrain.train.nan_check import stop_advice
 
 
 class TrainingStopped(RuntimeError):
@@ -91,6 +93,7 @@ def log_interval(trainer, stats) -> None:
         if t.log_throughput:
             scalars["throughput"] = tflops
     self.tb.scalars(scalars, self.iteration, self.consumed_train)
+    self.nan_check.report()  # --check-for-nan-in-loss-and-grad: a rank that produced a NaN names itself
     for counter in (self._loss_sum, self._advanced, self._nan_count, self._nan_samples):
         counter.zero_()
     if nan_run >= t.max_nan_iterations:
@@ -98,5 +101,5 @@ def log_interval(trainer, stats) -> None:
         self.checkpointer.close()
         saved = f"the last good state is saved in {t.save}" if t.save else "no --save was given, nothing saved"
         raise TrainingStopped(f"{int(nan_run)} NaN/inf iterations in a row at iteration {self.iteration} "
-                              f"(--max-nan-iterations {t.max_nan_iterations}): stopping; {saved}. Lower --lr, "
-                              "check the data, or use --bf16 instead of --fp16.")
+                              f"(--max-nan-iterations {t.max_nan_iterations}): stopping; {saved}. "
+                              + stop_advice(self.cfg.precision, self.loss_scale if self.scaler else None))

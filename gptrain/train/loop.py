@@ -17,7 +17,7 @@ import torch
 
 from gptrain.config import RunConfig
 from gptrain.data.loader import MicroBatchLoader, NoData
-from gptrain.parallel.collectives import all_reduce_, global_norm_and_sum, world_size
+from gptrain.parallel.collectives import all_reduce_, global_norm_and_sum, local, world_size
 from gptrain.parallel.data_parallel import average_flat, average_gradients
 from gptrain.parallel.dims import is_logging_rank, world_from_env
 from gptrain.train import metrics
@@ -29,6 +29,7 @@ from gptrain.train.checkpoint import Checkpointer, load_checkpoint
 from gptrain.train import resume
 from gptrain.train.checkpoint_files import find_gptrain_iteration_dir, iteration_dir, recover
 from gptrain.train.durable import stall_point
+from gptrain.train.nan_check import NanCheck
 from gptrain.checkpoint_kind import checkpoint_kind
 from gptrain.train.megatron_load import load_hf, load_megatron
 from gptrain.train.precision import LossScaler
@@ -117,6 +118,7 @@ class Trainer:
         self.exit_reason: str | None = None
         self.checkpointer = Checkpointer(cfg.train.async_save, self.log)
         self.run_start: float | None = None  # when train() began (--exit-duration-in-mins counts from it)
+        self.nan_check = NanCheck(cfg.train.check_for_nan_in_loss_and_grad, world_from_env()[1], device)
 
     def loader(self, dataset, start: int) -> MicroBatchLoader | NoData:
         if self.pipeline is not None and not self.pipeline.needs_data:
@@ -245,6 +247,8 @@ class Trainer:
             tokens, labels = loader.next()
             with self._autocast():
                 loss = self.forward(tokens, labels, self._loss_mask(tokens)) / n_micro
+            if self.nan_check.inject:  # GPTRAIN_NAN_AT (tests)
+                loss = self.nan_check.maybe_inject(loss, self.iteration + 1)
             (loss * scale if self.scaler else loss).backward()
             if self.main is not None and buckets is None:  # with buckets, hooks took each gradient
                 self.main.accumulate_grads()
@@ -273,6 +277,10 @@ class Trainer:
         layout = self.parts.layout
         named = [(n, p.grad) for n, p in self.opt_params.items() if p.grad is not None]
         dims = self.parts.dims
+        # --check-for-nan-in-loss-and-grad: this rank's own loss, and its gradients where they are not reduced
+        # yet (with fp16, non-finite gradients are the loss scaler's business)
+        own = self.parts.grad_buckets is None and not dims.sharded and self.scaler is None
+        self.nan_check.record(loss_acc, [local(g) for _, g in named] if own else None, self.iteration + 1)
         if self.parts.grad_buckets is not None:  # reduced during the backward: wait for the last buckets
             self.parts.grad_buckets.wait()
         elif dims.replicated:  # plain data parallelism: average the whole gradients over the replicas

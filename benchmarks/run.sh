@@ -9,7 +9,7 @@
 #               micro-batch 16 and 64 (benchmarks/train_throughput.py = `gptrain bench`)
 #   scaling     train_throughput.py under torchrun at the DP/ZeRO/TP/PP layouts beside a 1-GPU row of the
 #               same run (nccl_bench.py first); 2-GPU layouts from 2 GPUs, 4-GPU layouts from 4; with
-#               one GPU it says so and exits 0
+#               one GPU it says so and exits 0; ONLY="1gpu dp2 ..." picks layouts (and nccl)
 #   ranks       the rank simulator on one GPU: one rank of TP2 / TP2+SP (345M, micro-batch 16; each also
 #               with CUDA graphs, --compile-mode reduce-overhead) beside the 1-GPU step, a TP8+SP rank of a 175B pipeline stage (12 layers, 8 micro-batches), and the
 #               start-up of a rank of the 175B TP8 x PP8 plan (world 64)
@@ -23,6 +23,7 @@
 #   lane        the GPU test lane (pytest -m gpu on the kernel and decode tests), then `gptrain demo`
 #   kernels     each GPU kernel against its reference, then timed: check_cublaslt.py, check_xent.py,
 #               check_flash4.py (if flash-attn-4 is installed), decode_gemv.py, decode_kernels.py --quick
+#   restart     rank_restart.py: a 2-GPU run under torchrun --max-restarts 1, one worker killed with SIGKILL
 #   profile     profile_step.py: where one 345M training step's device and host time go (micro-batch 16)
 #   all         lane train ranks decode serve checkpoint preprocess scaling, in turn (no extra args)
 #
@@ -100,17 +101,28 @@ suite_train() {
 }
 
 # LAYOUT list: "GPUS:MICRO_BATCH:GLOBAL_BATCH:NAME:FLAGS"; the baseline (nanoGPT, under DDP at DP) runs
-# beside the 1-GPU and plain data-parallel rows only
-LAYOUTS2=("1:16:16:1gpu:" "2:16:32:dp2:" "2:32:64:zero3_dp2:--zero-stage 3 --no-baseline"
-          "2:32:32:tp2:--tensor-model-parallel-size 2 --no-baseline"
-          "2:32:32:tp2_sp:--tensor-model-parallel-size 2 --sequence-parallel --no-baseline"
-          "2:16:128:pp2:--pipeline-model-parallel-size 2 --no-baseline"
-          "2:16:128:pp2_last10:--pipeline-model-parallel-size 2 --decoder-last-pipeline-num-layers 10 --no-baseline")
+# beside the 1-GPU and plain data-parallel rows only. Names ending _mbN are the layout at another micro-batch.
+GRAPHS="--compile-mode reduce-overhead"
+LAYOUTS2=("1:16:16:1gpu:" "2:16:32:dp2:" "2:16:32:dp2_overlap:--overlap-grad-reduce --no-baseline"
+          "2:16:32:zero1_dp2:--zero-stage 1 --no-baseline" "2:16:32:zero2_dp2:--zero-stage 2 --no-baseline"
+          "2:16:32:zero3_dp2:--zero-stage 3 --no-baseline"
+          "2:16:16:tp2:--tensor-model-parallel-size 2 --no-baseline"
+          "2:16:16:tp2_graphs:--tensor-model-parallel-size 2 $GRAPHS --no-baseline"
+          "2:16:16:tp2_sp:--tensor-model-parallel-size 2 --sequence-parallel --no-baseline"
+          "2:16:16:tp2_sp_graphs:--tensor-model-parallel-size 2 --sequence-parallel $GRAPHS --no-baseline"
+          "2:16:128:pp2:--pipeline-model-parallel-size 2 --decoder-last-pipeline-num-layers 10 --no-baseline"
+          "2:16:128:pp2_interleaved:--pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 6 --no-baseline"
+          "1:32:32:1gpu_mb32:" "2:32:64:dp2_mb32:" "2:32:64:zero3_dp2_mb32:--zero-stage 3 --no-baseline"
+          "2:32:32:tp2_graphs_mb32:--tensor-model-parallel-size 2 $GRAPHS --no-baseline"
+          "2:32:32:tp2_sp_graphs_mb32:--tensor-model-parallel-size 2 --sequence-parallel $GRAPHS --no-baseline")
 LAYOUTS4=("4:16:128:dp4:--no-baseline" "4:32:64:tp2_dp2:--tensor-model-parallel-size 2 --no-baseline"
           "4:16:128:tp2_pp2:--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 --no-baseline"
           "4:32:32:tp4:--tensor-model-parallel-size 4 --no-baseline"
           "4:8:128:pp4:--pipeline-model-parallel-size 4 --decoder-last-pipeline-num-layers 3 --no-baseline"
           "4:16:128:zero3_dp4:--zero-stage 3 --no-baseline")
+
+# ONLY="1gpu dp2 ..." runs those layouts alone (a long suite split over calls; keep a 1-GPU row in each)
+selected() { [ -z "${ONLY:-}" ] || [[ " $ONLY " == *" $1 "* ]]; }
 
 suite_scaling() {
   need_gpu scaling || return
@@ -122,25 +134,41 @@ suite_scaling() {
     echo "(the per-rank cost of any layout on one GPU: run.sh ranks)"
     return 0
   fi
-  run scaling/nccl.txt "${TORCHRUN[@]}" "$n" benchmarks/nccl_bench.py || rc=1
+  selected nccl && { run scaling/nccl.txt "${TORCHRUN[@]}" "$n" benchmarks/nccl_bench.py || rc=1; }
   local layouts=("${LAYOUTS2[@]}")
   [ "$n" -ge 4 ] && layouts+=("${LAYOUTS4[@]}")
   for v in "${layouts[@]}"; do
     IFS=: read -r gpus mbs gbs name flags <<< "$v"
+    selected "$name" || continue
     # shellcheck disable=SC2086  # flags split into words on purpose
     if [ "$gpus" = 1 ]; then
-      run scaling/$name.txt "$PY" benchmarks/train_throughput.py "${BENCH[@]}" --warmup 3 --iters 8 \
+      run scaling/$name.txt timeout 240 "$PY" benchmarks/train_throughput.py "${BENCH[@]}" --warmup 3 --iters 8 \
         --micro-batch-size "$mbs" --global-batch-size "$gbs" $flags "$@" || rc=1
     else
-      run scaling/$name.txt "${TORCHRUN[@]}" "$gpus" benchmarks/train_throughput.py "${BENCH[@]}" --warmup 3 --iters 8 \
+      run scaling/$name.txt timeout 240 "${TORCHRUN[@]}" "$gpus" benchmarks/train_throughput.py "${BENCH[@]}" --warmup 3 --iters 8 \
         --micro-batch-size "$mbs" --global-batch-size "$gbs" $flags "$@" || rc=1
     fi
   done
   echo "== scaling (tokens/s per GPU)"
   for v in "${layouts[@]}"; do
     IFS=: read -r gpus mbs gbs name flags <<< "$v"
+    selected "$name" || continue
     echo "-- $name ($gpus GPUs, micro-batch $mbs, global batch $gbs)"; bench_rows "$OUT/scaling/$name.txt"
   done
+  return $rc
+}
+
+suite_restart() {
+  # a worker of a 2-GPU data-parallel run killed with SIGKILL under torchrun --max-restarts 1: the time
+  # to the restarted run's first iteration line, its load time, the iterations run twice alike
+  need_gpu restart || return
+  [ "$(gpu_count)" -ge 2 ] || { echo "restart: needs 2 GPUs"; return 0; }
+  rm -rf "$WORK/restart"
+  run restart/rank_restart.txt "$PY" benchmarks/rank_restart.py --nproc 2 --save-interval 20 --kill-after 25 \
+    --train-iters 30 --workdir "$WORK/restart" -- "${BENCH[@]}" --micro-batch-size 16 --global-batch-size 32 \
+    --mock-data --lr 1e-4 --eval-iters 0 "$@"
+  local rc=$?
+  echo "== restart"; sed -n '/^== rank restart/,$p' "$OUT/restart/rank_restart.txt"
   return $rc
 }
 
@@ -283,7 +311,7 @@ suite_profile() {
 suite=${1:-}
 [ $# -gt 0 ] && shift
 case $suite in
-  train|scaling|ranks|decode|serve|checkpoint|preprocess|lane|kernels|profile)
+  train|scaling|ranks|decode|serve|checkpoint|preprocess|lane|kernels|profile|restart)
     device_info
     "suite_$suite" "$@"
     exit $? ;;

@@ -26,7 +26,7 @@ from gptrain.train.interval_log import TrainingStopped, log_interval  # noqa: F4
 from gptrain.train.build import TrainingParts
 from gptrain.train import signals
 from gptrain.train.checkpoint import Checkpointer, load_checkpoint
-from gptrain.train import resume
+from gptrain.train import restart_note, resume
 from gptrain.train.checkpoint_files import find_gptrain_iteration_dir, iteration_dir, recover
 from gptrain.train.durable import stall_point
 from gptrain.train.nan_check import NanCheck
@@ -179,7 +179,11 @@ class Trainer:
         for root in (r for r, kind in kinds.items() if kind in ("gptrain", None)):
             recover(root, self.log)  # put back what a killed save moved aside, drop its temporary files
         load = resume.load_folder(t.load, t.save, self.log)
+        began = time.perf_counter()
         self._load(load, kinds.get(load, "gptrain") if load else None)
+        line = restart_note.resume_line(t.save, self.loaded_iteration, time.perf_counter() - began if load else None)
+        if line:
+            self.log(line)
         resume.refuse_overwriting(t.save, load, 0 if t.finetune else self.iteration)
 
     def _load(self, load: str | None, kind: str | None) -> None:
@@ -435,6 +439,7 @@ class Trainer:
                     self.total_skipped += 1
                 if self.iteration % t.log_interval == 0:
                     self._log_interval(stats)
+                    restart_note.record(t.save, self.iteration)
                     stats = IntervalStats(start_time=time.perf_counter())
                 if t.eval_interval and self.iteration % t.eval_interval == 0 and t.eval_iters > 0 \
                         and self.valid_ds is not None:

@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
         losses.setdefault(it, []).append(m.group(2))
         if killed_at is None and saved and it >= args.kill_after:
             kill_one()
-        elif killed_at is not None and first_after is None and time.perf_counter() > killed_at:
+        elif loaded_at is not None and first_after is None:
             first_after = time.perf_counter()
             print(f"[rank_restart] first iteration after the restart: {it}", flush=True)
     rc = proc.wait()

@@ -89,6 +89,20 @@ def world_from_env() -> tuple[int, int, int]:
             int(os.environ.get("LOCAL_RANK", "0")))
 
 
+def _attempt_store(timeout: datetime.timedelta | None) -> dist.Store | None:
+    """Under torchrun the workers share the agent's store, which outlives a restart of the group: the
+    keys each rank wrote there in the last attempt (gloo's and NCCL's addresses among them) are still
+    there, and a restarted rank that reads one before its peer rewrites it connects to a dead process
+    ("connectFullMesh ... Connection refused"). Each attempt gets keys of its own."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or "MASTER_PORT" not in os.environ:
+        return None
+    from torch.distributed import distributed_c10d
+
+    agent = dist.TCPStore(os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ["MASTER_PORT"]),
+                          is_master=False, timeout=timeout or distributed_c10d.default_pg_timeout)
+    return dist.PrefixStore(f"gptrain/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", agent)
+
+
 def init_distributed(device: torch.device, timeout_minutes: float | None = None) -> torch.device:
     """Join the process group torchrun describes: NCCL on GPUs (one per local rank), gloo on CPU.
     Returns this rank's device. ``timeout_minutes`` (--distributed-timeout-minutes) bounds every
@@ -105,6 +119,9 @@ def init_distributed(device: torch.device, timeout_minutes: float | None = None)
         timeout = datetime.timedelta(minutes=timeout_minutes)
         distributed_c10d.default_pg_timeout = distributed_c10d.default_pg_nccl_timeout = timeout
         kwargs["timeout"] = timeout
+    store = _attempt_store(kwargs.get("timeout"))
+    if store is not None:
+        kwargs.update(store=store, rank=int(os.environ["RANK"]), world_size=world)
     if device.type == "cuda":
         os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")
         device = torch.device("cuda", local_rank)

@@ -74,12 +74,17 @@ def log_interval(trainer, stats) -> None:
         mem = metrics.memory_line(self.iteration, self.device)
         if mem:
             self.log(mem)
-            from gptrain.plan.report import measured_line
-
-            plan = measured_line(self.cfg, world_size(), self.device, tokens_per_s)
-            if plan:
-                self.log(plan)
         self.memory_reported = True
+    # the planner's prediction against the first interval without this process's first iteration (which
+    # compiles and warms up)
+    first_of_process = self.iteration - stats.iterations <= (self.loaded_iteration or 0)
+    if not self.plan_reported and not first_of_process and self.device.type == "cuda":
+        from gptrain.plan.report import measured_line
+
+        plan = measured_line(self.cfg, world_size(), self.device, tokens_per_s)
+        if plan:
+            self.log(plan)
+        self.plan_reported = True
     if avg_loss is not None:
         self.last_train_loss = avg_loss
         self.train_losses.append((self.iteration, avg_loss))

@@ -108,6 +108,7 @@ class Trainer:
         self.global_batch = cfg.train.global_batch_at(0)  # the last iteration's (the log line shows it)
         self.total_skipped = 0
         self.memory_reported = False
+        self.plan_reported = False
         self.last_train_loss: float | None = None
         self.first_train_loss: float | None = None
         # what the run's result reports (train/run.py's TrainResult): (iteration, lm loss) per logged

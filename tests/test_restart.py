@@ -3,8 +3,10 @@ checkpoint, says so in one line and goes on with the uninterrupted run's losses;
 own keys in torchrun's store; a signal reaching a process stuck in a blocked call ends it promptly."""
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -105,3 +107,49 @@ def test_exit_signal_handler_waits_for_the_iteration():
     # with --exit-signal-handler the signal only sets a flag: the blocked call finishes
     done, _ = _blocked(True, 2_000_000)
     assert done.returncode == 0 and "returned" in done.stdout, done.stdout + done.stderr
+
+
+@pytest.mark.slow
+def test_a_stopped_rank_is_named_and_the_run_exits_non_zero(tmp_path):
+    """SIGSTOP to rank 1 mid-run: rank 0 names it (rank, host, iteration, what it was doing) within
+    --distributed-timeout-minutes and exits non-zero, so the launcher can restart the group."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "gptrain",
+           "train", *TINY, "--train-iters", "100000", "--eval-iters", "0", "--distributed-timeout-minutes", "0.5"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env(),
+                            start_new_session=True)
+    out, stopped_at, victim, named_after = [], None, None, None
+    try:
+        for line in proc.stdout:
+            out.append(line)
+            if victim is None and line.startswith(" iteration        3/"):
+                time.sleep(3)  # a heartbeat (every 2.5 s here) after training began
+                victim = _worker_of_rank(proc.pid, 1)
+                os.kill(victim, signal.SIGSTOP)
+                stopped_at = time.monotonic()
+            if "stopped progressing" in line:
+                named_after = time.monotonic() - stopped_at
+                os.kill(victim, signal.SIGKILL)  # torchrun would, 30 s after its SIGTERM
+        proc.wait(timeout=120)
+    finally:
+        if victim is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(victim, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    text = "".join(out)
+    assert victim is not None, text[-3000:]
+    named = [line for line in out if "stopped progressing" in line]
+    assert named and re.search(r"gptrain: error: rank 1 on \S+ stopped progressing: no heartbeat for 15 s, last at "
+                               r"iteration \d+ \(training step\); rank 0 exits", named[0]), text[-3000:]
+    assert proc.returncode != 0
+    assert named_after < 30  # within --distributed-timeout-minutes
+
+
+def _worker_of_rank(agent_pid: int, rank: int) -> int:
+    children = subprocess.run(["ps", "-o", "pid=", "--ppid", str(agent_pid)], capture_output=True,
+                              text=True).stdout.split()
+    for pid in map(int, children):
+        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        if f"RANK={rank}".encode() in environ:
+            return pid
+    raise LookupError(f"no worker of rank {rank} under {agent_pid}")

@@ -26,7 +26,7 @@ from gptrain.train.interval_log import TrainingStopped, log_interval  # noqa: F4
 from gptrain.train.build import TrainingParts
 from gptrain.train import signals
 from gptrain.train.checkpoint import Checkpointer, load_checkpoint
-from gptrain.train import restart_note, resume
+from gptrain.train import heartbeat, restart_note, resume
 from gptrain.train.checkpoint_files import find_gptrain_iteration_dir, iteration_dir, recover
 from gptrain.train.durable import stall_point
 from gptrain.train.nan_check import NanCheck
@@ -169,6 +169,7 @@ class Trainer:
     def save(self) -> None:
         if not self.cfg.train.save:
             return
+        heartbeat.progress(self.iteration, "checkpoint save")
         self.checkpointer.save(self.cfg.train.save, self.iteration, self.opt_params, self.optimizer, self.state(),
                                self.cfg.model.vocab_size, self.parts.layout)
 
@@ -422,6 +423,7 @@ class Trainer:
         try:
             while self.iteration < t.train_iters and not t.skip_train:
                 stall_point(world_from_env()[1], self.iteration + 1)
+                heartbeat.progress(self.iteration + 1, "training step")
                 # Megatron's order: the global batch from the samples consumed so far (the ramp-up's); when it
                 # changes, Megatron-LM saves a checkpoint first (unless this iteration's is saved already)
                 batch = t.global_batch_at(self.consumed_train)

@@ -17,7 +17,7 @@ from gptrain.parallel.dims import init_distributed, is_logging_rank, world_from_
 from gptrain.parallel.layout import parameter_counts
 from gptrain.parallel.parallelize import describe_sharding
 from gptrain.train.build import build_training, parallel_dims, parameter_count
-from gptrain.train import signals
+from gptrain.train import heartbeat, signals
 from gptrain.train.checkpoint import CheckpointError
 from gptrain.train.checkpoint_files import newest_complete
 from gptrain.train.loop import Trainer, TrainingStopped
@@ -140,6 +140,7 @@ def _train_main(argv: list[str], log=None) -> TrainResult:
             return TrainResult.of(0, trainer)
         dims = parallel_dims(cfg, world)
         device = init_distributed(pick_device(cfg.train.device), cfg.parallel.distributed_timeout_minutes)
+        heartbeat.start(cfg.parallel.distributed_timeout_minutes)  # names a rank that stops
         mesh = dims.build_mesh(device.type)
         log(f"{dims.describe()} ; device {device.type}, precision {cfg.precision.name}")
         check_before_build_on_every_rank(cfg)  # paths and packages, before the model is built
@@ -208,6 +209,7 @@ def _train_main(argv: list[str], log=None) -> TrainResult:
     finally:
         release_save_lock()  # --save's lock (taken by the start-up checks) ends with the run
         signals.uninstall()
+        heartbeat.stop()
         if torch.distributed.is_initialized() and torch.distributed.get_backend() != "fake":
             torch.distributed.destroy_process_group()  # a simulated world ends with its context
     return TrainResult.of(0, trainer)

@@ -216,14 +216,15 @@ class TrainConfig:
     verbose: bool = field(default=False, metadata=flag(
         "--verbose", group="logging", help="print kernel choices with their reasons and every index-cache file"))
     exit_on_missing_checkpoint: bool = field(default=False, metadata=flag(
-        "--exit-on-missing-checkpoint", group="checkpointing",
-        help="with --load naming no checkpoint: print Megatron's line and exit 0 (as Megatron does) instead of "
-             "refusing or starting from scratch"))
-    log_throughput: bool = field(default=False, metadata=flag(
-        "--log-throughput", group="logging",
+        "--exit-on-missing-checkpoint", group="checkpointing", help="with --load naming no checkpoint: print "
+        "Megatron's line and exit 0 (as Megatron does) instead of refusing or starting from scratch"))
+    log_throughput: bool = field(default=False, metadata=flag("--log-throughput", group="logging",
         help="Megatron's ' throughput per GPU (TFLOP/s/GPU): X |' field in the iteration line"))
-    log_params_norm: bool = field(default=False, metadata=flag(
-        "--log-params-norm", group="logging",
+    log_straggler: bool = field(default=False, metadata=flag("--log-straggler", group="logging", help="at each log "
+        "interval, the fastest and slowest ranks' own forward-backward time against the median (one all-gather)"))
+    straggler_minmax_count: int = field(default=1, metadata=flag(
+        "--straggler-minmax-count", group="logging", help="with --log-straggler: how many fastest/slowest to name"))
+    log_params_norm: bool = field(default=False, metadata=flag("--log-params-norm", group="logging",
         help="Megatron's ' params norm: X |' field in the iteration line (L2 norm of all parameters)"))
     log_timers_to_tensorboard: bool = field(default=False, metadata=flag(
         "--log-timers-to-tensorboard", group="logging",

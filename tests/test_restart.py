@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from distributed import TINY, _env, free_port, losses, torchrun
 from gptrain.parallel import dims
-from gptrain.train import restart_note
+from gptrain.train import restart_note, straggler
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -153,3 +153,14 @@ def _worker_of_rank(agent_pid: int, rank: int) -> int:
         if f"RANK={rank}".encode() in environ:
             return pid
     raise LookupError(f"no worker of rank {rank} under {agent_pid}")
+
+
+@pytest.mark.slow
+def test_log_straggler_names_the_slow_rank(monkeypatch):
+    """--log-straggler: with rank 1 slowed by 0.2 s a step (GPTRAIN_SLOW_RANK), rank 0's line names it slowest."""
+    monkeypatch.setenv(straggler.SLOW_ENV, "1:0.2")
+    out = torchrun(2, TINY + ["--train-iters", "2", "--eval-iters", "0", "--log-straggler"])
+    lines = [line for line in out.splitlines() if line.startswith(" > straggler:")]
+    assert len(lines) == 2, out[-3000:]
+    m = re.search(r"over 2 ranks: fastest rank 0 ([0-9.]+) \| median [0-9.]+ \| slowest rank 1 ([0-9.]+) \(", lines[1])
+    assert m and float(m.group(2)) - float(m.group(1)) > 150, lines

@@ -70,6 +70,8 @@ def log_interval(trainer, stats) -> None:
                                   throughput=tflops if t.log_throughput else None, params_norm=norm)
     self.log(line + metrics.throughput_suffix(tokens_per_s, tflops, self.peak, eta, self.device.type,
                                               exit_limit=t.exit_duration_in_mins if by_limit else None))
+    if self.straggler and (straggler := self.straggler.line()):
+        self.log(straggler)
     if not self.memory_reported:
         mem = metrics.memory_line(self.iteration, self.device)
         if mem:

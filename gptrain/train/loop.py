@@ -34,6 +34,7 @@ from gptrain.checkpoint_kind import checkpoint_kind
 from gptrain.train.megatron_load import load_hf, load_megatron
 from gptrain.train.precision import LossScaler
 from gptrain.train.schedule import LRSchedule
+from gptrain.train.straggler import StragglerLog
 
 
 @dataclass
@@ -109,6 +110,7 @@ class Trainer:
         self.total_skipped = 0
         self.memory_reported = False
         self.plan_reported = False
+        self.straggler = StragglerLog(device, cfg.train.straggler_minmax_count) if cfg.train.log_straggler else None
         self.last_train_loss: float | None = None
         self.first_train_loss: float | None = None
         # what the run's result reports (train/run.py's TrainResult): (iteration, lm loss) per logged
@@ -276,7 +278,11 @@ class Trainer:
             # the straight run drew (each forward of the step advances it by one)
             self.parts.model.dropout_step.fill_(self.iteration << 16)
         n_micro = gbs // (self.cfg.train.micro_batch_size * self.dp_size)
+        if self.straggler:
+            self.straggler.start()
         loss_acc = self._forward_backward(loader, scale if self.scaler else 1.0, n_micro)
+        if self.straggler:
+            self.straggler.stop()
         lr = self.schedule.lr()
         for group in self.optimizer.param_groups:
             group["lr"] = lr

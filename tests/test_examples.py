@@ -151,11 +151,11 @@ def test_sbatch_launches_torchrun_with_rendezvous_on_first_node(dry_runs):
     assert result.returncode == 0, result.stderr
     lines = [line for line in result.stderr.splitlines() if line.startswith("torchrun ")]
     assert len(lines) == 1, result.stderr
-    assert lines[0].startswith("torchrun --nnodes 8 --nproc_per_node 8 --rdzv-id 4242 --rdzv-backend c10d "
+    assert lines[0].startswith("torchrun --nnodes 8 --nproc_per_node 8 --max-restarts 3 --rdzv-id 4242 --rdzv-backend c10d "
                                "--rdzv-endpoint node001:29500 -m gptrain train --num-layers 96 "), lines[0]
     assert lines[0].endswith(" --dry-run --world-size 64")
     sbatch = (EXAMPLES / "pretrain_gpt3_175b_64gpu.sbatch").read_text()
-    for directive in ("#SBATCH --nodes=8", "#SBATCH --ntasks-per-node=1", "#SBATCH --gpus-per-node=8"):
+    for directive in ("#SBATCH --nodes=8", "#SBATCH --ntasks-per-node=1", "#SBATCH --gpus-per-node=8", "#SBATCH --requeue"):
         assert directive in sbatch
 
 

@@ -164,3 +164,4 @@ def test_log_straggler_names_the_slow_rank(monkeypatch):
     assert len(lines) == 2, out[-3000:]
     m = re.search(r"over 2 ranks: fastest rank 0 ([0-9.]+) \| median [0-9.]+ \| slowest rank 1 ([0-9.]+) \(", lines[1])
     assert m and float(m.group(2)) - float(m.group(1)) > 150, lines
+    assert lines[1].endswith(": rank 1 is a straggler"), lines

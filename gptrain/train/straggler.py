@@ -14,6 +14,7 @@ import time
 import torch
 import torch.distributed as dist
 
+THRESHOLD = 1.1  # the slowest rank this far above the median is called a straggler
 SLOW_ENV = "GPTRAIN_SLOW_RANK"  # "RANK:SECONDS": that rank sleeps this long in each timed window (tests)
 
 
@@ -69,5 +70,6 @@ class StragglerLog:
         fast = ", ".join(f"rank {r} {ms[r]:.1f}" for r in order[:self.count])
         slow = ", ".join(f"rank {r} {ms[r]:.1f}" for r in reversed(order[-self.count:]))
         ratio = ms[order[-1]] / median if median > 0 else 1.0
+        verdict = f": rank {order[-1]} is a straggler" if ratio > THRESHOLD else ""
         return (f" > straggler: forward-backward ms per iteration over {len(ms)} ranks: fastest {fast} | median "
-                f"{median:.1f} | slowest {slow} ({ratio:.2f}x the median)")
+                f"{median:.1f} | slowest {slow} ({ratio:.2f}x the median){verdict}")

@@ -258,3 +258,37 @@ def test_buckets_launch_as_their_gradients_arrive():
         buckets.arrived(1)
         buckets.wait()  # a bucket whose gradients did not all arrive is launched by wait()
         assert torch.all(flat == 0.5) and buckets._pending == []
+
+
+# ---- initial weights through checkpoints: a step at learning rate 0 saves the initial weights as full tensors
+
+_LR0 = TINY + ["--lr", "0", "--min-lr", "0", "--train-iters", "1", "--eval-iters", "0", "--num-layers", "4"]
+
+
+def _saved_weights(path) -> dict[str, torch.Tensor]:
+    from gptrain.model.gpt import GPT
+    from gptrain.train.checkpoint import load_checkpoint
+
+    cfg, _ = parse_megatron_args(_LR0)
+    model = GPT(cfg.model)
+    load_checkpoint(str(path), dict(model.named_parameters()), None, cfg.model.vocab_size)
+    return {k: p.detach().clone() for k, p in model.named_parameters()}
+
+
+@pytest.fixture(scope="module")
+def one_process_initial_weights(tmp_path_factory):
+    path = tmp_path_factory.mktemp("init") / "one"
+    single(_LR0 + ["--save", str(path)])
+    return _saved_weights(path)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world, flags", [
+    (4, ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1", "--zero-stage", "1"]),
+    (2, ["--zero-stage", "2"])], ids=["pp2-virtual-zero1-dp2", "zero2"])  # ZeRO-3, DP and TP: tests above, test_simulate
+def test_initial_weights_equal_one_process_bitwise(tmp_path, one_process_initial_weights, world, flags):
+    torchrun(world, _LR0 + ["--save", str(tmp_path / "ckpt"), *flags])
+    weights = _saved_weights(tmp_path / "ckpt")
+    one = one_process_initial_weights
+    assert weights.keys() == one.keys()
+    assert [k for k in one if not torch.equal(weights[k], one[k])] == []

@@ -4,16 +4,12 @@
 # Seed:    seeds/003 -- Megatron-DeepSpeed (bigscience-workshop) pretrain_gpt2.sh, section "Use deepspeed
 #          ZeRO": TP 4, ZeRO stage 3 with "cpu_offload": true from deepspeed_config.json (next to this
 #          script, byte for byte the seed's file).
-# Machine: one node with 8 GPUs (TP 4 x ZeRO-3 data parallel 2). The seed ran it on 4 GPUs (TP 4, so a
-#          data-parallel size of 1), and gptrain refuses that layout:
-#              gptrain: error: --cpu-offload needs ZeRO-3 over more than one data-parallel rank
-#          With 8 GPUs every seed flag and the seed's ds.json stay unchanged. On a node with 4 GPUs,
-#          drop the tensor parallelism instead (the last value of a flag wins), which makes ZeRO-3 over
-#          4 data-parallel ranks with CPU offload:
-#              N_GPUS=4 bash pretrain_gpt_345m_deepspeed_zero3.sh --tensor-model-parallel-size 1
-# gptrain: trains this today (ZeRO-3 on PyTorch FSDP2 with CPU offload, composed with tensor +
-#          data parallelism; TP checked on CPU, not yet measured on GPUs). gptrain reads the ds.json's
-#          ZeRO stage, cpu_offload and fp16; for the six DeepSpeed engine knobs (allgather_partitions,
+# Machine: one node with 4 GPUs, as the seed: TP 4 leaves one data-parallel rank, and ZeRO-3 with CPU
+#          offload there is ZeRO-Offload (FSDP2 over a group of one, the state in host memory). With
+#          N_GPUS=8 the same flags make TP 4 x ZeRO-3 over 2 data-parallel ranks.
+# gptrain: trains this today (ZeRO-3 on PyTorch FSDP2 with CPU offload, composed with tensor and
+#          data parallelism, one data-parallel rank included; checked on CPU against one process, not yet
+#          measured on GPUs). gptrain reads the ds.json's ZeRO stage, cpu_offload and fp16; for the six DeepSpeed engine knobs (allgather_partitions,
 #          allgather_bucket_size, overlap_comm, reduce_scatter, reduce_bucket_size, contiguous_gradients)
 #          it prints "tunes DeepSpeed's own ZeRO engine; gptrain shards with PyTorch FSDP2, which has no
 #          such setting" and goes on.
@@ -22,7 +18,6 @@
 # --data-impl mmap and --distributed-backend nccl are accepted). What differs from the seed:
 #   - the launcher: `torchrun --nproc_per_node $N_GPUS -m gptrain train` instead of
 #     `deepspeed --num_gpus $N_GPUS pretrain_gpt.py`;
-#   - N_GPUS is 8 (see Machine above);
 #   - paths come from the environment (defaults: the seed's paths, relative to the working directory,
 #     except CONFIG_JSON: the deepspeed_config.json beside this script); VOCAB_FILE/MERGE_FILE default
 #     to empty, and then gptrain's bundled GPT-2 vocabulary and merges are used;
@@ -36,7 +31,7 @@ set -eo pipefail
 SCRIPT_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 
 # adjust to the number of GPUs to use
-N_GPUS=${N_GPUS:-8}
+N_GPUS=${N_GPUS:-4}
 
 CHECKPOINT_PATH=${CHECKPOINT_PATH:-checkpoints/gpt2}
 VOCAB_FILE=${VOCAB_FILE:-}   # seed: data/gpt2-vocab.json

@@ -292,3 +292,19 @@ def test_initial_weights_equal_one_process_bitwise(tmp_path, one_process_initial
     one = one_process_initial_weights
     assert weights.keys() == one.keys()
     assert [k for k in one if not torch.equal(weights[k], one[k])] == []
+
+
+@pytest.mark.slow
+def test_cpu_offload_on_one_process_equals_the_plain_run(tmp_path):
+    """ZeRO-Offload at one data-parallel rank (FSDP2 over a group of one): the plain run's losses, by the flags
+    and by a DeepSpeed config's offload_optimizer."""
+    args = TINY + ["--train-iters", "3", "--eval-iters", "0"]
+    plain = losses(single(args))
+    ds = tmp_path / "ds.json"
+    ds.write_text('{"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}}')
+    for extra in (["--zero-stage", "3", "--cpu-offload"], ["--deepspeed", "--deepspeed_config", str(ds)]):
+        out = single(args + extra)
+        assert "ZeRO-3 over 1 rank on FSDP2" in out and "in host memory" in out, out[-2000:]
+        offloaded = losses(out)
+        assert offloaded.keys() == plain.keys() == {1, 2, 3}
+        assert all(offloaded[k] == pytest.approx(plain[k], abs=1e-5) for k in plain), (offloaded, plain)

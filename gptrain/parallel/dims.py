@@ -35,8 +35,9 @@ class ParallelDims:
     @property
     def sharded(self) -> bool:
         """Parameters live in FSDP2 (the ZeRO stages); plain data parallelism keeps whole replicas, and
-        ZeRO over one rank shards nothing (Megatron's scripts pass --use-distributed-optimizer on one GPU)."""
-        return self.zero_stage > 0 and self.dp > 1
+        ZeRO over one rank shards nothing (Megatron's scripts pass --use-distributed-optimizer on one GPU),
+        but ZeRO-3 with --cpu-offload on one rank still moves the state to host memory (ZeRO-Offload)."""
+        return self.zero_stage > 0 and (self.dp > 1 or self.cpu_offload)
 
     @property
     def replicated(self) -> bool:
@@ -62,9 +63,7 @@ class ParallelDims:
                              f"{micro_batch_size} x data-parallel size {self.dp} = {micro_batch_size * self.dp}")
         if self.zero_stage not in (0, 1, 2, 3):
             raise ValueError(f"--zero-stage {self.zero_stage}: use 0, 1, 2 or 3")
-        if self.cpu_offload and (self.zero_stage != 3 or self.dp == 1):
-            if self.zero_stage == 3:
-                raise ValueError("--cpu-offload needs ZeRO-3 over more than one data-parallel rank")
+        if self.cpu_offload and self.zero_stage != 3:
             raise ValueError(f"--cpu-offload needs --zero-stage 3 (got {self.zero_stage})")
         if self.pp > 1 and self.zero_stage > 1:
             # as in DeepSpeed: gradients and parameters sharded over data-parallel ranks would be
@@ -78,7 +77,7 @@ class ParallelDims:
                 f"tensor-model-parallel size: {self.tp}, pipeline-model-parallel size: {self.pp}")
 
     def build_mesh(self, device_type: str) -> DeviceMesh | None:
-        if not self.distributed:
+        if not self.distributed and not self.sharded:
             return None
         return init_device_mesh(device_type, (self.pp, self.dp, self.tp), mesh_dim_names=MESH_DIMS)
 
@@ -103,14 +102,19 @@ def _attempt_store(timeout: datetime.timedelta | None) -> dist.Store | None:
     return dist.PrefixStore(f"gptrain/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", agent)
 
 
-def init_distributed(device: torch.device, timeout_minutes: float | None = None) -> torch.device:
+def init_distributed(device: torch.device, timeout_minutes: float | None = None,
+                     alone: bool = False) -> torch.device:
     """Join the process group torchrun describes: NCCL on GPUs (one per local rank), gloo on CPU.
     Returns this rank's device. ``timeout_minutes`` (--distributed-timeout-minutes) bounds every
     collective of every process group: the default one, and the groups made later (DeviceMesh's,
     the checkpoint writer's), which torch would otherwise give its own defaults (30 minutes for
     gloo); NCCL's async error handling tears the process down when one times out."""
     world, _, local_rank = world_from_env()
-    if world == 1 or dist.is_initialized():
+    if dist.is_initialized() or (world == 1 and not alone):
+        return device
+    if world == 1:  # one process that still needs a group (ZeRO-Offload's FSDP2): a group of itself
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0,
+                                world_size=1, **({"device_id": device} if device.type == "cuda" else {}))
         return device
     kwargs = {}
     if timeout_minutes is not None:

@@ -48,7 +48,7 @@ def describe_sharding(dims: ParallelDims, overlap: bool = False, reduce_bf16: bo
     grads = "kept whole (fp32) across the micro-batches and reduce-scattered once, in the last one's backward" \
         if dims.zero_stage == 1 else "reduce-scattered in fp32 during each backward"
     offload = "; parameters, gradients and optimizer state in host memory" if dims.cpu_offload else ""
-    return (f"{how} over {dims.dp} ranks on FSDP2: fp32 parameter and optimizer-state shards, parameters "
+    return (f"{how} over {dims.dp} rank{'s' if dims.dp > 1 else ''} on FSDP2: fp32 parameter and optimizer-state shards, parameters "
             f"{keep}, gradients {grads}{offload}")
 
 
@@ -57,7 +57,8 @@ def apply_fsdp(roots: list[nn.Module], model: GPT, mesh: DeviceMesh, dims: Paral
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
-    offload = CPUOffloadPolicy() if dims.cpu_offload else OffloadPolicy()
+    # pinned host memory only where there is a GPU to copy to (a CPU run's offload is the same memory)
+    offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if dims.cpu_offload else OffloadPolicy()
     # with tensor parallelism the parameters are already DTensors on the tp dimension: FSDP2 shards
     # them further over dp (a 2-D layout)
     dp_mesh = mesh["dp"]

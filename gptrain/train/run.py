@@ -139,7 +139,8 @@ def _train_main(argv: list[str], log=None) -> TrainResult:
             dry_run(cfg, planned_world_size(argv), log)
             return TrainResult.of(0, trainer)
         dims = parallel_dims(cfg, world)
-        device = init_distributed(pick_device(cfg.train.device), cfg.parallel.distributed_timeout_minutes)
+        device = init_distributed(pick_device(cfg.train.device), cfg.parallel.distributed_timeout_minutes,
+                                  alone=dims.sharded)
         heartbeat.start(cfg.parallel.distributed_timeout_minutes)  # names a rank that stops
         mesh = dims.build_mesh(device.type)
         log(f"{dims.describe()} ; device {device.type}, precision {cfg.precision.name}")

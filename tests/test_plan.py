@@ -8,11 +8,13 @@ import json
 
 import pytest
 import torch
+from torch.distributed.tensor import DTensor
 
 from gptrain.config import parse_megatron_args
+from gptrain.parallel import simulate
 from gptrain.parallel.dims import ParallelDims
 from gptrain.plan.cli import plan_main
-from gptrain.plan.memory import state_memory
+from gptrain.plan.memory import block_params, state_memory
 from gptrain.plan.search import _stage_params, predict
 from gptrain.plan.hardware import load_gpu
 from gptrain.train.build import build_training, parallel_dims
@@ -54,6 +56,66 @@ def test_state_bytes_equal_a_cpu_run(precision):
     assert params == sum(p.numel() for p in model_params)
     predicted = state_memory(cfg, dims, params, cfg.model.num_layers).state_bytes()
     assert predicted == pytest.approx(allocated, rel=0.02)
+
+
+def _local_bytes(tensors) -> int:
+    return _unique_bytes(t.to_local() if isinstance(t, DTensor) else t for t in tensors)
+
+
+def _fsdp_params(module):
+    from torch.distributed.fsdp._fully_shard._fsdp_state import _get_module_fsdp_state
+
+    for m in module.modules():
+        state = _get_module_fsdp_state(m)
+        if state is not None and state._fsdp_param_group is not None:
+            yield from state._fsdp_param_group.fsdp_params
+
+
+@pytest.mark.parametrize("layout", [["--zero-stage", "1"], ["--zero-stage", "2"], ["--zero-stage", "3"],
+                                    ["--tensor-model-parallel-size", "2"]], ids=["zero1", "zero2", "zero3", "tp2"])
+def test_state_bytes_of_a_rank_of_two_equal_a_simulated_cpu_rank(layout):
+    """Rank 0 of two through the rank simulator (fake process group, this process), each kind of state
+    where it peaks: ZeRO-1's whole fp32 gradients in the first of two micro-batches (reduce-scattered
+    after the last), ZeRO-2/3's gradient shards, the half-precision copies ZeRO-1/2 gather for the
+    step, and ZeRO-3's: the root's and the running block's (and the next block, which a GPU prefetches)."""
+    with simulate.simulated_world(2):
+        cfg, _ = parse_megatron_args(TINY_FLAGS + RUN + ["--num-layers", "4", "--micro-batch-size", "2",
+                                                         "--global-batch-size", "8", "--bf16"] + layout, world_size=2)
+        cfg = cfg.with_tokenizer(1000, 0)
+        dims = parallel_dims(cfg, 2)
+        parts = build_training(cfg, torch.device("cpu"), dims, dims.build_mesh("cpu"), log=lambda s: None)
+        model, zero = parts.model, dims.zero_stage
+        gathered = []
+
+        def half_copies(*_):
+            gathered.append(_unique_bytes(p for p in model.parameters() if not isinstance(p, DTensor)))
+        if zero == 1:
+            parts.train_module.set_requires_gradient_sync(False)  # as train/loop.py runs a first micro-batch
+        if zero == 3:
+            model.layers["1"].mlp.register_forward_hook(half_copies)
+        tokens = torch.randint(0, 1000, (2, 16))
+        loss = parts.forward(tokens, tokens, None)
+        if zero in (1, 2):
+            half_copies()
+        loss.backward()
+        if parts.main is not None:
+            parts.main.accumulate_grads()
+        params = _stage_params(tuple(sorted(vars(cfg.model).items())), dims.tp, 1, None, None)[0]
+        predicted = state_memory(cfg, dims, params, cfg.model.num_layers)
+        optimizer = _local_bytes(t for state in parts.optimizer.state.values() for t in state.values())
+        assert optimizer == pytest.approx(predicted.optimizer, rel=0.02)
+        if dims.sharded:
+            assert _local_bytes(model.parameters()) == pytest.approx(predicted.main_params, rel=0.02)
+            grads = [f.unsharded_accumulated_grad for f in _fsdp_params(parts.train_module)] if zero == 1 else \
+                [p.grad for p in model.parameters()]
+            assert _local_bytes(grads) == pytest.approx(predicted.grads, rel=0.02)
+            prefetched = 2 * block_params(cfg, 1) if zero == 3 else 0
+            assert gathered[0] + prefetched == pytest.approx(predicted.weights, rel=0.02)
+        else:
+            assert params == sum(p.numel() for p in model.parameters())
+            assert _local_bytes(model.parameters()) == pytest.approx(predicted.weights, rel=0.02)
+            assert _local_bytes(parts.main.main) == pytest.approx(predicted.main_params, rel=0.02)
+            assert _local_bytes([parts.main.grad_flat]) == pytest.approx(predicted.grads, rel=0.02)
 
 
 def _plan(argv, capsys) -> tuple[int, str]:

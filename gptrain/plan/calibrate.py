@@ -40,10 +40,14 @@ def measure(peak_tflops: float, hbm_gbps: float) -> dict:
     attention = []
     for head_dim in (64, 128):  # forward and backward, against the MFU formula's 12 h s FLOPs per token
         batch, heads, seq = 4, 2048 // head_dim, 2048
-        q, k, v = (torch.randn(batch, heads, seq, head_dim, requires_grad=True, **bf16) for _ in range(3))
+        # as the model calls it (model/gpt.py): q, k, v strided views of the packed QKV, and a dense
+        # output gradient rather than .sum()'s broadcast one, which SDPA's kernels may not take as is
+        qkv = torch.randn(batch, seq, heads, 3, head_dim, requires_grad=True, **bf16)
+        grad = torch.randn(batch, heads, seq, head_dim, **bf16)
 
         def step():
-            torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
+            q, k, v = qkv.permute(3, 0, 2, 1, 4)
+            torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).backward(grad)
         flops = 12.0 * heads * head_dim * seq * batch * seq
         attention.append([head_dim, round(flops / _seconds(step) / peak, 3)])
     x = torch.empty(256 * 2 ** 20, **bf16)  # 512 MB: read and written by one element-wise pass

@@ -59,15 +59,17 @@ class Gpu:
         return nbytes / (self.hbm_gbps * 1e9 * (efficiency or self.memory_bound_efficiency))
 
 
-def load_gpu(name: str, intra_gbps: float | None = None, inter_gbps: float | None = None) -> Gpu:
-    """The calibration of ``name``: the user's measured table if ``--calibrate`` wrote one, else the
-    shipped one; link bandwidths overridden where given."""
+def load_gpu(name: str, intra_gbps: float | None = None, inter_gbps: float | None = None,
+             measured: bool = True) -> Gpu:
+    """The calibration of ``name``: the user's measured table if ``--calibrate`` wrote one (and
+    ``measured``), else the shipped one; link bandwidths overridden where given (math.inf: no
+    communication cost, as in the rank simulator)."""
     if name not in GPUS:
         raise ValueError(f"--gpu {name}: use one of {', '.join(GPUS)}")
     table = json.loads(SHIPPED.read_text())[name]
-    measured = cache_path(name)
-    if measured.exists():
-        table = {**table, **json.loads(measured.read_text())}
+    cached = cache_path(name)
+    if measured and cached.exists():
+        table = {**table, **json.loads(cached.read_text())}
     fields = {k: table[k] for k in Gpu.__dataclass_fields__ if k in table}
     fields.update(name=name)
     if intra_gbps:

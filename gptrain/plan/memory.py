@@ -6,8 +6,8 @@
   moved into it (after the backward; as they arrive under a pipeline or --overlap-grad-reduce);
 - fp32 parameters (no --bf16/--fp16, or --autocast): weights 4 B, gradients 4 B, moments 8 B;
 - ZeRO on FSDP2 (parallel/parallelize.py): fp32 parameter and moment shards (12 B / dp), gradients whole
-  in fp32 at ZeRO-1, fp32 shards at ZeRO-2/3, half-precision copies gathered per block (kept until the
-  backward at ZeRO-1/2, only the running and the prefetched block at ZeRO-3);
+  in fp32 at ZeRO-1 over several micro-batches, else fp32 shards; half-precision copies gathered per
+  block (kept until the backward at ZeRO-1/2; at ZeRO-3 the root's, the running and the prefetched block's);
 - activations per layer and micro-batch (Korthikanti et al. 2022, arXiv 2205.05198, in units of s b h
   bytes): 34 on one GPU (32 without hidden dropout: its two 1-byte masks); 10 + 24/t with tensor
   parallelism; 34/t with sequence parallelism, plus the gathered inputs of QKV and fc1 that gptrain's column-parallel layers keep (4 (t-1)/t); the 5 a s / h
@@ -21,7 +21,11 @@ and the CUDA context.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, fields
+from functools import lru_cache
+
+import torch
 
 from gptrain.config import RunConfig
 from gptrain.parallel.dims import ParallelDims
@@ -55,6 +59,21 @@ class Memory:
     def state_bytes(self) -> float:
         """Parameters, gradients and optimizer state (what a run allocates before activations)."""
         return self.weights + self.main_params + self.grads + self.optimizer
+
+
+@lru_cache(maxsize=64)
+def _block_params(model_key: tuple, tp: int) -> int:
+    from gptrain.model.gpt import GPT, GPTConfig
+    from gptrain.parallel.layout import _tp_numel
+
+    with torch.device("meta"):
+        model = GPT(GPTConfig(**{**dict(model_key), "num_layers": 1}))
+    return sum(_tp_numel(n, p.numel(), tp) for n, p in model.named_parameters() if n.startswith("layers."))
+
+
+def block_params(cfg: RunConfig, tp: int) -> int:
+    """One transformer block's parameters on a tensor-parallel rank."""
+    return _block_params(tuple(sorted(dataclasses.asdict(cfg.model).items())), tp)
 
 
 def fits(memory_gib: float, gpu_gib: float) -> bool:
@@ -126,10 +145,13 @@ def state_memory(cfg: RunConfig, dims: ParallelDims, params: int, layers: int) -
     half = cfg.precision.half_params
     if dims.sharded:
         d = dims.dp
-        per_block = params / max(1, layers)
-        return Memory(weights=(2.0 if half else 4.0) * (params if dims.zero_stage < 3 else 2 * per_block),
+        # ZeRO-3 holds the root's parameters (embeddings, final LayerNorm) gathered, and two blocks'
+        gathered = params if dims.zero_stage < 3 else params - max(0, layers - 2) * block_params(cfg, dims.tp)
+        # ZeRO-1 reduce-scatters in the last micro-batch's backward: with one, its gradients are ZeRO-2's
+        whole = dims.zero_stage == 1 and cfg.train.micro_batches_per_step(d) > 1
+        return Memory(weights=(2.0 if half else 4.0) * gathered,
                       main_params=4.0 * params / d, optimizer=8.0 * params / d,
-                      grads=4.0 * params if dims.zero_stage == 1 else 4.0 * params / d)
+                      grads=4.0 * params if whole else 4.0 * params / d)
     if not half:
         autocast_copies = 2.0 * params if cfg.precision.autocast else 0.0
         return Memory(weights=4.0 * params + autocast_copies, grads=4.0 * params, optimizer=8.0 * params)

@@ -14,7 +14,7 @@ from gptrain.parallel.layout import parameter_counts
 from gptrain.parallel.pipeline import stage_layer_counts, virtual_stages
 from gptrain.plan.hardware import Gpu
 from gptrain.plan.memory import GIB, Memory, fits, stage_memory
-from gptrain.plan.timing import OPTIMIZER_BYTES, COLLECTIVE_LATENCY_S, StepTime, data_parallel_s, stage_time
+from gptrain.plan.timing import OPTIMIZER_BYTES, StepTime, all_reduce_s, data_parallel_s, p2p_s, stage_time
 from gptrain.train.build import parallel_dims
 
 RECOMPUTE = (None, "selective", "full")
@@ -94,15 +94,17 @@ def predict(cfg: RunConfig, world: int, gpu: Gpu, gpus_per_node: int) -> Predict
     tp_gbps = intra if dims.tp <= gpus_per_node else inter
     dp_gbps = intra if dims.tp * dims.dp <= gpus_per_node else inter
     pp_gbps = intra if dims.tp * dims.dp * dims.pp <= gpus_per_node else inter
-    stages = [stage_time(cfg, dims, gpu, layer_counts[r], r == dims.pp - 1, sp, tp_gbps) for r in range(dims.pp)]
+    stages = [stage_time(cfg, dims, gpu, layer_counts[r], r == 0, r == dims.pp - 1, sp, tp_gbps)
+              for r in range(dims.pp)]
     slowest = max(range(dims.pp), key=lambda r: stages[r].wall)
     st = stages[slowest]
-    time = StepTime(compute=n_micro * st.compute, tp_comm=n_micro * st.tp_comm,
-                    host=n_micro * max(0.0, st.host - st.device))
-    if dims.pp > 1:
-        time.bubble = (dims.pp - 1) / virtual * st.wall
+    time = StepTime(compute=n_micro * st.compute, tp_comm=n_micro * st.tp_comm, host=n_micro * (st.wall - st.device))
+    if dims.pp > 1:  # filling and draining the pipeline: one micro-batch through each other stage
+        time.bubble = sum(stage.wall for r, stage in enumerate(stages) if r != slowest) / virtual
         message = 2.0 * cfg.train.micro_batch_size * m.seq_length * m.hidden_size / (dims.tp if sp else 1)
-        time.pp_comm = 2 * (n_micro * virtual + dims.pp - 1) * (message / (pp_gbps * 1e9) + COLLECTIVE_LATENCY_S)
+        time.pp_comm = 2 * (n_micro * virtual + dims.pp - 1) * p2p_s(message, pp_gbps)
+        if not m.untie_embeddings_and_output_weights:  # the two word-embedding copies' fp32 gradients summed
+            time.pp_comm += all_reduce_s(4.0 * m.padded_vocab_size / dims.tp * m.hidden_size, 2, pp_gbps)
     biggest = max(range(dims.pp), key=lambda r: params[r])
     time.dp_comm = data_parallel_s(cfg, dims, params[biggest], stages[biggest], n_micro, layer_counts[biggest],
                                    dp_gbps)

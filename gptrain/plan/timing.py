@@ -1,34 +1,55 @@
-"""Seconds per optimizer step of a layout, split by where the time goes:
+"""Seconds per optimizer step of a layout, split by where the time goes (the constants below and the
+calibration's efficiencies fitted to every measurement in benchmarks/RESULTS.md; benchmarks/plan_error.py
+prints each against its prediction):
 
 - compute: each block's four matmuls at the calibrated efficiency of their shape (forward, and twice
   its FLOPs in the backward; full recompute runs the forward again, selective the core attention),
   attention on the FLOPs the MFU formula counts, element-wise and memory-bound work (LayerNorms, GELU,
-  residuals, dropout, the loss) at the memory bandwidth;
-- tensor parallelism: 2 all-reduces forward and 2 backward per block (all-gathers and reduce-scatters
-  with --sequence-parallel, the same bytes) over the node's links; the backward's first one overlaps
-  the weight-gradient matmul (parallel/tensor_parallel.py), the other three are exposed;
+  residuals, dropout, the loss) at the memory bandwidth, more of it where the blocks are compiled one
+  by one (FSDP2, pipeline stages, --overlap-grad-reduce: no fusion across blocks), FSDP2's casts and
+  copies around its collectives, each tensor-parallel collective's copies; and the device's gaps
+  between kernels;
+- tensor parallelism, not overlapped with compute: 2 all-reduces forward and 2 backward per block (with
+  --sequence-parallel 4 all-gathers or reduce-scatters each way), the embedding's and the head's,
+  each its bytes over the link plus a latency;
 - data parallelism as gptrain does it: whole replicas all-reduce the fp32 (or bf16) main gradients
   after the backward, exposed, unless --overlap-grad-reduce; ZeRO (FSDP2) gathers parameters and
   reduce-scatters gradients block by block under the compute;
-- pipeline: the p2p sends of 1F1B, and the bubble (p - 1) / v of a stage's micro-batch time, taken at
-  the slowest stage (the last runs the output layer and the loss);
-- the optimizer step at the memory bandwidth; the host's time to launch a micro-batch where it exceeds
-  the device's (measured per block for one compiled graph, blocks compiled one by one, tensor-parallel
-  ranks, FSDP2's hooks; none under CUDA graphs).
+- pipeline: the p2p sends, the tied embeddings' gradient sum, and the bubble: one micro-batch through
+  each stage but the slowest (over v with interleaving), the slowest setting the pace (the last runs
+  the output layer and the loss);
+- the optimizer step at the memory bandwidth; the host's time to launch a micro-batch (per block for
+  one compiled graph, blocks compiled one by one, tensor-parallel ranks, FSDP2's hooks, plus each
+  NCCL collective; none under CUDA graphs), which sets the pace where it exceeds the device's and
+  slows it where the two are close.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from gptrain.config import RunConfig
 from gptrain.parallel.dims import ParallelDims
 from gptrain.plan.hardware import Gpu
+from gptrain.plan.memory import block_params
 from gptrain.train.build import overlap_grad_reduce
 
-ELEMENTWISE_BYTES = 74.0  # per token, per hidden unit, per block: fitted to the 345M step's element-wise time
+ELEMENTWISE_BYTES = 80.0  # per token, per hidden unit, per block: fitted to the 345M step's element-wise time
 LOSS_BYTES = 8.0  # per token per vocabulary entry: the loss's passes over the half-precision logits
 OPTIMIZER_BYTES = 40.0  # per parameter: fused AdamW's reads and writes, the copy back, the norm, the zeroing
-COLLECTIVE_LATENCY_S = 20e-6
+COLLECTIVE_LATENCY_S = 50e-6  # per collective inside a step: launch, the ranks meeting (fitted)
+# per token, hidden unit and block, where blocks are compiled one by one: what one graph fuses across
+# the blocks' boundaries and between forward and backward, written and read again (fitted)
+BLOCK_BYTES = 70.0
+DEVICE_GAPS = 0.02  # the device's idle time between kernels, a fraction of their time (fitted)
+HOST_DEVICE_SHARPNESS = 8.0  # how fast the wall time approaches max(device, host) as they part (fitted)
+GATHER_EFFICIENCY = 0.83  # all-gather / reduce-scatter bus bandwidth over all-reduce's (NCCL, 2 x H200)
+COLLECTIVE_HOST_S = 30e-6  # the host's time to launch an NCCL collective, beyond the simulator's fake one
+# per parameter of a block, FSDP2's copies around each all-gather (the fp32 shard cast to half
+# precision, the gathered buffer split into the parameters) and each reduce-scatter (the gradients
+# cast to fp32 and copied into its input)
+FSDP_GATHER_BYTES = 4.0
+FSDP_SCATTER_BYTES = 14.0
 
 
 @dataclass
@@ -44,7 +65,7 @@ class StageTime:
 
     @property
     def wall(self) -> float:
-        return max(self.device, self.host)
+        return wall_s(self.device, self.host)
 
 
 @dataclass
@@ -69,16 +90,22 @@ class StepTime:
 
 def all_reduce_s(nbytes: float, ranks: int, gbps: float) -> float:
     """Ring all-reduce at ``gbps`` bus bandwidth (an all-gather plus a reduce-scatter, the same)."""
-    if ranks == 1:
+    if ranks == 1 or math.isinf(gbps):
         return 0.0
     return 2.0 * (ranks - 1) / ranks * nbytes / (gbps * 1e9) + COLLECTIVE_LATENCY_S
 
 
+def p2p_s(nbytes: float, gbps: float) -> float:
+    """One send to the next pipeline stage."""
+    return 0.0 if math.isinf(gbps) else nbytes / (gbps * 1e9) + COLLECTIVE_LATENCY_S
+
+
 def gather_s(nbytes: float, ranks: int, gbps: float) -> float:
-    """All-gather (or reduce-scatter) of ``nbytes`` whole over ``ranks``."""
-    if ranks == 1:
+    """All-gather (or reduce-scatter) of ``nbytes`` whole over ``ranks``, at the lower bus bandwidth
+    NCCL reaches on them than on an all-reduce of the same bytes."""
+    if ranks == 1 or math.isinf(gbps):
         return 0.0
-    return (ranks - 1) / ranks * nbytes / (gbps * 1e9) + COLLECTIVE_LATENCY_S
+    return (ranks - 1) / ranks * nbytes / (gbps * GATHER_EFFICIENCY * 1e9) + COLLECTIVE_LATENCY_S
 
 
 def host_kind(cfg: RunConfig, dims: ParallelDims, sp: bool) -> str | None:
@@ -92,12 +119,44 @@ def host_kind(cfg: RunConfig, dims: ParallelDims, sp: bool) -> str | None:
         return "fsdp"
     if dims.tp > 1:
         return "tp_sp" if sp else "tp"
-    if dims.pp > 1 or overlap_grad_reduce(cfg, dims):
-        return "blocks"  # compiled block by block
+    if per_block(cfg, dims):
+        return "blocks"
     return "graph"
 
 
-def stage_time(cfg: RunConfig, dims: ParallelDims, gpu: Gpu, layers: int, last: bool, sp: bool,
+def per_block(cfg: RunConfig, dims: ParallelDims) -> bool:
+    """The blocks compiled one by one (FSDP2's hooks, pipeline stages, overlapped gradient reduction)."""
+    return cfg.train.compile and (dims.sharded or dims.pp > 1 or overlap_grad_reduce(cfg, dims))
+
+
+def wall_s(device: float, host: float) -> float:
+    """A micro-batch's time when the host launches what the device runs: the larger of the two, and
+    more where they are close (the launch queue drains and refills, so each waits on the other)."""
+    top = max(device, host)
+    if top <= 0.0 or min(device, host) <= 0.0:
+        return top
+    k = HOST_DEVICE_SHARPNESS
+    return top * ((device / top) ** k + (host / top) ** k) ** (1.0 / k)
+
+
+def tp_collectives(cfg: RunConfig, layers: int, first: bool, last: bool, sp: bool) -> float:
+    """Collectives of one micro-batch on a tensor-parallel stage, each over the micro-batch's
+    activations; with --sequence-parallel an all-gather or a reduce-scatter each, else an all-reduce."""
+    full = cfg.kernels.recompute == "full"
+    if sp:  # per block: 2 gathers and 2 scatters forward, their transposes backward (the gathered inputs kept)
+        forward, backward = 4.0 * layers, 4.0 * layers
+        forward += (1 if first else 0) + (1 if last else 0)  # embedding scatter, the head's gather
+        backward += 1 if last else 0
+    else:  # per block: the row-parallel outputs forward, the column-parallel input gradients backward
+        forward, backward = 2.0 * layers, 2.0 * layers
+        forward += 1 if first else 0  # the vocabulary-parallel embedding
+        backward += 1 if last else 0  # the head's input gradient
+    if full:
+        forward += (4.0 if sp else 2.0) * layers
+    return forward + backward
+
+
+def stage_time(cfg: RunConfig, dims: ParallelDims, gpu: Gpu, layers: int, first: bool, last: bool, sp: bool,
                tp_gbps: float) -> StageTime:
     m, t = cfg.model, dims.tp
     b, s, h, f = cfg.train.micro_batch_size, m.seq_length, m.hidden_size, m.ffn_hidden_size
@@ -107,22 +166,37 @@ def stage_time(cfg: RunConfig, dims: ParallelDims, gpu: Gpu, layers: int, last: 
                 + gpu.matmul_s(tokens, h, f // t) + gpu.matmul_s(tokens, f // t, h))
     attention = gpu.attention_s(4.0 * b * s * s * h / t, m.head_dim)
     shard = 1.0 / t if sp else (1.0 / 3 + 2.0 / (3 * t))  # without SP, LayerNorms and residuals run whole
-    elementwise = gpu.memory_s(ELEMENTWISE_BYTES * tokens * h * shard)
-    per_block = 3 * (block_mm + attention) + elementwise  # the element-wise bytes are forward and backward's
+    elementwise_bytes = ELEMENTWISE_BYTES + (BLOCK_BYTES if per_block(cfg, dims) else 0.0)
+    elementwise = gpu.memory_s(elementwise_bytes * tokens * h * shard)
+    per_block_s = 3 * (block_mm + attention) + elementwise  # the element-wise bytes are forward and backward's
     if recompute == "full":
-        per_block += block_mm + attention + elementwise / 3
+        per_block_s += block_mm + attention + elementwise / 3
     elif recompute == "selective":
-        per_block += attention
-    compute = layers * per_block
+        per_block_s += attention
+    compute = layers * per_block_s
     if last:
         vocab = m.padded_vocab_size // t
         compute += 3 * gpu.matmul_s(tokens, h, vocab) + gpu.memory_s(LOSS_BYTES * tokens * vocab)
-    collectives = 3 + (2 if recompute == "full" else 0)  # exposed per block
-    if cfg.parallel.tp_comm_overlap:
-        collectives = 1
-    tp_comm = layers * collectives * all_reduce_s(2.0 * tokens * h, t, tp_gbps) if t > 1 else 0.0
+    tp_comm, launches = 0.0, 0.0
+    if t > 1:
+        count = tp_collectives(cfg, layers, first, last, sp)
+        nbytes = 2.0 * tokens * h
+        one = gather_s(nbytes, t, tp_gbps) if sp else all_reduce_s(nbytes, t, tp_gbps)
+        # each collective's buffer copied in and out (functional collectives are out of place)
+        compute += count * gpu.memory_s(2.0 * nbytes * (1.0 / t if sp else 1.0))
+        tp_comm = count * one
+        launches = 0.0 if math.isinf(tp_gbps) else count * COLLECTIVE_HOST_S
+        if cfg.parallel.tp_comm_overlap:  # async TP: the gathers and scatters run under the matmuls
+            tp_comm /= 4
+    if dims.sharded:  # per micro-batch: ZeRO-1/2 gather once a step, ZeRO-1 reduce-scatters once a step
+        n_micro = cfg.train.micro_batches_per_step(dims.dp)
+        gathers = 2.0 if dims.zero_stage == 3 else 1.0 / n_micro
+        scatters = 1.0 if dims.zero_stage > 1 else 1.0 / n_micro
+        compute += gpu.memory_s((gathers * FSDP_GATHER_BYTES + scatters * FSDP_SCATTER_BYTES) * block_params(cfg, t)
+                                * layers)
+    compute *= 1.0 + DEVICE_GAPS
     kind = host_kind(cfg, dims, sp)
-    host = gpu.host_ms_per_layer[kind] * 1e-3 * layers if kind else 0.0
+    host = gpu.host_ms_per_layer[kind] * 1e-3 * layers + launches if kind else 0.0
     return StageTime(compute, tp_comm, host)
 
 
@@ -144,7 +218,7 @@ def data_parallel_s(cfg: RunConfig, dims: ParallelDims, params: int, stage: Stag
     gather = gather_s(half * params, d, gbps)
     scatter = gather_s(4.0 * params, d, gbps)
     forward, backward = stage.device / 3, stage.device * 2 / 3
-    if dims.zero_stage == 1:  # gathered once per step, reduce-scattered once, in the last backward
+    if dims.zero_stage == 1 and n_micro > 1:  # gathered once per step, reduce-scattered once, in the last backward
         per_step = max(0.0, gather - forward) + max(0.0, scatter - backward)
         return per_step + (gather + scatter) / max(1, layers)
     backward_comm = scatter + (gather if dims.zero_stage == 3 else 0.0)

@@ -1,0 +1,43 @@
+"""benchmarks/plan_error.py, the planner held to every measurement in benchmarks/RESULTS.md: each row
+not excluded within 10% on tokens/s and 5% on peak memory where memory was measured, on a CPU."""
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "plan_error.py"
+
+
+@pytest.fixture(scope="module")
+def plan_error():
+    spec = importlib.util.spec_from_file_location("plan_error", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["plan_error"] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_every_held_measurement_within_10_percent_time_and_5_percent_memory(plan_error):
+    results = plan_error.evaluate()
+    assert [r.row for r in results] == plan_error.ROWS
+    held = [r for r in results if not r.row.excluded]
+    assert len(held) >= 40 and {"h100", "h200"} == {r.row.gpu for r in held}
+    assert any(r.row.simulated for r in held) and any(r.row.world == 2 and not r.row.simulated for r in held)
+    slow = [(r.row.name, r.row.source, round(r.time_error, 1)) for r in held if abs(r.time_error) > 10]
+    assert not slow
+    memory = [(r.row.name, r.row.source, round(r.memory_error, 1)) for r in held
+              if r.memory_error is not None and abs(r.memory_error) > 5]
+    assert not memory
+    assert all(r.row.excluded.strip() for r in results if r.row.excluded)
+
+
+def test_the_report_prints_the_table_and_exits_1_only_over_max_error(plan_error, capsys):
+    assert plan_error.main([]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("| layout | device (session) | predicted tokens/s | measured | error % |")
+    assert "mean |error|" in out and "excluded: " in out
+    assert plan_error.main(["--max-error", "10"]) == 0
+    assert plan_error.main(["--max-error", "0.5"]) == 1

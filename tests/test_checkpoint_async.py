@@ -13,6 +13,7 @@ from gptrain.train.checkpoint import (CheckpointError, Checkpointer, HostStager,
                                       load_checkpoint, save_checkpoint)
 from gptrain.train.checkpoint_files import is_complete, read_tracker
 from gptrain.train.run import train_main
+from gptrain.train.restart_note import PROGRESS_FILE
 from gptrain.train.save_lock import LOCK_NAME
 
 RUN = TINY + ["--save-interval", "2", "--lr-decay-iters", "6"]
@@ -227,7 +228,7 @@ def test_a_signal_during_a_background_save_still_publishes_it(tmp_path, monkeypa
     assert lines[-2].startswith("  waiting for the background save of iteration 2"), "\n".join(lines[-6:])
     assert "finished after the signal" in lines[-1] and "iteration       2" in lines[-1], "\n".join(lines[-6:])
     assert read_tracker(ck) == 2 and is_complete(ck / "iter_0000002")[0]
-    assert sorted(p.name for p in ck.iterdir() if p.name != LOCK_NAME) == ["iter_0000002", "latest_checkpointed_iteration.txt"]
+    assert sorted(p.name for p in ck.iterdir() if p.name not in (LOCK_NAME, PROGRESS_FILE)) == ["iter_0000002", "latest_checkpointed_iteration.txt"]
 
 
 def test_a_signal_while_a_background_save_is_staged_still_publishes_it(tmp_path, monkeypatch):
@@ -255,5 +256,5 @@ def test_a_signal_while_a_background_save_is_staged_still_publishes_it(tmp_path,
     assert rc == 128 + signal.SIGTERM
     assert "finished after the signal" in lines[-1] and "iteration       4" in lines[-1], "\n".join(lines[-6:])
     assert read_tracker(ck) == 4 and is_complete(ck / "iter_0000004")[0]
-    assert sorted(p.name for p in ck.iterdir() if p.name != LOCK_NAME) == ["iter_0000002", "iter_0000004",
+    assert sorted(p.name for p in ck.iterdir() if p.name not in (LOCK_NAME, PROGRESS_FILE)) == ["iter_0000002", "iter_0000004",
                                                                          "latest_checkpointed_iteration.txt"]

@@ -23,6 +23,7 @@ from gptrain.train.checkpoint import load_checkpoint
 from gptrain.file_hash import file_sha256
 from gptrain.train.checkpoint_files import is_complete, read_tracker
 from gptrain.train.run import train_main
+from gptrain.train.restart_note import PROGRESS_FILE
 from gptrain.train.save_lock import LOCK_NAME
 
 SCHEDULE = ["--lr-decay-iters", "6"]  # one schedule for runs of 4 and 6 iterations
@@ -41,7 +42,7 @@ def _subprocess(argv: list[str], env: dict | None = None, **kw) -> subprocess.Co
 
 def _dot_entries(root) -> list[str]:
     """Temporary and moved-aside folders (the run's lock file is neither)."""
-    return sorted(p.name for p in root.iterdir() if p.name.startswith(".") and p.name != LOCK_NAME)
+    return sorted(p.name for p in root.iterdir() if p.name.startswith(".") and p.name not in (LOCK_NAME, PROGRESS_FILE))
 
 
 @pytest.fixture(scope="module")
@@ -284,7 +285,7 @@ def test_a_mistyped_load_or_another_runs_save_folder_stops_before_training(strai
     ck = tmp_path / "ck"
     shutil.copytree(saved, ck)
     def untouched():  # the checkpoints (the lock file names each run that takes it)
-        return {p.name: p.stat().st_mtime_ns for p in ck.iterdir() if p.name != LOCK_NAME}
+        return {p.name: p.stat().st_mtime_ns for p in ck.iterdir() if p.name not in (LOCK_NAME, PROGRESS_FILE)}
 
     before = untouched()
     rc, err = _errors(RUN + ["--train-iters", "6", "--load", str(tmp_path / "typo"), "--save", str(ck)])

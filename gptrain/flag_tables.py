@@ -28,7 +28,27 @@ MODEL_FLAGS: dict[str, Flag] = {
                               "dropout on the attention probabilities (0 lets FlashAttention-4 run)"),
     "hidden_dropout": Flag(("--hidden-dropout",), "regularization",
                            "dropout on the embeddings and each block's outputs"),
-    "layernorm_epsilon": Flag(("--layernorm-epsilon",), "network size", "LayerNorm epsilon"),
+    "layernorm_epsilon": Flag(("--layernorm-epsilon", "--norm-epsilon"), "network size",
+                              "epsilon of the LayerNorms / RMSNorms"),
+    # the Llama family (Megatron's names, meanings and defaults)
+    "swiglu": Flag(("--swiglu",), "network size", "SwiGLU MLP: fc2(silu(gate x) * up x); --ffn-hidden-size "
+                   "defaults to int(4 h 2/3 / 64) x 64"),
+    "normalization": Flag(("--normalization",), "network size", "LayerNorm or RMSNorm",
+                          choices=("LayerNorm", "RMSNorm")),
+    "position_embedding_type": Flag(("--position-embedding-type",), "network size", "learned_absolute (a table), "
+                                    "rope (rotary, split halves) or none", choices=("learned_absolute", "rope", "none")),
+    "rotary_base": Flag(("--rotary-base",), "network size", "RoPE's base (theta)"),
+    "rotary_percent": Flag(("--rotary-percent",), "network size", "the share of each head's channels RoPE rotates"),
+    "group_query_attention": Flag(("--group-query-attention",), "network size",
+                                  "grouped-query attention: --num-query-groups K/V heads"),
+    "num_query_groups": Flag(("--num-query-groups",), "network size",
+                             "K/V groups with --group-query-attention (default 1, Megatron's)"),
+    "untie_embeddings_and_output_weights": Flag(("--untie-embeddings-and-output-weights",), "network size",
+                                                "an output layer of its own instead of the word embeddings"),
+    "add_bias_linear": Flag(("--disable-bias-linear",), "network size", "no biases in the linear layers",
+                            action="store_false"),
+    "add_qkv_bias": Flag(("--add-qkv-bias",), "network size", "a bias on QKV even with --disable-bias-linear"),
+    "kv_channels": Flag(("--kv-channels",), "network size", "channels per attention head (default: hidden / heads)"),
 }
 
 # flags that set no single field: translated by config.parse_megatron_args (each dest is read there)
@@ -45,6 +65,9 @@ DERIVED_FLAGS: tuple[Flag, ...] = (
          choices=("uniform", "block"), default=None, dest="recompute_method"),
     Flag(("--recompute-num-layers",), "training", "with --recompute-method uniform: 1 (every block)", type=int,
          default=None, dest="recompute_num_layers"),
+    # Megatron's older switch for rope (sets --position-embedding-type's field)
+    Flag(("--use-rotary-position-embeddings",), "network size", "same as --position-embedding-type rope",
+         action="store_const", const="rope", dest="position_embedding_type"),
     Flag(("--optimizer",), "training", "adam (AdamW, fused)", choices=("adam",), default="adam", dest="optimizer"),
     Flag(("--fp8",), "mixed precision", "fp8 matmuls in the transformer layers through torchao (same as --fp8-format "
          "hybrid)", action="store_const", const="hybrid", dest="fp8"),  # PrecisionConfig.fp8
@@ -122,11 +145,9 @@ COMPATIBILITY: tuple[Compat, ...] = (
     Compat("--DDP-impl", "data parallelism is gptrain's own", "value", ("local", "torch")),
     Compat("--distributed-backend", "NCCL on GPUs, gloo on CPUs, chosen by device", "value", ("nccl", "gloo")),
     Compat("--num-workers", "batches are assembled in a background thread", "value"),
-    Compat("--swiglu", "only the GPT-2 MLP is implemented", "refused"),
-    Compat("--use-rotary-position-embeddings", "only learned positions", "refused"),
-    Compat("--position-embedding-type", "only learned absolute positions", "refused"),
-    Compat("--normalization", "only LayerNorm", "refused"),
-    Compat("--untie-embeddings-and-output-weights", "the output layer is tied to the embeddings", "refused"),
+    Compat("--rotary-interleaved", "not implemented: RoPE rotates split halves (Megatron's default, Hugging Face "
+           "Llama's)", "refused"),
+    Compat("--qk-layernorm", "not implemented: no normalization of queries and keys", "refused"),
     Compat("--split-sentences", "sentence splitting is not implemented", "refused"),
     Compat("--reset-position-ids", "not implemented", "refused"),
     Compat("--reset-attention-mask", "not implemented", "refused"),

@@ -153,10 +153,9 @@ def test_batches_are_assembled_in_a_background_thread():
         loader.close()
 
 
-def test_refused_architecture_flags_name_what_the_model_is():
-    assert REASONS["--untie-embeddings-and-output-weights"] == "the output layer is tied to the embeddings"
-    assert REASONS["--normalization"] == "only LayerNorm"
-    assert REASONS["--position-embedding-type"] == "only learned absolute positions"
+def test_default_architecture_is_gpt2s():
+    """The Llama-family flags' defaults build GPT-2's modules (tests/test_llama.py covers the others)."""
+    assert "split halves" in REASONS["--rotary-interleaved"]
     model = GPT(TINY)
     assert model.output_layer.weight is model.word_embeddings.weight
     norms = [m for m in model.modules() if "norm" in type(m).__name__.lower()]

@@ -165,6 +165,7 @@ def test_derived_flags_are_read_by_the_translation():
     assert parse("--bf16", "--fp8").precision.fp8 == "hybrid"
     assert parse("--use-distributed-optimizer").parallel.zero_stage == 1
     assert parse("--optimizer", "adam") == parse()
+    assert parse("--use-rotary-position-embeddings").model.position_embedding_type == "rope"
     with pytest.raises(ValueError, match="--deepspeed needs --deepspeed_config"):
         parse("--deepspeed")
     assert {f.name for f in DERIVED_FLAGS} == {"--checkpoint-activations", "--recompute-activations",
@@ -172,7 +173,7 @@ def test_derived_flags_are_read_by_the_translation():
                                                "--recompute-num-layers", "--optimizer", "--fp8",
                                                "--use-distributed-optimizer", "--deepspeed", "--world-size",
                                                "--simulate-world-size", "--simulate-rank", "--no-fp16", "--no-bf16",
-                                               "--bias-gelu-fusion"}
+                                               "--bias-gelu-fusion", "--use-rotary-position-embeddings"}
     # the negative/positive halves of switches: the last one given wins
     assert parse("--fp16", "--no-fp16").precision == parse().precision
     assert parse("--fp16", "--no-fp16", "--bf16").precision.bf16
@@ -218,8 +219,8 @@ def test_config_is_final_once_built():
 
 
 def test_refused_and_unknown_flags_fail_with_one_line():
-    with pytest.raises(ValueError, match=r"--swiglu is a Megatron flag gptrain does not implement: only the GPT-2"):
-        parse_megatron_args(["--swiglu", "--mock-data", "--train-iters", "1"])
+    with pytest.raises(ValueError, match=r"--qk-layernorm is a Megatron flag gptrain does not implement: not impl"):
+        parse_megatron_args(["--qk-layernorm", "--mock-data", "--train-iters", "1"])
     with pytest.raises(ValueError, match=r"unknown flag\(s\) --no-such-flag: .*gptrain train --help"):
         parse_megatron_args(["--no-such-flag", "--mock-data", "--train-iters", "1"])
 

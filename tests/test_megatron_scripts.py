@@ -176,7 +176,7 @@ def test_server_flags_map_onto_gptrain_serve():
     argv, notes, _ = server_argv(["--load", "c", "--use-flash-attn", "--distributed-backend", "nccl"])
     assert argv == ["--load", "c"] and "--use-flash-attn (" in notes[-2] and "--distributed-backend nccl (" in notes[-2]
     for bad, message in ((["--pipeline-model-parallel-size", "2"], "tensor parallelism only"),
-                         (["--swiglu"], "--swiglu: only the GPT-2 MLP"),
+                         (["--qk-layernorm"], "--qk-layernorm: not implemented"),
                          (["--tokenizer-type", "SentencePieceTokenizer"], "only GPT2BPETokenizer"),
                          (["--top_p", "0.9", "--out-seq-length", "64"], "--top_p --out-seq-length not implemented")):
         with pytest.raises(ValueError, match=message):

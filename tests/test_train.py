@@ -39,8 +39,8 @@ def test_unimplemented_flags_are_refused_by_name():
     with pytest.raises(ValueError, match="--rampup-batch-size needs sample-based training.*'expected no batch-size "
                                          "rampup for iteration-based training'"):
         parse_megatron_args(["--mock-data", "--train-iters", "1", "--rampup-batch-size", "16", "16", "1000"])
-    with pytest.raises(ValueError, match="--swiglu"):
-        parse_megatron_args(["--mock-data", "--train-iters", "1", "--swiglu"])
+    with pytest.raises(ValueError, match="--rotary-interleaved"):
+        parse_megatron_args(["--mock-data", "--train-iters", "1", "--rotary-interleaved"])
     with pytest.raises(ValueError, match="unknown flag.*--no-such-flag"):
         parse_megatron_args(["--mock-data", "--train-iters", "1", "--no-such-flag"])
     with pytest.raises(ValueError, match="--data-path"):

@@ -132,7 +132,8 @@ def plain_model(model: GPT) -> bool:
 
     norms = [model.final_layernorm] + [m for blk in model.layers.values() for m in (blk.ln1, blk.ln2)]
     linears = [m for blk in model.layers.values() for m in (blk.attn.proj, blk.mlp.fc1, blk.mlp.fc2)]
-    return (all(type(m) is torch.nn.LayerNorm and m.weight is not None for m in norms)
+    return (model.cfg.gpt2_layout  # the decode kernels are GPT-2's; other layers take the generic KV-cache path
+            and all(type(m) is torch.nn.LayerNorm and m.weight is not None for m in norms)
             and all(type(m) is torch.nn.Linear for m in linears)
             and all(type(blk.mlp) is MLP for blk in model.layers.values()))
 

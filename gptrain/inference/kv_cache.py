@@ -22,7 +22,9 @@ class KVCache:
     def __init__(self, model: GPT, batch: int, max_len: int, device=None, dtype=None):
         param = model.layers["0"].attn.qkv.weight
         local = getattr(param, "to_local", lambda: param)()  # a tensor-parallel shard holds whole heads
-        heads = local.shape[0] // (3 * model.cfg.head_dim)
+        # K/V heads: the groups' (each heads / groups queries, a key and a value) or every head's
+        cfg = model.cfg
+        heads = local.shape[0] // ((cfg.num_attention_heads // cfg.num_query_groups + 2) * cfg.head_dim)
         shape = (model.cfg.num_layers, batch, heads, max_len, model.cfg.head_dim)
         device = device or local.device
         dtype = dtype or local.dtype
@@ -39,19 +41,20 @@ def forward_cached(model: GPT, tokens: torch.Tensor, start: int, cache: KVCache)
     if end > cache.max_len:
         raise ValueError(f"position {end - 1} is beyond the cache's {cache.max_len} positions")
     positions = torch.arange(start, end, device=tokens.device)
-    x = model.word_embeddings(tokens) + model.position_embeddings(positions)
+    x = model.word_embeddings(tokens)
+    if model.position_embeddings is not None:  # RoPE is applied by the attention's heads()
+        x = x + model.position_embeddings(positions)
     mask = None
     if q > 1 and start > 0:
         keys = torch.arange(end, device=tokens.device)
         mask = keys[None, :] <= positions[:, None]
     for i, block in enumerate(model.layers.values()):
-        qkv = block.attn.qkv(block.ln1(x))
-        qkv = qkv.view(b, q, qkv.shape[-1] // (3 * model.cfg.head_dim), 3, model.cfg.head_dim)
-        query, key, value = qkv.permute(3, 0, 2, 1, 4)  # each (batch, heads, q, dim)
+        query, key, value = block.attn.heads(block.attn.qkv(block.ln1(x)), positions)  # (batch, heads, q, dim)
         cache.k[i, :, :, start:end] = key
         cache.v[i, :, :, start:end] = value
+        gqa = key.shape[1] != query.shape[1]
         y = F.scaled_dot_product_attention(query, cache.k[i, :, :, :end], cache.v[i, :, :, :end],
-                                           attn_mask=mask, is_causal=q > 1 and start == 0)
+                                           attn_mask=mask, is_causal=q > 1 and start == 0, enable_gqa=gqa)
         x = x + block.attn.proj(y.transpose(1, 2).reshape(b, q, -1))
         x = x + block.mlp(block.ln2(x))
     return model.final_layernorm(x)

@@ -140,10 +140,12 @@ def _transformers_logits(folder: Path, tokens: torch.Tensor, tokenizer: GPT2Toke
     """Logits (and the prompt's tokens) from transformers' own GPT-2 reading ``folder``, or None
     without transformers."""
     try:
-        from transformers import AutoTokenizer, GPT2LMHeadModel
+        from transformers import AutoTokenizer, GPT2LMHeadModel, LlamaForCausalLM
     except ImportError:
         return None
-    model = GPT2LMHeadModel.from_pretrained(folder, local_files_only=True, torch_dtype=torch.float32).eval()
+    llama = json.loads((folder / "config.json").read_text()).get("model_type") == "llama"
+    model_class = LlamaForCausalLM if llama else GPT2LMHeadModel
+    model = model_class.from_pretrained(folder, local_files_only=True, torch_dtype=torch.float32).eval()
     if tokenizer is not None and (folder / "vocab.json").is_file():
         hf_ids = AutoTokenizer.from_pretrained(folder, local_files_only=True)(PROMPT)["input_ids"]
         if hf_ids[: tokens.shape[1]] != tokens[0].tolist():
@@ -168,14 +170,16 @@ def to_hf(ckpt, out, log=print) -> float:
     tmp = _staging(out)
     try:
         weights = to_hf_state_dict(model)
-        weights.pop("lm_head.weight")  # tied to transformer.wte.weight (tie_word_embeddings)
+        if not model.cfg.untie_embeddings_and_output_weights:
+            weights.pop("lm_head.weight")  # tied to the word embeddings (tie_word_embeddings)
         save_safetensors(weights, tmp / HF_WEIGHTS, metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(hf_config_dict(model.cfg, tokenizer.eod), indent=1))
         (tmp / "generation_config.json").write_text(json.dumps(
             {"bos_token_id": tokenizer.eod, "eos_token_id": tokenizer.eod}, indent=1))
         _write_tokenizer(tokenizer, tmp, model.cfg.max_position_embeddings)
         got = _transformers_logits(tmp, tokens, tokenizer)
-        what = "transformers' GPT2LMHeadModel reading OUT vs the gptrain checkpoint"
+        what = f"transformers' {'GPT2LMHeadModel' if model.cfg.gpt2_layout else 'LlamaForCausalLM'} reading OUT " \
+               "vs the gptrain checkpoint"
         if got is None:
             got, what = _logits(load_hf_folder(tmp), tokens), "OUT read back (transformers is not installed)"
         diff = _compare(reference, got, what, log)
@@ -194,7 +198,8 @@ def from_hf(folder, out, log=print) -> float:
         tokenizer = GPT2Tokenizer(folder / "vocab.json", folder / "merges.txt")
     tokens = _prompt_tokens(model.cfg, tokenizer)
     reference = _transformers_logits(folder, tokens, tokenizer)
-    what = "the gptrain checkpoint vs transformers' GPT2LMHeadModel reading DIR"
+    what = f"the gptrain checkpoint vs transformers' {'GPT2LMHeadModel' if model.cfg.gpt2_layout else 'LlamaForCausalLM'} " \
+           "reading DIR"
     if reference is None:
         reference, what = _logits(model, tokens), "the gptrain checkpoint read back vs DIR (transformers is not installed)"
     data = {"vocab_file": str(folder.resolve() / "vocab.json"), "merge_file": str(folder.resolve() / "merges.txt")} \

@@ -1,4 +1,5 @@
-"""Weights between gptrain's GPT and Hugging Face ``transformers`` ``GPT2LMHeadModel``, both ways.
+"""Weights between gptrain's GPT and Hugging Face ``transformers`` ``GPT2LMHeadModel``, both ways
+(``LlamaForCausalLM`` for the Llama-style layers: interop/hf_llama.py, chosen here by config).
 
 HF's GPT-2 stores linear weights as ``Conv1D`` (input x output), so every matrix is transposed;
 its fused QKV is ordered ``[3, heads, head_dim]`` where gptrain (like Megatron) uses per-head
@@ -14,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from gptrain.interop import hf_llama
 from gptrain.model.gpt import GPT, GPTConfig
 
 _LAYER_MAP = {  # gptrain name -> (HF name, transposed)
@@ -46,6 +48,8 @@ def hf_config_kwargs(cfg: GPTConfig) -> dict:
 
 
 def to_hf_state_dict(model: GPT) -> dict[str, torch.Tensor]:
+    if not model.cfg.gpt2_layout:
+        return hf_llama.to_llama_state_dict(model)
     cfg, sd = model.cfg, model.state_dict()
     out = {
         "transformer.wte.weight": sd["word_embeddings.weight"][: cfg.vocab_size].clone(),
@@ -68,6 +72,8 @@ def from_hf_state_dict(hf_sd: dict[str, torch.Tensor], cfg: GPTConfig, where: st
     every tensor used and every parameter found (check_hf_weights), an lm_head equal to the word
     embeddings (tied) or absent."""
     check_hf_weights({k: tuple(v.shape) for k, v in hf_sd.items()}, cfg, where)
+    if not cfg.gpt2_layout:
+        return hf_llama.from_llama_state_dict(hf_sd, cfg, where)
     sd = {_canonical(k): v for k, v in hf_sd.items() if not k.endswith(_SKIPPED)}
     wte = sd["transformer.wte.weight"]
     if "lm_head.weight" in sd and not torch.equal(sd["lm_head.weight"].to(wte.dtype), wte):
@@ -89,11 +95,16 @@ def from_hf_state_dict(hf_sd: dict[str, torch.Tensor], cfg: GPTConfig, where: st
 
 
 HF_WEIGHTS = "model.safetensors"
-_SKIPPED = (".attn.bias", ".attn.masked_bias")  # causal-mask buffers some GPT-2 exports carry
+_SKIPPED = (".attn.bias", ".attn.masked_bias") + hf_llama.SKIPPED  # buffers some exports carry
 
 
 def hf_config_dict(cfg: GPTConfig, eod: int) -> dict:
-    """``config.json`` of transformers' GPT-2 for ``cfg`` (written without importing transformers)."""
+    """``config.json`` of transformers' GPT-2 (or Llama) for ``cfg`` (written without importing transformers)."""
+    if not cfg.gpt2_layout:
+        problems = hf_llama.llama_problems(cfg)
+        if problems:
+            raise ValueError("neither GPT-2 nor Llama can hold this architecture: " + "; ".join(problems))
+        return hf_llama.llama_config_dict(cfg, eod, eod)
     return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", **hf_config_kwargs(cfg),
             "bos_token_id": eod, "eos_token_id": eod, "torch_dtype": "float32"}
 
@@ -126,8 +137,13 @@ def gpt_config_from_hf(hf: dict, where: str) -> GPTConfig:
     represent, a missing architecture key or a value of the wrong type is an error naming the key."""
     if not isinstance(hf, dict):
         raise ValueError(f"{where}: not a JSON object of GPT-2 settings")
+    if _setting(hf, "model_type", "text", where, "gpt2") == "llama":
+        try:
+            return hf_llama.gpt_config_from_llama(hf, where, _setting)
+        except (TypeError, ValueError) as err:
+            raise ValueError(err if str(err).startswith(where) else f"{where}: {err}") from None
     if _setting(hf, "model_type", "text", where, "gpt2") != "gpt2":
-        raise ValueError(f"{where}: model_type {hf.get('model_type')!r}; only gpt2 is supported")
+        raise ValueError(f"{where}: model_type {hf.get('model_type')!r}; only gpt2 and llama are supported")
     if _setting(hf, "activation_function", "text", where, "gelu_new") not in ("gelu_new", "gelu_pytorch_tanh"):
         raise ValueError(f"{where}: activation_function {hf['activation_function']!r}; gptrain's MLP is the tanh "
                          "GELU (gelu_new)")
@@ -175,7 +191,10 @@ def read_hf_config(folder: str | os.PathLike) -> GPTConfig:
 
 
 def expected_hf_shapes(cfg: GPTConfig) -> dict[str, tuple[int, ...]]:
-    """Every tensor of ``cfg``'s GPT2LMHeadModel as its safetensors hold it (the tied lm_head aside)."""
+    """Every tensor of ``cfg``'s GPT2LMHeadModel (or LlamaForCausalLM) as its safetensors hold it (a tied
+    lm_head aside)."""
+    if not cfg.gpt2_layout:
+        return hf_llama.expected_llama_shapes(cfg)
     h, f, v = cfg.hidden_size, cfg.ffn_hidden_size, cfg.vocab_size
     out = {"transformer.wte.weight": (v, h), "transformer.wpe.weight": (cfg.max_position_embeddings, h),
            "transformer.ln_f.weight": (h,), "transformer.ln_f.bias": (h,)}
@@ -188,7 +207,7 @@ def expected_hf_shapes(cfg: GPTConfig) -> dict[str, tuple[int, ...]]:
 
 
 def _canonical(name: str) -> str:
-    return name if name.startswith(("transformer.", "lm_head.")) else f"transformer.{name}"
+    return name if name.startswith(("transformer.", "lm_head.", "model.")) else f"transformer.{name}"
 
 
 def _natural(name: str):
@@ -205,11 +224,11 @@ def check_hf_weights(shapes: dict[str, tuple[int, ...]], cfg: GPTConfig, where: 
     shape, and every parameter is there; else one line naming the missing, leftover and misshapen ones."""
     expected = expected_hf_shapes(cfg)
     given = {_canonical(k): (k, tuple(s)) for k, s in shapes.items() if not k.endswith(_SKIPPED)}
-    head = given.pop("lm_head.weight", None)
-    if head is not None and head[1] != expected["transformer.wte.weight"]:
+    head = given.pop("lm_head.weight", None) if "lm_head.weight" not in expected else None
+    if head is not None and head[1] != expected.get("transformer.wte.weight", expected.get("model.embed_tokens.weight")):
         given["lm_head.weight"] = head  # reported below as not used
     problems = []
-    layers = {int(n.split(".")[2]) for n in given if re.fullmatch(r"transformer\.h\.\d+\..+", n)}
+    layers = {int(n.split(".")[2]) for n in given if re.fullmatch(r"(transformer\.h|model\.layers)\.\d+\..+", n)}
     if layers and max(layers) + 1 != cfg.num_layers:
         problems.append(f"config.json says n_layer {cfg.num_layers}, the weights hold {max(layers) + 1} layers")
     missing = sorted(set(expected) - set(given), key=_natural)

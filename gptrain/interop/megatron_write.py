@@ -271,6 +271,9 @@ def to_megatron(ckpt, out, log=print, ckpt_format: str = "torch_dist", tp: int =
     if ckpt_format not in FORMATS:
         raise MegatronWriteError(f"--ckpt-format {ckpt_format}: gptrain writes {' or '.join(FORMATS)}")
     model, state = c.read_gptrain(ckpt)
+    if not model.cfg.gpt2_layout:
+        raise MegatronWriteError(f"{ckpt}: a Llama-style model (--swiglu, RMSNorm, rope, groups, ...); --to megatron "
+                                 "writes the GPT-2 layers only: convert it with --to hf")
     check_layout(model.cfg, tp, pp)
     name = find_gptrain_iteration_dir(ckpt).name
     iteration = "release" if name == "release" else int(name.removeprefix("iter_"))

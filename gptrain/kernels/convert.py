@@ -16,7 +16,7 @@ from torch.nn.attention import SDPBackend
 
 from gptrain.kernels import flash4
 from gptrain.kernels.cublaslt import unavailable_reason as cublaslt_unavailable
-from gptrain.model.gpt import GPT, MLP
+from gptrain.model.gpt import GPT, MLP, CausalSelfAttention
 from gptrain.model.linear import FusedBiasGeluMLP, TunedLinear
 from gptrain.model.loss import LMLoss
 
@@ -74,7 +74,7 @@ def use_cublaslt(model: GPT, loss: LMLoss | None, device: torch.device, dtype: t
     if reason is not None:
         return reason
     for block in model.layers.values():
-        for layer in (block.attn.qkv, block.attn.proj, block.mlp.fc1, block.mlp.fc2):
+        for layer in list(block.modules()):  # QKV, proj, the MLP's (fc1 or gate and up, fc2)
             if type(layer) is nn.Linear:
                 layer.__class__ = TunedLinear
         if fuse_bias_gelu and type(block.mlp) is MLP:
@@ -91,6 +91,8 @@ def use_flash4(model: GPT, device: torch.device, dtype: torch.dtype, allow_refer
     reason = flash4.unavailable_reason(device, dtype, model.cfg.head_dim, dropout)
     if allow_reference and device.type == "cpu" and not dropout:
         reason = None
+    if any(type(block.attn) is not CausalSelfAttention for block in model.layers.values()):
+        reason = "grouped-query or rotary attention runs on SDPA (FlashAttention-4 here reads packed per-head QKV)"
     if reason is None:
         for block in model.layers.values():
             block.attn.core = Flash4Attention()

@@ -9,6 +9,14 @@ word_embeddings.weight``) and the loss lives in ``model/loss.py``. The vocabular
 The fused QKV rows are in Megatron's per-head order ``[heads, 3, head_dim]`` and viewed with the
 head count of the local tensor, so a column-parallel shard holds whole heads (q, k and v of each).
 
+The Llama family's parts (Megatron's flags: ``--swiglu``, ``--normalization RMSNorm``,
+``--position-embedding-type rope``, ``--group-query-attention``, ``--untie-embeddings-and-output-weights``,
+``--disable-bias-linear``) are other modules chosen from the config when the block is built; the
+defaults build exactly the GPT-2 modules above. Grouped-query QKV rows are Megatron's
+``[groups, heads_per_group + 2, head_dim]`` (each group's queries, then its key and value), which is
+``[heads, 3, head_dim]`` when every head is its own group. RoPE rotates split halves
+(``rotate_half``, Megatron's default and Hugging Face Llama's), so no permutation between the two.
+
 Fast kernels and parallelism are applied from outside, by swapping modules (``kernels/convert.py``)
 and by ``gptrain.parallel``; the model only ever calls ``self.qkv(x)``, ``self.core(qkv)``, ...
 """
@@ -51,10 +59,16 @@ class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.head_dim = cfg.head_dim
-        self.qkv = nn.Linear(cfg.hidden_size, 3 * cfg.hidden_size)
+        inner = cfg.num_attention_heads * cfg.head_dim
+        self.qkv = nn.Linear(cfg.hidden_size, 3 * inner, bias=cfg.add_bias_linear or cfg.add_qkv_bias)
         self.core = CoreAttention(cfg.attention_dropout)
-        self.proj = nn.Linear(cfg.hidden_size, cfg.hidden_size)
+        self.proj = nn.Linear(inner, cfg.hidden_size, bias=cfg.add_bias_linear)
         self.recompute_core = False  # selective recompute (parallel/parallelize.py sets it)
+
+    def heads(self, qkv: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """q, k, v as (batch, heads, seq, dim) from the QKV projection's output (the KV cache's view)."""
+        b, s = qkv.shape[:2]
+        return qkv.view(b, s, qkv.shape[-1] // (3 * self.head_dim), 3, self.head_dim).permute(3, 0, 2, 1, 4)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         qkv = self.qkv(x)
@@ -69,24 +83,119 @@ class CausalSelfAttention(nn.Module):
         return self.proj(y.reshape(b, s, -1))
 
 
+def rotary_cos_sin(positions: torch.Tensor, dim: int, base: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin (seq, dim) of RoPE's angles, in fp32; each frequency twice (split halves)."""
+    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, device=positions.device, dtype=torch.float32) / dim))
+    angles = positions.float()[:, None] * inv_freq[None, :]
+    angles = torch.cat((angles, angles), dim=-1)
+    return angles.cos(), angles.sin()
+
+
+def apply_rotary(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate the first ``cos.shape[-1]`` channels of t (..., seq, dim) by split halves; the rest pass
+    (Megatron's --rotary-percent)."""
+    d = cos.shape[-1]
+    rot, rest = t[..., :d], t[..., d:]
+    first, second = rot.chunk(2, dim=-1)
+    rotated = rot * cos.to(t.dtype) + torch.cat((-second, first), dim=-1) * sin.to(t.dtype)
+    return rotated if rest.shape[-1] == 0 else torch.cat((rotated, rest), dim=-1)
+
+
+class GroupedCoreAttention(nn.Module):
+    """Causal SDPA of q (batch, heads, seq, dim) over k, v (batch, groups, seq, dim): query head i
+    reads K/V group i // (heads / groups). Returns (batch, seq, heads, dim)."""
+
+    def __init__(self, dropout: float):
+        super().__init__()
+        self.dropout = dropout
+        self.backends = None  # as CoreAttention's
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        dropout = self.dropout if self.training else 0.0
+        gqa = k.shape[1] != q.shape[1]
+        if self.backends is None or q.device.type != "cuda":
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout, enable_gqa=gqa)
+        else:
+            with torch.nn.attention.sdpa_kernel(self.backends):
+                y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout, enable_gqa=gqa)
+        return y.transpose(1, 2)
+
+
+class GroupedQueryAttention(nn.Module):
+    """Attention with K/V groups and RoPE (or no positions): the QKV rows per group are
+    ``[heads_per_group queries, key, value]`` x head_dim, so a row split by groups keeps them whole."""
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.head_dim, self.per_group = cfg.head_dim, cfg.num_attention_heads // cfg.num_query_groups
+        self.rotary = (cfg.rotary_dim, float(cfg.rotary_base)) if cfg.position_embedding_type == "rope" else None
+        rows = (cfg.num_attention_heads + 2 * cfg.num_query_groups) * cfg.head_dim
+        self.qkv = nn.Linear(cfg.hidden_size, rows, bias=cfg.add_bias_linear or cfg.add_qkv_bias)
+        self.core = GroupedCoreAttention(cfg.attention_dropout)
+        self.proj = nn.Linear(cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size, bias=cfg.add_bias_linear)
+        self.recompute_core = False
+
+    def heads(self, qkv: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """q (batch, heads, seq, dim), k and v (batch, groups, seq, dim), RoPE applied at ``positions``."""
+        b, s = qkv.shape[:2]
+        qkv = qkv.view(b, s, -1, self.per_group + 2, self.head_dim)
+        q = qkv[:, :, :, : self.per_group].reshape(b, s, -1, self.head_dim).transpose(1, 2)
+        k, v = qkv[:, :, :, self.per_group].transpose(1, 2), qkv[:, :, :, self.per_group + 1].transpose(1, 2)
+        if self.rotary is not None:
+            cos, sin = rotary_cos_sin(positions, *self.rotary)
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        return q, k, v
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        qkv = self.qkv(x)
+        b, s = qkv.shape[:2]
+        q, k, v = self.heads(qkv, torch.arange(s, device=qkv.device))
+        if self.recompute_core and self.training:
+            y = checkpoint(self.core, q, k, v, use_reentrant=False)
+        else:
+            y = self.core(q, k, v)
+        return self.proj(y.reshape(b, s, -1))
+
+
 class MLP(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
-        self.fc1 = nn.Linear(cfg.hidden_size, cfg.ffn_hidden_size)
-        self.fc2 = nn.Linear(cfg.ffn_hidden_size, cfg.hidden_size)
+        self.fc1 = nn.Linear(cfg.hidden_size, cfg.ffn_hidden_size, bias=cfg.add_bias_linear)
+        self.fc2 = nn.Linear(cfg.ffn_hidden_size, cfg.hidden_size, bias=cfg.add_bias_linear)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # tanh GELU: Megatron's fused bias-GELU and Hugging Face GPT-2's "gelu_new"
         return self.fc2(F.gelu(self.fc1(x), approximate="tanh"))
 
 
+class SwiGLUMLP(nn.Module):
+    """fc2(silu(gate(x)) * up(x)) (Megatron's --swiglu; its linear_fc1 is [gate; up]). Two input
+    layers rather than one of twice the rows, so a row split keeps gate and up rows paired."""
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.gate = nn.Linear(cfg.hidden_size, cfg.ffn_hidden_size, bias=cfg.add_bias_linear)
+        self.up = nn.Linear(cfg.hidden_size, cfg.ffn_hidden_size, bias=cfg.add_bias_linear)
+        self.fc2 = nn.Linear(cfg.ffn_hidden_size, cfg.hidden_size, bias=cfg.add_bias_linear)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(F.silu(self.gate(x)) * self.up(x))
+
+
+def make_norm(cfg: GPTConfig) -> nn.Module:
+    if cfg.normalization == "RMSNorm":
+        return nn.RMSNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon)
+    return nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon)
+
+
 class Block(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
-        self.ln1 = nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon)
-        self.attn = CausalSelfAttention(cfg)
-        self.ln2 = nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon)
-        self.mlp = MLP(cfg)
+        grouped = cfg.num_query_groups != cfg.num_attention_heads or cfg.position_embedding_type == "rope"
+        self.ln1 = make_norm(cfg)
+        self.attn = GroupedQueryAttention(cfg) if grouped else CausalSelfAttention(cfg)
+        self.ln2 = make_norm(cfg)
+        self.mlp = SwiGLUMLP(cfg) if cfg.swiglu else MLP(cfg)
         self.hidden_dropout = cfg.hidden_dropout
         self.layer_number = 0  # set by GPT: which dropout site this is
         # (shard, shards) of the sequence this rank's residual stream holds, with tensor parallelism
@@ -122,7 +231,9 @@ class GPT(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.word_embeddings = nn.Embedding(cfg.padded_vocab_size, cfg.hidden_size)
-        self.position_embeddings = nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size)
+        # RoPE (in attention) or no positions: no table
+        self.position_embeddings = (nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size)
+                                    if cfg.position_embedding_type == "learned_absolute" else None)
         # keyed by index so names stay stable when pipeline stages drop layers
         self.layers = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.num_layers)})
         for i, block in self.layers.items():
@@ -131,8 +242,10 @@ class GPT(nn.Module):
         # forward advances it), so every rank draws the same masks outside tensor-parallel regions
         self.register_buffer("dropout_step", torch.zeros((), dtype=torch.int64), persistent=False)
         self.hashed_dropout = False
-        self.final_layernorm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon)
-        self.output_layer = OutputLayer(cfg.vocab_size, self.word_embeddings.weight)
+        self.final_layernorm = make_norm(cfg)
+        untied = cfg.untie_embeddings_and_output_weights
+        self.output_layer = OutputLayer(cfg.vocab_size, nn.Parameter(torch.empty_like(self.word_embeddings.weight))
+                                        if untied else self.word_embeddings.weight)
         self.recompute_blocks = False  # full recompute (parallel/parallelize.py sets it)
         # sequence parallelism's entry after the embeddings and exit after the final LayerNorm
         # (parallel/tensor_parallel.py swaps them in; identities otherwise)
@@ -144,13 +257,13 @@ class GPT(nn.Module):
         """Drop what a pipeline rank does not hold (on the meta model): the other layers; the
         position embeddings unless first; the final LayerNorm unless last. The last rank keeps its
         own word embeddings as the tied output layer's weight (Megatron's embedding group keeps
-        the two copies equal)."""
+        the two copies equal); an untied output layer needs none."""
         for name in [n for n in self.layers if int(n) not in layer_ids]:
             del self.layers[name]
         self.pre_process, self.post_process = pre_process, post_process
         if not pre_process:
             self.position_embeddings = None
-            if not post_process:
+            if not post_process or self.cfg.untie_embeddings_and_output_weights:
                 self.word_embeddings = None
         if not post_process:
             self.final_layernorm = None
@@ -183,7 +296,7 @@ class GPT(nn.Module):
                 target.zero_()
             elif "layernorm" in name or ".ln" in name:
                 target.fill_(1.0)
-            elif name == "word_embeddings.weight":
+            elif name in ("word_embeddings.weight", "output_layer.weight"):  # the latter when untied
                 target.zero_()
                 rows = region[0]
                 real = slice(rows.start, max(rows.start, min(rows.stop, self.cfg.vocab_size)))
@@ -201,8 +314,9 @@ class GPT(nn.Module):
         return self.run_layers(tokens, list(self.layers.values()), self.pre_process, self.post_process)
 
     def embed(self, tokens: torch.Tensor, dropout_step: torch.Tensor | None = None) -> torch.Tensor:
-        positions = torch.arange(tokens.shape[1], device=tokens.device)
-        x = self.word_embeddings(tokens) + self.position_embeddings(positions)
+        x = self.word_embeddings(tokens)
+        if self.position_embeddings is not None:
+            x = x + self.position_embeddings(torch.arange(tokens.shape[1], device=tokens.device))
         if dropout_step is not None:  # the embeddings' output is whole on every tensor-parallel rank
             return hashed_dropout(x, self.cfg.hidden_dropout, dropout_step, 2 * self.cfg.num_layers)
         return F.dropout(x, self.cfg.hidden_dropout, self.training)

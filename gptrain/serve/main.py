@@ -63,6 +63,8 @@ def _serve(args, loaded, uvicorn, build_app, channel=None) -> int:
     model = loaded.model
     cuda = model.word_embeddings.weight.is_cuda
     generate_fn, how = None, "eager decode"
+    if cuda and not model.cfg.gpt2_layout:  # the CUDA-graph decoders are GPT-2's
+        how, cuda = "eager decode (the CUDA-graph decode steps are GPT-2-only)", False
     if channel is not None:
         from gptrain.serve.tensor_parallel import LeaderGenerate
 

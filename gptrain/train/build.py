@@ -68,6 +68,10 @@ def parallel_dims(cfg: RunConfig, world_size: int) -> ParallelDims:
     uneven = par.first_stage_layers is not None or par.last_stage_layers is not None
     dims.validate(cfg.model.num_layers, cfg.model.num_attention_heads, cfg.train.micro_batch_size,
                   cfg.train.global_batch_size, uneven_stages=uneven)
+    if dims.pp > 1 and not cfg.model.gpt2_layout:
+        raise ValueError(f"--pipeline-model-parallel-size {dims.pp}: pipeline parallelism is implemented for the "
+                         "GPT-2 layers only, not yet for --swiglu, RMSNorm, rope, grouped-query attention, "
+                         "--kv-channels, --disable-bias-linear or an untied output layer")
     if uneven:
         if par.layers_per_virtual_stage:
             raise ValueError("--decoder-first/last-pipeline-num-layers with --num-layers-per-virtual-pipeline-stage "
@@ -149,7 +153,7 @@ def build_training(cfg: RunConfig, device: torch.device, dims: ParallelDims, mes
     impls["parameters"] = describe_sharding(dims, overlap_grad_reduce(cfg, dims), cfg.parallel.grad_reduce_in_bf16)
     init_device = torch.device("cpu") if dims.cpu_offload else device
     train_module.to_empty(device=init_device)
-    if model.output_layer is not None:
+    if model.output_layer is not None and not cfg.model.untie_embeddings_and_output_weights:
         model.output_layer.weight = model.word_embeddings.weight  # to_empty makes new tensors: tie again
     model.init_weights(cfg.data.seed, layout.region if dims.tp > 1 else None)
     main = None

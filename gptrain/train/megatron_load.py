@@ -21,6 +21,13 @@ _ARCHITECTURE = {"num_layers": ("num_layers", "--num-layers"), "hidden_size": ("
                  "max_position_embeddings": ("max_position_embeddings", "--max-position-embeddings")}
 
 
+# the Llama-family fields a Hugging Face folder fixes -> the flag that sets them
+_FAMILY = {"swiglu": "--swiglu", "normalization": "--normalization",
+           "position_embedding_type": "--position-embedding-type", "num_query_groups": "--num-query-groups",
+           "kv_channels": "--kv-channels", "rotary_base": "--rotary-base", "add_bias_linear": "--disable-bias-linear",
+           "untie_embeddings_and_output_weights": "--untie-embeddings-and-output-weights"}
+
+
 def check_architecture(args: dict, cfg: RunConfig, where: str) -> None:
     for key, (attr, flag) in _ARCHITECTURE.items():
         theirs, ours = args.get(key), getattr(cfg.model, attr)
@@ -75,6 +82,10 @@ def load_hf(root, params: dict[str, torch.Tensor], cfg: RunConfig, layout=None) 
     model = load_hf_folder(root)
     theirs = {key: getattr(model.cfg, attr) for key, (attr, _) in _ARCHITECTURE.items()}
     check_architecture(theirs, cfg, str(Path(root) / "config.json"))
+    for attr, flag in _FAMILY.items():  # the Llama family's choices, as the folder's config.json implies them
+        if getattr(model.cfg, attr) != getattr(cfg.model, attr):
+            raise ValueError(f"{flag}: the run has {attr} {getattr(cfg.model, attr)}, {root}/config.json implies "
+                             f"{getattr(model.cfg, attr)}")
     if model.cfg.vocab_size != cfg.model.vocab_size:
         raise ValueError(f"{root}: a {model.cfg.vocab_size}-token vocabulary, the tokenizer has {cfg.model.vocab_size} "
                          "(give the folder's vocab.json and merges.txt as --vocab-file and --merge-file)")
@@ -82,7 +93,7 @@ def load_hf(root, params: dict[str, torch.Tensor], cfg: RunConfig, layout=None) 
     for name, target in params.items():
         full = weights[name].float()
         shape = _full_shape(name, target, layout)
-        if name == "word_embeddings.weight":  # the real vocabulary's rows; this layout's padding is zero
+        if name in ("word_embeddings.weight", "output_layer.weight"):  # real rows; this layout's padding is zero
             rows = min(full.shape[0], shape[0])
             full, padded = torch.zeros(shape), full
             full[:rows] = padded[:rows]

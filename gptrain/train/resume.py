@@ -85,12 +85,23 @@ def _flag_name(field: str) -> str:
     return declared.names[0] if declared is not None else "--" + field.replace("_", "-")
 
 
+def _follows(name: str, saved: dict, now: dict) -> bool:
+    """A value resolved from settings named already: the K/V groups without --group-query-attention
+    (the heads), --kv-channels left at hidden / heads."""
+    if name == "num_query_groups":
+        return not saved.get("group_query_attention") and not now["group_query_attention"]
+    if name == "kv_channels":
+        return all(m.get("kv_channels", 0) * m.get("num_attention_heads", 0) == m.get("hidden_size") for m in (saved, now))
+    return False
+
+
 def config_differences(saved: dict, cfg) -> list[str]:
     """Each architecture or tokenizer setting that differs: ``--flag SAVED in the checkpoint, NOW here``."""
     out = []
     now_model = dataclasses.asdict(cfg.model)
     for name, value in (saved.get("model") or {}).items():
-        if name in NOT_ARCHITECTURE or name not in now_model or now_model[name] == value:
+        if name in NOT_ARCHITECTURE or name not in now_model or now_model[name] == value \
+                or _follows(name, saved["model"], now_model):
             continue
         out.append(f"{_flag_name(name)} {value} in the checkpoint, {now_model[name]} here")
     data = saved.get("data") or {}

@@ -1,0 +1,220 @@
+"""The Llama-family flags (Megatron's names and defaults): SwiGLU, RMSNorm, RoPE, grouped-query
+attention, --kv-channels, no biases, an untied output layer; scored against transformers'
+LlamaForCausalLM both ways, trained, converted, generated, and the refusals."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from gptrain.config import parse_megatron_args
+from gptrain.interop.hf import hf_config_dict, load_hf_folder, to_hf_state_dict
+from gptrain.model.gpt import GPT, GPTConfig
+from tiny import TINY_FLAGS
+
+transformers = pytest.importorskip("transformers")
+
+# the issue's tiny Llama: 2 layers, hidden 64, 4 heads, 2 K/V groups, SwiGLU, RMSNorm, RoPE, untied, no biases
+LLAMA = dict(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32, vocab_size=100,
+             attention_dropout=0.0, hidden_dropout=0.0, swiglu=True, normalization="RMSNorm",
+             position_embedding_type="rope", group_query_attention=True, num_query_groups=2,
+             untie_embeddings_and_output_weights=True, add_bias_linear=False, rotary_base=500000,
+             layernorm_epsilon=1e-6)
+LLAMA_FLAGS = ("--swiglu --normalization RMSNorm --norm-epsilon 1e-6 --use-rotary-position-embeddings --rotary-base "
+               "500000 --group-query-attention --num-query-groups 2 --untie-embeddings-and-output-weights "
+               "--disable-bias-linear").split()
+
+
+def _random_model(cfg: GPTConfig, seed: int = 0) -> GPT:
+    """Weights far from init (std 0.3, norms around 1) so every layout mistake moves the log-probs."""
+    torch.manual_seed(seed)
+    model = GPT(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(1 + 0.1 * torch.randn_like(p) if "ln" in name or "layernorm" in name else 0.3 * torch.randn_like(p))
+    return model.eval()
+
+
+def _text(cfg: GPTConfig) -> torch.Tensor:
+    return torch.randint(0, cfg.vocab_size, (2, cfg.seq_length), generator=torch.Generator().manual_seed(1))
+
+
+def _log_probs(logits: torch.Tensor, vocab: int) -> torch.Tensor:
+    return logits[..., :vocab].float().log_softmax(-1)
+
+
+def _write_folder(model: GPT, folder) -> None:
+    from safetensors.torch import save_file
+
+    folder.mkdir()
+    weights = to_hf_state_dict(model)
+    if not model.cfg.untie_embeddings_and_output_weights:
+        weights.pop("lm_head.weight")
+    save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    (folder / "config.json").write_text(json.dumps(hf_config_dict(model.cfg, 0)))
+
+
+@pytest.mark.parametrize("extra", [{}, dict(add_bias_linear=True), dict(kv_channels=8, rotary_base=10000),
+                                   dict(untie_embeddings_and_output_weights=False, group_query_attention=False,
+                                        num_query_groups=None)],
+                         ids=["issue", "biases", "kv-channels", "tied-mha"])
+def test_exported_model_scores_text_as_transformers_llama(tmp_path, extra):
+    cfg = GPTConfig(**{**LLAMA, **extra})
+    model = _random_model(cfg)
+    _write_folder(model, tmp_path / "hf")
+    hf = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf", local_files_only=True,
+                                                       torch_dtype=torch.float32).eval()
+    tokens = _text(cfg)
+    with torch.no_grad():
+        ours, theirs = _log_probs(model.logits(tokens), cfg.vocab_size), _log_probs(hf(tokens).logits, cfg.vocab_size)
+    assert (ours - theirs).abs().max() < 1e-4
+    assert sum(p.numel() for p in model.parameters()) == cfg.num_parameters()
+
+
+def test_transformers_llama_imports_and_scores_as_transformers(tmp_path):
+    """A LlamaForCausalLM of transformers' own making (its init, GQA, untied, head_dim apart) read by gptrain."""
+    torch.manual_seed(0)
+    hf_cfg = transformers.LlamaConfig(vocab_size=100, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-5,
+                                      max_position_embeddings=64, tie_word_embeddings=False, initializer_range=0.3)
+    hf = transformers.LlamaForCausalLM(hf_cfg).eval()
+    hf.save_pretrained(tmp_path / "hf", safe_serialization=True)
+    model = load_hf_folder(tmp_path / "hf", inference=True).eval()
+    cfg = model.cfg
+    assert (cfg.swiglu, cfg.normalization, cfg.num_query_groups, cfg.untie_embeddings_and_output_weights) == \
+        (True, "RMSNorm", 2, True)
+    tokens = _text(cfg)[:, :40]
+    with torch.no_grad():
+        ours, theirs = _log_probs(model.logits(tokens), 100), _log_probs(hf(tokens).logits, 100)
+    assert (ours - theirs).abs().max() < 1e-4
+
+
+def test_kv_cache_decoding_equals_the_full_forward():
+    from gptrain.inference.kv_cache import KVCache, forward_cached
+
+    model = _random_model(GPTConfig(**LLAMA))
+    tokens = _text(model.cfg)[:, :12]
+    with torch.no_grad():
+        full = model(tokens)
+        cache = KVCache(model, 2, 16)
+        assert cache.k.shape[2] == 2  # the K/V groups, not the heads
+        parts = [forward_cached(model, tokens[:, :5], 0, cache)]
+        parts += [forward_cached(model, tokens[:, t:t + 1], t, cache) for t in range(5, 12)]
+    assert (torch.cat(parts, 1) - full).abs().max() < 1e-4
+
+
+def test_megatron_defaults_and_parameter_formula():
+    parse = lambda *extra: parse_megatron_args(["--mock-data", "--train-iters", "1", *TINY_FLAGS, *extra])[0].model  # noqa: E731
+    # Megatron's SwiGLU width: int(4 h 2/3 / 64) x 64; --group-query-attention alone: one K/V group
+    assert parse("--hidden-size", "1024", "--num-attention-heads", "16", "--swiglu").ffn_hidden_size == 2688
+    assert parse("--group-query-attention").num_query_groups == 1
+    assert parse().num_query_groups == 4 and parse().kv_channels == 8 and parse().gpt2_layout
+    cfg = parse(*LLAMA_FLAGS)
+    assert (cfg.swiglu, cfg.normalization, cfg.layernorm_epsilon, cfg.position_embedding_type, cfg.rotary_base,
+            cfg.num_query_groups, cfg.untie_embeddings_and_output_weights, cfg.add_bias_linear) == \
+        (True, "RMSNorm", 1e-6, "rope", 500000, 2, True, False)
+    assert parse("--position-embedding-type", "none").position_embedding_type == "none"
+    for config in (cfg, GPTConfig(**{**LLAMA, "add_bias_linear": False, "add_qkv_bias": True}),
+                   GPTConfig(**{**LLAMA, "position_embedding_type": "none", "rotary_percent": 0.5}),
+                   GPTConfig(**{**LLAMA, "normalization": "LayerNorm", "swiglu": False, "kv_channels": 24})):
+        with torch.device("meta"):
+            held = sum(p.numel() for p in GPT(config).parameters())
+        assert held == config.num_parameters()
+    # FLOPs: 6 x (layers' weights + the output layer) + 12 L s (heads x kv_channels)
+    c = GPTConfig(**{**LLAMA, "kv_channels": 8})
+    layers = c.num_parameters() - 2 * c.padded_vocab_size * 64
+    assert c.flops_per_token() == 6 * (layers + c.padded_vocab_size * 64) + 12 * 2 * 4 * 8 * 32
+
+
+def test_rotary_percent_rotates_only_the_first_channels():
+    from gptrain.model.gpt import apply_rotary, rotary_cos_sin
+
+    t = torch.randn(1, 2, 5, 16)
+    cos, sin = rotary_cos_sin(torch.arange(5), 8, 10000.0)
+    out = apply_rotary(t, cos, sin)
+    assert torch.equal(out[..., 8:], t[..., 8:]) and torch.allclose(out[:, :, 0], t[:, :, 0])  # position 0: identity
+    assert not torch.allclose(out[:, :, 1:, :8], t[:, :, 1:, :8])
+
+
+def test_refusals_name_the_numbers():
+    def refused(match, *flags):
+        with pytest.raises(ValueError, match=match):
+            parse_megatron_args(["--mock-data", "--train-iters", "1", *TINY_FLAGS, *flags])
+
+    refused("--num-attention-heads 4 is not divisible by --num-query-groups 3", "--group-query-attention",
+            "--num-query-groups", "3")
+    refused("--num-query-groups 2 takes effect only with --group-query-attention", "--num-query-groups", "2")
+    refused("rotates 3 channels of each head: an even number", "--use-rotary-position-embeddings",
+            "--rotary-percent", "0.375")
+    refused("--rotary-interleaved is a Megatron flag gptrain does not implement", "--rotary-interleaved")
+    refused("--qk-layernorm is a Megatron flag gptrain does not implement", "--qk-layernorm")
+    refused("hidden-size 32 is not divisible by --num-attention-heads 5", "--num-attention-heads", "5")
+    refused("--tensor-model-parallel-size 2: tensor parallelism is implemented for the GPT-2 layers only",
+            "--swiglu", "--tensor-model-parallel-size", "2", "--world-size", "2")
+    assert parse_megatron_args(["--mock-data", "--train-iters", "1", *TINY_FLAGS, "--num-attention-heads", "5",
+                                "--kv-channels", "8"])[0].model.kv_channels == 8  # as Megatron: no divisibility needed
+    from gptrain.train.build import parallel_dims
+
+    cfg = parse_megatron_args(["--mock-data", "--train-iters", "1", *TINY_FLAGS, *LLAMA_FLAGS,
+                               "--pipeline-model-parallel-size", "2", "--world-size", "2"])[0]
+    with pytest.raises(ValueError, match="--pipeline-model-parallel-size 2: pipeline parallelism is implemented"):
+        parallel_dims(cfg, 2)
+    with pytest.raises(ValueError, match="Llama's positions are RoPE"):
+        hf_config_dict(GPTConfig(**{**LLAMA, "position_embedding_type": "learned_absolute"}), 0)
+    with pytest.raises(ValueError, match="Llama's MLP is SwiGLU"):
+        to_hf_state_dict(GPT(GPTConfig(**{**LLAMA, "swiglu": False})))
+
+
+@pytest.mark.parametrize("edit, match", [
+    ({"hidden_act": "gelu"}, "hidden_act 'gelu'; gptrain's --swiglu gates with silu"),
+    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "RoPE scaling .*llama3.*; gptrain implements plain"),
+    ({"attention_bias": True}, "attention_bias True but mlp_bias False"),
+])
+def test_llama_folders_gptrain_cannot_hold_are_refused(tmp_path, edit, match):
+    model = _random_model(GPTConfig(**LLAMA))
+    _write_folder(model, tmp_path / "hf")
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    config.pop("rope_parameters")
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({**config, **edit}))
+    with pytest.raises(ValueError, match=match):
+        load_hf_folder(tmp_path / "hf")
+
+
+def test_train_convert_load_and_generate(tmp_path):
+    """gptrain train (Llama flags) -> convert --to hf (checked against transformers inside) -> --from hf ->
+    --load of the HF folder by a run with the same flags (contradicting ones refused) -> generate."""
+    from gptrain.inference.generate import SamplingParams, generate
+    from gptrain.interop.convert import from_hf, read_gptrain, to_hf
+    from gptrain.train.run import train_main
+
+    run = ["--mock-data", *TINY_FLAGS, *LLAMA_FLAGS, "--seq-length", "16", "--micro-batch-size", "2",
+           "--global-batch-size", "2", "--lr", "1e-3", "--eval-iters", "0", "--device", "cpu"]
+    lines = []
+    assert train_main(run + ["--train-iters", "3", "--save", str(tmp_path / "ck")], log=lines.append).exit_code == 0
+    assert any("number of parameters" in line for line in lines)
+    notes = []
+    assert to_hf(tmp_path / "ck", tmp_path / "hf", log=notes.append) < 1e-4
+    assert "LlamaForCausalLM" in notes[0]
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["num_key_value_heads"] == 2
+    assert from_hf(tmp_path / "hf", tmp_path / "back", log=notes.append) < 1e-4
+    from gptrain.interop.megatron_write import to_megatron
+
+    with pytest.raises(ValueError, match="--to megatron writes the GPT-2 layers only: convert it with --to hf"):
+        to_megatron(tmp_path / "ck", tmp_path / "meg")
+    back, _ = read_gptrain(tmp_path / "back")
+    assert back.cfg.untie_embeddings_and_output_weights and back.cfg.num_query_groups == 2
+    lines = []
+    loaded = train_main(run + ["--train-iters", "1", "--load", str(tmp_path / "hf")], log=lines.append)
+    assert loaded.exit_code == 0 and any("loaded Hugging Face" in line for line in lines)
+    from gptrain.train.megatron_load import load_hf
+
+    other = parse_megatron_args(run + ["--train-iters", "1", "--num-query-groups", "4"])[0]
+    with pytest.raises(ValueError, match="--num-query-groups: the run has num_query_groups 4, .*implies 2"):
+        load_hf(tmp_path / "hf", {}, other)
+    out = generate(back.eval(), [[1, 2, 3]], SamplingParams(max_new_tokens=4, temperature=0.0))
+    with torch.no_grad():  # greedy through the KV cache = greedy through the full forward
+        tokens = torch.tensor([[1, 2, 3]])
+        for _ in range(4):
+            tokens = torch.cat([tokens, back.logits(tokens)[:, -1:].argmax(-1)], 1)
+    assert out[0].tokens == tokens[0].tolist()

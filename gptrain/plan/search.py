@@ -103,7 +103,7 @@ def predict(cfg: RunConfig, world: int, gpu: Gpu, gpus_per_node: int) -> Predict
         time.bubble = sum(stage.wall for r, stage in enumerate(stages) if r != slowest) / virtual
         message = 2.0 * cfg.train.micro_batch_size * m.seq_length * m.hidden_size / (dims.tp if sp else 1)
         time.pp_comm = 2 * (n_micro * virtual + dims.pp - 1) * p2p_s(message, pp_gbps)
-        if not m.untie_embeddings_and_output_weights:  # the two word-embedding copies' fp32 gradients summed
+        if not getattr(m, "untie_embeddings_and_output_weights", False):  # the tied copies' fp32 gradients summed
             time.pp_comm += all_reduce_s(4.0 * m.padded_vocab_size / dims.tp * m.hidden_size, 2, pp_gbps)
     biggest = max(range(dims.pp), key=lambda r: params[r])
     time.dp_comm = data_parallel_s(cfg, dims, params[biggest], stages[biggest], n_micro, layer_counts[biggest],

@@ -85,12 +85,14 @@ def test_stop_advice_per_precision():
 
 
 @pytest.mark.slow
-def test_nan_on_one_rank_of_two_is_skipped_on_both_and_named(tmp_path):
+@pytest.mark.parametrize("extra", [[], ["--overlap-grad-reduce"]], ids=["after-backward", "overlapped"])
+def test_nan_on_one_rank_of_two_is_skipped_on_both_and_named(tmp_path, extra):
+    """Overlapped, the gradients are reduced during the backward: the buckets note them before."""
     import os
 
     os.environ[NAN_ENV] = "1@3"
     try:
-        out = torchrun(2, TINY + ["--train-iters", "4"])
+        out = torchrun(2, TINY + ["--train-iters", "4", *extra])
     finally:
         del os.environ[NAN_ENV]
     # the two ranks write to one stream: rank 1's line may land inside one of rank 0's, so records are

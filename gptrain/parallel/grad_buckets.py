@@ -53,6 +53,19 @@ class GradBuckets:
         self.armed = False
         self._arrived = [0] * len(self.spans)
         self._pending: list[tuple] = []
+        self.nonfinite: torch.Tensor | None = None  # set by check_finite()
+
+    def check_finite(self) -> None:
+        """Note on the device whether a bucket held a NaN/Inf before its reduction (Megatron checks its
+        buckets the same way), for --check-for-nan-in-loss-and-grad: this rank's own gradients."""
+        self.nonfinite = torch.zeros((), dtype=torch.bool, device=self.flat.device)
+
+    def take_nonfinite(self) -> torch.Tensor | None:
+        """The step's flag (a device tensor; no sync), reset for the next step."""
+        if self.nonfinite is None:
+            return None
+        flag, self.nonfinite = self.nonfinite, torch.zeros_like(self.nonfinite)
+        return flag
 
     def arm(self, last_micro_batch: bool) -> None:
         """Reduce during this micro-batch's backward only if it is the step's last."""
@@ -69,6 +82,8 @@ class GradBuckets:
     def _launch(self, b: int) -> None:
         start, end = self.spans[b]
         part = self.flat[start:end]
+        if self.nonfinite is not None:
+            self.nonfinite |= ~torch.isfinite(part).all()
         if self.reduce_dtype is not None and self.reduce_dtype != part.dtype:  # --grad-reduce-in-bf16
             low = part.to(self.reduce_dtype).div_(self.size)
             self._pending.append((dist.all_reduce(low, group=self.group, async_op=True), part, low))

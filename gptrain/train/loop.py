@@ -122,6 +122,8 @@ class Trainer:
         self.checkpointer = Checkpointer(cfg.train.async_save, self.log)
         self.run_start: float | None = None  # when train() began (--exit-duration-in-mins counts from it)
         self.nan_check = NanCheck(cfg.train.check_for_nan_in_loss_and_grad, world_from_env()[1], device)
+        if self.nan_check.enabled and self.scaler is None and parts.grad_buckets is not None:
+            parts.grad_buckets.check_finite()  # the overlapped reduction's buckets, before they are reduced
 
     def loader(self, dataset, start: int) -> MicroBatchLoader | NoData:
         if self.pipeline is not None and not self.pipeline.needs_data:
@@ -292,7 +294,9 @@ class Trainer:
         # --check-for-nan-in-loss-and-grad: this rank's own loss, and its gradients where they are not reduced
         # yet (with fp16, non-finite gradients are the loss scaler's business)
         own = self.parts.grad_buckets is None and not dims.sharded and self.scaler is None
-        self.nan_check.record(loss_acc, [local(g) for _, g in named] if own else None, self.iteration + 1)
+        bucket_flag = self.parts.grad_buckets.take_nonfinite() if self.parts.grad_buckets is not None else None
+        self.nan_check.record(loss_acc, [local(g) for _, g in named] if own else None, self.iteration + 1,
+                              bucket_flag)
         if self.parts.grad_buckets is not None:  # reduced during the backward: wait for the last buckets
             self.parts.grad_buckets.wait()
         elif dims.replicated:  # plain data parallelism: average the whole gradients over the replicas

@@ -8,7 +8,8 @@ whatever the flag: the global gradient norm and loss are non-finite on every ran
 with the check on raises an error at the first NaN; gptrain skips, counts and names the rank, and
 stops after ``--max-nan-iterations`` in a row. With the check on, each rank keeps on the device the
 first iteration of the log interval at which its own loss, or its own gradients before the
-data-parallel reduction (where that reduction runs after the backward), were non-finite: no
+data-parallel reduction (after the backward, or in the overlapped reduction's buckets; not under ZeRO,
+whose reduce-scatter FSDP2 runs inside the backward), were non-finite: no
 collective, no host-device sync; each rank reads its own once per log interval (the counters are
 read there anyway) and prints its own line, with its host.
 """
@@ -43,15 +44,19 @@ class NanCheck:
     def maybe_inject(self, loss: torch.Tensor, iteration: int) -> torch.Tensor:
         return loss * float("nan") if iteration in self.inject else loss
 
-    def record(self, loss: torch.Tensor, grads: list[torch.Tensor] | None, iteration: int) -> None:
+    def record(self, loss: torch.Tensor, grads: list[torch.Tensor] | None, iteration: int,
+               grads_nonfinite: torch.Tensor | None = None) -> None:
         """This rank's own ``loss`` and ``grads`` (before any reduction; None where they are reduced
-        already, or where non-finite gradients are the fp16 loss scaler's business); device-side only."""
+        already, or where non-finite gradients are the fp16 loss scaler's business), or the flag the
+        overlapped reduction's buckets noted before reducing; device-side only."""
         if not self.enabled:
             return
         flags = (~torch.isfinite(loss.float())).reshape(1)
         if grads:
             norm = torch.stack(torch._foreach_norm(grads)).float().sum()
             flags = torch.cat([flags, (~torch.isfinite(norm)).reshape(1)])
+        elif grads_nonfinite is not None:
+            flags = torch.cat([flags, grads_nonfinite.reshape(1)])
         else:
             flags = torch.cat([flags, torch.zeros_like(flags)])
         self.first = torch.where(flags & (self.first == 0), float(iteration), self.first)

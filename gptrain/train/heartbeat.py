@@ -6,6 +6,8 @@ launcher restarts the group, well before the collectives' own timeout would end 
 saying who.
 
 A rank blocked in a collective keeps beating (its thread is alive): only a stopped process goes stale.
+Start-up is not judged (building index maps or reading a checkpoint may hold the interpreter's lock
+for long stretches); a rank is watched from its first training step.
 Staleness is judged by the watcher's own clock (how long the value has not changed), so the hosts'
 clocks need not agree.
 """
@@ -49,11 +51,13 @@ class Heartbeat:
         now = time.monotonic()
         for r in self._watched():
             key = f"{_PREFIX}{r}"
-            value = self.store.get(key) if self.store.check([key]) else b""
+            if not self.store.check([key]):
+                continue  # not beating yet: still starting
+            value = self.store.get(key)
             last, since = self._seen.get(r, (None, now))
             if value != last:
                 self._seen[r] = (value, now)
-            elif now - since > self.stale_after_s:
+            elif now - since > self.stale_after_s and b"|start-up|" not in value:
                 return r, value.decode(errors="replace")
         return None
 
@@ -66,7 +70,7 @@ class Heartbeat:
                 return
             if found is not None:
                 rank, value = found
-                _, iteration, phase, host = (value.split("|") + ["?"] * 4)[:4] if value else ("", "?", "?", "?")
+                _, iteration, phase, host = (value.split("|") + ["?"] * 4)[:4]
                 print(f"gptrain: error: rank {rank} on {host} stopped progressing: no heartbeat for "
                       f"{self.stale_after_s:.0f} s, last at iteration {iteration} ({phase}); rank {self.rank} exits so "
                       "the launcher can restart the group", file=sys.stderr, flush=True)

@@ -191,3 +191,18 @@ def test_dry_run_prints_the_prediction_of_its_layout():
     (line,) = [x for x in lines if x.startswith(" > plan on 4 x ")]
     p = predict(cfg, 4, load_gpu(line.split(" x ")[1].split()[0]), 8)
     assert f"{p.tokens_per_s_per_gpu:,.0f} tokens/s per GPU" in line and f"peak {p.peak_gib:.2f} GiB" in line
+
+
+def test_cpu_offload_moves_the_state_to_host_memory(capsys):
+    """--cpu-offload (one GPU included): the GPU keeps the gathered copies; the fp32 parameter, gradient and
+    moment shards (16 bytes a parameter) are host memory, printed beside the GPU's."""
+    flags = TINY_FLAGS + ["--mock-data", "--train-iters", "1", "--bf16", "--world-size", "1", "--gpu", "h100",
+                          "--evaluate"]
+    code, out = _plan(flags + ["--json"], capsys)
+    plain = json.loads(out)[0]
+    code, out = _plan(flags + ["--json", "--zero-stage", "3", "--cpu-offload"], capsys)
+    offload = json.loads(out)[0]
+    assert code == 0 and offload["memory_gib"]["optimizer"] == 0 and offload["memory_gib"]["main_params"] == 0
+    assert offload["peak_gib"] < plain["peak_gib"]
+    code, out = _plan(flags + ["--zero-stage", "3", "--cpu-offload"], capsys)
+    assert code == 0 and "host memory per rank (--cpu-offload" in out and "the time is not" in out

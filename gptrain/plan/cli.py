@@ -52,7 +52,9 @@ def plan_main(argv: list[str]) -> int:
         return _fail(f"--gpus-per-node {args.gpus_per_node} must be at least 1")
     from gptrain.config import planned_world_size
     from gptrain.data.assemble import setup
+    from gptrain.plan.memory import offload_host_gib
     from gptrain.plan.search import predict, search
+    from gptrain.train.build import parallel_dims
 
     try:
         world = planned_world_size(train_argv)
@@ -78,6 +80,11 @@ def plan_main(argv: list[str]) -> int:
         p = predictions[0]
         print(f"memory (GiB): " + ", ".join(f"{k} {v:.2f}" for k, v in p.to_json()["memory_gib"].items())
               + ("" if p.fits else f" -- does not fit in {gpu.memory_gib:.0f} GiB with the allocator's slack"))
+        host = offload_host_gib(cfg, parallel_dims(cfg, world))
+        if host:
+            print(f"host memory per rank (--cpu-offload: fp32 parameter, gradient and AdamW moment shards): {host:.2f} GiB")
+            print("with --cpu-offload the memory is modelled, the time is not: the optimizer step runs on the CPU "
+                  "and gradients and parameters cross PCIe every step (measure it: gptrain bench)")
     else:
         print(left_out(result, gpu))
     return 0

@@ -33,9 +33,14 @@ def dry_run_line(cfg: RunConfig, world: int) -> str | None:
     if p is None:
         return None
     note = "" if gpu else " (no GPU here: `gptrain plan --gpu ... --evaluate` for another)"
+    from gptrain.plan.memory import offload_host_gib
+    from gptrain.train.build import parallel_dims
+
+    host = offload_host_gib(cfg, parallel_dims(cfg, world))
+    offload = f", {host:.2f} GiB of host memory per rank (--cpu-offload; its time is not modelled)" if host else ""
     return (f" > plan on {world} x {where}{note}: {p.tokens_per_s_per_gpu:,.0f} tokens/s per GPU, "
             f"{100 * p.mfu:.1f}% MFU, {p.step_s * 1000:.1f} ms per iteration, peak {p.peak_gib:.2f} GiB per GPU"
-            f"{'' if p.fits else ' (does not fit)'}")
+            f"{'' if p.fits else ' (does not fit)'}{offload}")
 
 
 def measured_line(cfg: RunConfig, world: int, device: torch.device, tokens_per_s: float) -> str | None:

@@ -5,6 +5,7 @@ the layout's checks; a two-"node" launch."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -305,6 +306,7 @@ def test_cpu_offload_on_one_process_equals_the_plain_run(tmp_path):
     for extra in (["--zero-stage", "3", "--cpu-offload"], ["--deepspeed", "--deepspeed_config", str(ds)]):
         out = single(args + extra)
         assert "ZeRO-3 over 1 rank on FSDP2" in out and "in host memory" in out, out[-2000:]
+        assert re.search(r"> host memory \(--cpu-offload\): peak resident [0-9.]+ GiB on rank 0", out)
         offloaded = losses(out)
         assert offloaded.keys() == plain.keys() == {1, 2, 3}
         assert all(offloaded[k] == pytest.approx(plain[k], abs=1e-5) for k in plain), (offloaded, plain)

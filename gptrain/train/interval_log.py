@@ -76,6 +76,8 @@ def log_interval(trainer, stats) -> None:
         mem = metrics.memory_line(self.iteration, self.device)
         if mem:
             self.log(mem)
+        if self.parts.dims.cpu_offload:
+            self.log(metrics.host_memory_line())
         self.memory_reported = True
     # the planner's prediction against the first interval without this process's first iteration (which
     # compiles and warms up)

@@ -89,6 +89,14 @@ def memory_line(iteration: int, device: torch.device) -> str | None:
             f"max allocated: {max_allocated} | reserved: {reserved} | max reserved: {max_reserved}")
 
 
+def host_memory_line() -> str:
+    """This process's peak resident host memory (--cpu-offload keeps the optimizer state there)."""
+    import resource
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 ** 2  # KiB on Linux
+    return f" > host memory (--cpu-offload): peak resident {peak:.2f} GiB on rank 0"
+
+
 def wandb_run(cfg, rank: int):
     """``--wandb-project``: a wandb run on rank 0 (Megatron's arguments: the project, --wandb-exp-name as
     its name, --wandb-save-dir or --save/wandb as its folder, the run config), else None. The start-up

@@ -105,7 +105,8 @@ def test_kv_cache_decoding_equals_the_full_forward():
 
 
 def test_megatron_defaults_and_parameter_formula():
-    parse = lambda *extra: parse_megatron_args(["--mock-data", "--train-iters", "1", *TINY_FLAGS, *extra])[0].model  # noqa: E731
+    def parse(*extra):
+        return parse_megatron_args(["--mock-data", "--train-iters", "1", *TINY_FLAGS, *extra])[0].model
     # Megatron's SwiGLU width: int(4 h 2/3 / 64) x 64; --group-query-attention alone: one K/V group
     assert parse("--hidden-size", "1024", "--num-attention-heads", "16", "--swiglu").ffn_hidden_size == 2688
     assert parse("--group-query-attention").num_query_groups == 1
@@ -150,16 +151,15 @@ def test_refusals_name_the_numbers():
     refused("--rotary-interleaved is a Megatron flag gptrain does not implement", "--rotary-interleaved")
     refused("--qk-layernorm is a Megatron flag gptrain does not implement", "--qk-layernorm")
     refused("hidden-size 32 is not divisible by --num-attention-heads 5", "--num-attention-heads", "5")
-    refused("--tensor-model-parallel-size 2: tensor parallelism is implemented for the GPT-2 layers only",
-            "--swiglu", "--tensor-model-parallel-size", "2", "--world-size", "2")
     assert parse_megatron_args(["--mock-data", "--train-iters", "1", *TINY_FLAGS, "--num-attention-heads", "5",
                                 "--kv-channels", "8"])[0].model.kv_channels == 8  # as Megatron: no divisibility needed
-    from gptrain.train.build import parallel_dims
+    from gptrain.inference.load import _load_sharded
 
-    cfg = parse_megatron_args(["--mock-data", "--train-iters", "1", *TINY_FLAGS, *LLAMA_FLAGS,
-                               "--pipeline-model-parallel-size", "2", "--world-size", "2"])[0]
-    with pytest.raises(ValueError, match="--pipeline-model-parallel-size 2: pipeline parallelism is implemented"):
-        parallel_dims(cfg, 2)
+    class TwoRanks:
+        size = staticmethod(lambda: 2)
+
+    with pytest.raises(ValueError, match="tensor-parallel generation is built for the GPT-2 layers only"):
+        _load_sharded(GPTConfig(**LLAMA), TwoRanks(), torch.device("cpu"), None, None)
     with pytest.raises(ValueError, match="Llama's positions are RoPE"):
         hf_config_dict(GPTConfig(**{**LLAMA, "position_embedding_type": "learned_absolute"}), 0)
     with pytest.raises(ValueError, match="Llama's MLP is SwiGLU"):
@@ -218,3 +218,59 @@ def test_train_convert_load_and_generate(tmp_path):
         for _ in range(4):
             tokens = torch.cat([tokens, back.logits(tokens)[:, -1:].argmax(-1)], 1)
     assert out[0].tokens == tokens[0].tolist()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("nproc, flags", [(2, ["--tensor-model-parallel-size", "2"]),
+                                          (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
+                                          (2, ["--zero-stage", "3"]), (2, ["--pipeline-model-parallel-size", "2"])],
+                         ids=["tp2", "tp2+sp", "dp2-zero3", "pp2"])
+def test_llama_layouts_equal_one_process(nproc, flags, tmp_path):
+    """TP shards query heads and K/V groups (whole groups per rank), SwiGLU's gate and up by rows, the
+    untied output layer by vocabulary rows; PP keeps the untied output layer on the last stage only (no
+    embedding group); the same losses and saved weights as one process."""
+    from distributed import TINY, losses, single, torchrun
+    from gptrain.train.checkpoint import load_checkpoint
+
+    run = TINY + LLAMA_FLAGS + ["--train-iters", "4"]
+    reference = losses(single(run + ["--save", str(tmp_path / "one")]))
+    got = losses(torchrun(nproc, run + flags + ["--save", str(tmp_path / "many")]))
+    for it, loss in reference.items():
+        assert got[it] == pytest.approx(loss, rel=1e-5), it
+    cfg = parse_megatron_args(run, world_size=1)[0].model
+    weights = []
+    for name in ("one", "many"):
+        model = GPT(cfg)
+        load_checkpoint(tmp_path / name, dict(model.named_parameters()), None, cfg.vocab_size)
+        weights.append(dict(model.named_parameters()))
+    for name, ref in weights[0].items():
+        # Adam turns the rounding of near-zero gradients into differences of about 2e-5 (as at GPT-2)
+        torch.testing.assert_close(weights[1][name], ref, rtol=1e-5, atol=5e-5, msg=name)
+
+
+def test_parameters_per_tensor_parallel_rank_follow_the_formula():
+    """Every rank holds 1/tp of each matrix (QKV by whole groups, gate and up by rows, the untied output
+    layer by vocabulary rows) and the RMSNorms whole."""
+    from gptrain.parallel.layout import parameter_counts
+    from gptrain.train.build import parallel_dims
+
+    cfg = parse_megatron_args(["--mock-data", "--train-iters", "1", *TINY_FLAGS, *LLAMA_FLAGS,
+                               "--tensor-model-parallel-size", "2", "--world-size", "2"])[0]
+    norms = (2 * cfg.model.num_layers + 1) * cfg.model.hidden_size
+    counts = parameter_counts(cfg.model, parallel_dims(cfg, 2))
+    assert counts == {(0, 0): norms + (cfg.model.num_parameters() - norms) // 2, (1, 0): counts[(0, 0)]}
+    # PP2: the word embeddings on the first stage, the untied output layer on the last, nothing held twice
+    cfg = parse_megatron_args(["--mock-data", "--train-iters", "1", *TINY_FLAGS, *LLAMA_FLAGS,
+                               "--pipeline-model-parallel-size", "2", "--world-size", "2",
+                               "--global-batch-size", "2"])[0]
+    per_layer = (cfg.model.num_parameters() - cfg.model.embedding_parameters() - cfg.model.hidden_size) // 2
+    table = cfg.model.padded_vocab_size * cfg.model.hidden_size
+    assert parameter_counts(cfg.model, parallel_dims(cfg, 2)) == {
+        (0, 0): table + per_layer, (0, 1): per_layer + cfg.model.hidden_size + table}
+
+
+def test_groups_not_divisible_by_tensor_parallel_are_refused():
+    with pytest.raises(ValueError, match="--num-query-groups 2 is not divisible by --tensor-model-parallel-size 4: "
+                                         "each tensor-parallel rank holds whole K/V groups"):
+        parse_megatron_args(["--mock-data", "--train-iters", "1", *TINY_FLAGS, *LLAMA_FLAGS,
+                             "--tensor-model-parallel-size", "4", "--world-size", "4"])

@@ -95,6 +95,9 @@ def _load_sharded(cfg: GPTConfig, mesh, device: torch.device, full: GPT | None, 
 
     tp = mesh.size()
     check_layout(cfg, tp)
+    if not cfg.gpt2_layout:
+        raise ValueError(f"--tensor-model-parallel-size {tp}: tensor-parallel generation is built for the GPT-2 "
+                         "layers only; serve this Llama-style model on one GPU")
     cfg = dataclasses.replace(cfg, tensor_parallel_size=tp)  # Megatron pads the vocabulary to 128 x tp
     with torch.device("meta"):
         model = GPT(cfg)

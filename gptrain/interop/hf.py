@@ -225,7 +225,8 @@ def check_hf_weights(shapes: dict[str, tuple[int, ...]], cfg: GPTConfig, where: 
     expected = expected_hf_shapes(cfg)
     given = {_canonical(k): (k, tuple(s)) for k, s in shapes.items() if not k.endswith(_SKIPPED)}
     head = given.pop("lm_head.weight", None) if "lm_head.weight" not in expected else None
-    if head is not None and head[1] != expected.get("transformer.wte.weight", expected.get("model.embed_tokens.weight")):
+    embeddings = expected.get("transformer.wte.weight", expected.get("model.embed_tokens.weight"))
+    if head is not None and head[1] != embeddings:
         given["lm_head.weight"] = head  # reported below as not used
     problems = []
     layers = {int(n.split(".")[2]) for n in given if re.fullmatch(r"(transformer\.h|model\.layers)\.\d+\..+", n)}

@@ -133,7 +133,7 @@ def check_architecture(cfg: GPTConfig) -> None:
                              f"{cfg.rotary_dim} channels of each head: an even number is needed")
         if cfg.rotary_base <= 0:
             raise ValueError(f"--rotary-base {cfg.rotary_base}: a positive number")
-    if cfg.tensor_parallel_size > 1 and not cfg.gpt2_layout:
-        raise ValueError(f"--tensor-model-parallel-size {cfg.tensor_parallel_size}: tensor parallelism is "
-                         "implemented for the GPT-2 layers only, not yet for --swiglu, RMSNorm, rope, "
-                         "grouped-query attention, --kv-channels, --disable-bias-linear or an untied output layer")
+    # (the heads' own split is checked with the layout); Megatron copies groups when TP is a multiple of them: not built
+    if cfg.group_query_attention and groups % cfg.tensor_parallel_size:
+        raise ValueError(f"--num-query-groups {groups} is not divisible by --tensor-model-parallel-size "
+                         f"{cfg.tensor_parallel_size}: each tensor-parallel rank holds whole K/V groups")

@@ -15,12 +15,13 @@ from gptrain.model.gpt import GPT, GPTConfig
 from gptrain.parallel.dims import ParallelDims
 from gptrain.parallel.pipeline import stage_layer_counts
 
-_COLUMN = ("attn.qkv.weight", "attn.qkv.bias", "mlp.fc1.weight", "mlp.fc1.bias")  # split by output rows
+_COLUMN = ("attn.qkv.weight", "attn.qkv.bias", "mlp.fc1.weight", "mlp.fc1.bias",  # split by output rows
+           "mlp.gate.weight", "mlp.gate.bias", "mlp.up.weight", "mlp.up.bias")
 _ROW = ("attn.proj.weight", "mlp.fc2.weight")  # split by input columns
 
 
 def _tp_numel(name: str, numel: int, tp: int) -> int:
-    if name.endswith(_COLUMN + _ROW) or name == "word_embeddings.weight":
+    if name.endswith(_COLUMN + _ROW) or name in ("word_embeddings.weight", "output_layer.weight"):
         return numel // tp
     return numel
 
@@ -46,8 +47,9 @@ def parameter_counts(cfg: GPTConfig, dims: ParallelDims, first: int | None = Non
             if name.startswith("layers."):
                 held = name.split(".")[1] in layers
             elif name in ("word_embeddings.weight", "position_embeddings.weight"):
-                held = stage == 0 or (name == "word_embeddings.weight" and stage == dims.pp - 1)
-            else:  # final LayerNorm
+                tied = not cfg.untie_embeddings_and_output_weights
+                held = stage == 0 or (name == "word_embeddings.weight" and tied and stage == dims.pp - 1)
+            else:  # the final LayerNorm and an untied output layer
                 held = stage == dims.pp - 1
             if held:
                 total += _tp_numel(name, numel, dims.tp)

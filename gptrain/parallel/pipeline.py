@@ -124,6 +124,8 @@ class PipelineChunk(nn.Module):
             self.word_embeddings = model.word_embeddings
         if last:
             self.final_layernorm = model.final_layernorm
+            if model.cfg.untie_embeddings_and_output_weights:  # its own weight, on this stage only
+                self.output_layer = model.output_layer
         object.__setattr__(self, "_model", model)  # not a child: the chunk owns only what it runs
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -237,7 +239,9 @@ class Pipeline:
         # torch >= 2.8 can skip merging the last stage's outputs, which training never reads
         params = inspect.signature(self.schedule.step).parameters
         self._no_outputs = {"return_outputs": False} if "return_outputs" in params else {}
-        self.embedding_group = embedding_group(mesh, dims)
+        # an untied output layer has no copy to keep equal (every rank sees the same config)
+        self.embedding_group = None if self.model.cfg.untie_embeddings_and_output_weights \
+            else embedding_group(mesh, dims)
 
     def _build_schedule(self, n_micro: int):
         """This rank's stages over its chunks and their schedule for ``n_micro`` micro-batches per step."""
@@ -283,7 +287,9 @@ class Pipeline:
     def _loss_fn(self, hidden: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         # target: labels (b, s), or labels and the loss mask stacked (b, 2, s) for --eod-mask-loss
         labels, mask = (target, None) if target.ndim == 2 else (target[:, 0], target[:, 1].float())
-        return self.loss(hidden, self.model.word_embeddings.weight, labels, mask) * self.factor
+        untied = self.model.cfg.untie_embeddings_and_output_weights
+        weight = self.model.output_layer.weight if untied else self.model.word_embeddings.weight
+        return self.loss(hidden, weight, labels, mask) * self.factor
 
     def _autocast(self, device: torch.device):
         # --autocast (fp32 parameters): the stages' forward and the loss run under autocast

@@ -439,12 +439,13 @@ class ShardLayout:
 
 
 _SPLIT = {"attn.qkv.weight": 0, "attn.qkv.bias": 0, "attn.proj.weight": 1,
-          "mlp.fc1.weight": 0, "mlp.fc1.bias": 0, "mlp.fc2.weight": 1}
+          "mlp.fc1.weight": 0, "mlp.fc1.bias": 0, "mlp.fc2.weight": 1,
+          "mlp.gate.weight": 0, "mlp.gate.bias": 0, "mlp.up.weight": 0, "mlp.up.bias": 0}
 
 
 def split_dim_of(name: str) -> int | None:
     """Megatron's split of a gptrain parameter name (None: whole on every tensor-parallel rank)."""
-    if name == "word_embeddings.weight":
+    if name in ("word_embeddings.weight", "output_layer.weight"):  # the latter: an untied output layer
         return 0
     for suffix, dim in _SPLIT.items():
         if name.endswith("." + suffix):
@@ -469,13 +470,17 @@ def apply_tensor_parallel(model: GPT, mesh: DeviceMesh, sequence_parallel: bool 
         if isinstance(block.mlp, FusedBiasGeluMLP):
             block.mlp = TensorParallelFusedMLP(block.mlp, tp)
         else:
-            block.mlp.fc1 = ColumnParallelLinear(block.mlp.fc1, tp)
+            for name in ("fc1", "gate", "up"):  # the GELU MLP's fc1, SwiGLU's gate and up
+                if hasattr(block.mlp, name):
+                    setattr(block.mlp, name, ColumnParallelLinear(getattr(block.mlp, name), tp))
             block.mlp.fc2 = RowParallelLinear(block.mlp.fc2, tp)
         block.dropout_shard = shard
     if model.word_embeddings is not None:
         model.word_embeddings = VocabParallelEmbedding(model.word_embeddings, tp)
-        if model.output_layer is not None:
+        if model.output_layer is not None and not model.cfg.untie_embeddings_and_output_weights:
             model.output_layer.weight = model.word_embeddings.weight  # the tie survives the swap
+    if model.output_layer is not None and model.cfg.untie_embeddings_and_output_weights:
+        model.output_layer.weight = _shard(model.output_layer.weight, 0, tp)  # vocabulary rows, as the embeddings
     if sequence_parallel:
         model.scatter_tokens, model.gather_tokens = ScatterTokens(tp), GatherTokens(tp)
     layout = ShardLayout(tp, mesh)

@@ -68,10 +68,6 @@ def parallel_dims(cfg: RunConfig, world_size: int) -> ParallelDims:
     uneven = par.first_stage_layers is not None or par.last_stage_layers is not None
     dims.validate(cfg.model.num_layers, cfg.model.num_attention_heads, cfg.train.micro_batch_size,
                   cfg.train.global_batch_size, uneven_stages=uneven)
-    if dims.pp > 1 and not cfg.model.gpt2_layout:
-        raise ValueError(f"--pipeline-model-parallel-size {dims.pp}: pipeline parallelism is implemented for the "
-                         "GPT-2 layers only, not yet for --swiglu, RMSNorm, rope, grouped-query attention, "
-                         "--kv-channels, --disable-bias-linear or an untied output layer")
     if uneven:
         if par.layers_per_virtual_stage:
             raise ValueError("--decoder-first/last-pipeline-num-layers with --num-layers-per-virtual-pipeline-stage "

@@ -47,7 +47,7 @@ from gptrain.train.durable import save_safetensors, write_durable
 from gptrain.train.signals import deferred_signals
 from gptrain.train.safe_dcp import load_safely, read_metadata_safely
 
-UNPADDED = "word_embeddings.weight"  # stored without the vocabulary padding
+UNPADDED = ("word_embeddings.weight", "output_layer.weight")  # stored without the vocabulary padding
 # one process without a process group is a normal run here; --async-save's writer thread would
 # print DCP's warning about it outside any local warnings filter
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
@@ -79,7 +79,7 @@ def _unpadded(name: str, t: torch.Tensor, vocab_size: int, host: bool = True) ->
     """What is stored for ``t``: the embedding-shaped tensors whole and cut to the real vocabulary
     (the same on every rank, so DCP writes it once), everything else as it is (DTensor shards).
     ``host=False`` leaves the cut on its device, for a stager that copies it to the host anyway."""
-    if name != UNPADDED or t.dim() != 2:
+    if name not in UNPADDED or t.dim() != 2:
         return t
     full = t.full_tensor() if isinstance(t, DTensor) else t
     cut = full.detach()[:vocab_size].float()
@@ -310,7 +310,7 @@ def _load_from(path: Path, params, optimizer, vocab_size: int, load_rng: bool, l
     # the unpadded embedding-shaped tensors were read whole: pad with zeros and keep this rank's shard
     for key, value in targets.items():
         name = key.split("/")[1]
-        if name != UNPADDED or value.dim() != 2:
+        if name not in UNPADDED or value.dim() != 2:
             continue
         dest = params[name] if key.startswith("model/") else optimizer.state[params[name]][key.rsplit("/", 1)[1]]
         # the padded table whole (dest may be a tensor-parallel shard of it), then this rank's part

@@ -91,7 +91,8 @@ def _follows(name: str, saved: dict, now: dict) -> bool:
     if name == "num_query_groups":
         return not saved.get("group_query_attention") and not now["group_query_attention"]
     if name == "kv_channels":
-        return all(m.get("kv_channels", 0) * m.get("num_attention_heads", 0) == m.get("hidden_size") for m in (saved, now))
+        return all(m.get("kv_channels", 0) * m.get("num_attention_heads", 0) == m.get("hidden_size")
+                   for m in (saved, now))
     return False
 
 

@@ -152,7 +152,12 @@ _ARCHITECTURE = {"--num-layers": "num_layers", "--hidden-size": "hidden_size",
                  "--num-attention-heads": "num_attention_heads", "--ffn-hidden-size": "ffn_hidden_size",
                  "--max-position-embeddings": "max_position_embeddings"}
 # the length of a request and the vocabulary's padding: the checkpoint's own
-_FROM_CHECKPOINT = {"--seq-length", "--make-vocab-size-divisible-by", "--kv-channels"}
+_FROM_CHECKPOINT = {"--seq-length", "--make-vocab-size-divisible-by", "--kv-channels",
+                    # the Llama family's: the checkpoint's saved config (or config.json) holds them
+                    "--normalization", "--norm-epsilon", "--position-embedding-type", "--rotary-base",
+                    "--rotary-percent", "--num-query-groups"}
+_FROM_CHECKPOINT_SWITCH = {"--swiglu", "--group-query-attention", "--untie-embeddings-and-output-weights",
+                           "--disable-bias-linear", "--add-qkv-bias", "--use-rotary-position-embeddings"}
 # accepted, changing nothing when serving (why, printed); then the no-op Megatron flags of `gptrain train`
 # (flag_tables.COMPATIBILITY, with their reasons), and its refused ones refused
 _NO_OP_VALUE = {
@@ -216,6 +221,8 @@ def server_argv(argv: list[str]) -> tuple[list[str], list[str], dict[str, str]]:
             shape[name] = take()
         elif name in _FROM_CHECKPOINT:
             from_ckpt.append(f"{name} {take()}")
+        elif name in _FROM_CHECKPOINT_SWITCH:
+            from_ckpt.append(name)
         elif name == "--use-checkpoint-args":
             use_checkpoint_args = True
         elif name in _NO_OP_VALUE:

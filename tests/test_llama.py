@@ -274,3 +274,11 @@ def test_groups_not_divisible_by_tensor_parallel_are_refused():
                                          "each tensor-parallel rank holds whole K/V groups"):
         parse_megatron_args(["--mock-data", "--train-iters", "1", *TINY_FLAGS, *LLAMA_FLAGS,
                              "--tensor-model-parallel-size", "4", "--world-size", "4"])
+
+
+def test_megatron_serve_scripts_take_the_llama_flags_from_the_checkpoint():
+    from gptrain.megatron_scripts import server_argv
+
+    argv, notes, _ = server_argv(["--load", "c", *LLAMA_FLAGS, "--kv-channels", "16"])
+    assert argv == ["--load", "c"]
+    assert any("the checkpoint's own values are used for --swiglu, --normalization RMSNorm" in note for note in notes)

@@ -203,7 +203,7 @@ class Trainer:
             load_hf(load, self.opt_params, self.cfg, self.parts.layout)
             if self.main is not None:
                 self.main.copy_to_model()
-            self.log(f"  loaded Hugging Face GPT-2 weights from {load}; iteration 0, optimizer state starts fresh")
+            self.log(f"  loaded Hugging Face weights from {load}; iteration 0, optimizer state starts fresh")
             return
         path = find_gptrain_iteration_dir(load, self.log)
         if path is None:

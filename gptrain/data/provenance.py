@@ -106,6 +106,6 @@ def check_tokenizer(prefix: str | os.PathLike, tokenizer) -> str | None:
         raise ValueError(
             f"{prefix} was tokenized with another vocabulary/merges (sha256 {str(made_with.get('sha256'))[:12]}..., "
             f"vocab size {made_with.get('vocab_size')}) than this run's ({tokenizer.fingerprint[:12]}..., "
-            f"vocab size {tokenizer.vocab_size}): preprocess it again with this run's --vocab-file/--merge-file"
+            f"vocab size {tokenizer.vocab_size}): preprocess it again with this run's tokenizer flags (--vocab-file/--merge-file, --tokenizer-model)"
         )
     return None

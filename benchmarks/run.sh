@@ -25,6 +25,14 @@
 #               check_flash4.py (if flash-attn-4 is installed), decode_gemv.py, decode_kernels.py --quick
 #   restart     rank_restart.py: a 2-GPU run under torchrun --max-restarts 1, one worker killed with SIGKILL
 #   profile     profile_step.py: where one 345M training step's device and host time go (micro-batch 16)
+#   offload     ZeRO-Offload on one GPU (--zero-stage 3 --cpu-offload): a GPT-2-shaped 2.7B (seq 1024,
+#               full recompute) at micro-batch 8 with 1 and 8 micro-batches per step beside the same model
+#               without offload; then the largest of SIZES ("layers:hidden ...", default 6.7B, 5.2B,
+#               4.0B) that trains, with its host memory
+#   llama       a ~1B Llama-style model (16 x 2048, 32 heads, 8 K/V groups, SwiGLU 5632, RMSNorm, RoPE,
+#               untied, seq 2048) against torchtitan-style plain PyTorch, the GPT-2-style model of the
+#               same shape against nanoGPT's, micro-batch 8; then decode_llama.py (against HF's static cache)
+#   calibrate   gptrain plan --calibrate on this GPU (the table it writes is printed)
 #   all         lane train ranks decode serve checkpoint preprocess scaling, in turn (no extra args)
 #
 # Extra args go to the suite's benchmark command(s) and, given last, override its defaults (e.g.
@@ -45,7 +53,7 @@ BENCH=("${M345[@]}" --hidden-dropout 0 --attention-dropout 0 --bf16 --compile)
 TORCHRUN=("$PY" -m torch.distributed.run --standalone --nproc-per-node)
 SERVER_PID=
 
-usage() { sed -n '2,32p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,43p' "$0" | sed 's/^# \{0,1\}//'; }
 
 # run LOG CMD...: print the command, run it, its output to the screen and to $OUT/LOG
 run() {
@@ -308,10 +316,55 @@ suite_profile() {
   run profile/step_mbs16.txt "$PY" benchmarks/profile_step.py "${BENCH[@]}" --micro-batch-size 16 "$@"
 }
 
+M27=(--num-layers 32 --hidden-size 2560 --num-attention-heads 32 --seq-length 1024 --max-position-embeddings 1024
+     --hidden-dropout 0 --attention-dropout 0 --bf16 --compile --recompute-granularity full --micro-batch-size 8)
+OFFLOAD=(--zero-stage 3 --cpu-offload --no-baseline)
+
+suite_offload() {
+  need_gpu offload || return
+  local rc=0 size layers hidden
+  run offload/2p7b_plain.txt "$PY" benchmarks/train_throughput.py "${M27[@]}" --global-batch-size 8 --no-baseline \
+    --warmup 3 --iters 5 "$@" || rc=1
+  run offload/2p7b_offload.txt "$PY" benchmarks/train_throughput.py "${M27[@]}" --global-batch-size 8 "${OFFLOAD[@]}" \
+    --warmup 2 --iters 4 "$@" || rc=1
+  run offload/2p7b_offload_8micro.txt "$PY" benchmarks/train_throughput.py "${M27[@]}" --global-batch-size 64 \
+    "${OFFLOAD[@]}" --warmup 1 --iters 3 "$@" || rc=1
+  for size in ${SIZES:-32:4096 40:3200 32:3200}; do
+    layers=${size%%:*} hidden=${size##*:}
+    if run "offload/largest_${layers}x${hidden}.txt" "$PY" benchmarks/train_throughput.py "${M27[@]/2560/$hidden}" \
+        --num-layers "$layers" --num-attention-heads 32 --global-batch-size 8 "${OFFLOAD[@]}" --warmup 1 --iters 2 "$@"; then
+      break
+    fi
+  done
+  echo "== offload"; bench_rows "$OUT"/offload/*.txt
+  grep -h "host memory\|peak host" "$OUT"/offload/*.txt
+  return $rc
+}
+
+L1B=(--num-layers 16 --hidden-size 2048 --num-attention-heads 32 --seq-length 2048 --max-position-embeddings 2048
+     --hidden-dropout 0 --attention-dropout 0 --bf16 --compile --micro-batch-size 8 --global-batch-size 8)
+LLAMA=(--group-query-attention --num-query-groups 8 --swiglu --ffn-hidden-size 5632 --normalization RMSNorm
+       --position-embedding-type rope --untie-embeddings-and-output-weights --disable-bias-linear)
+
+suite_llama() {
+  need_gpu llama || return
+  local rc=0
+  run llama/llama_1b.txt "$PY" benchmarks/train_throughput.py "${L1B[@]}" "${LLAMA[@]}" --warmup 5 --iters 10 "$@" || rc=1
+  run llama/gpt2_style_1b.txt "$PY" benchmarks/train_throughput.py "${L1B[@]}" --warmup 5 --iters 10 "$@" || rc=1
+  run llama/decode.txt "$PY" benchmarks/decode_llama.py || rc=1
+  echo "== llama"; bench_rows "$OUT"/llama/*_1b.txt; grep -h "^batch" "$OUT"/llama/decode.txt
+  return $rc
+}
+
+suite_calibrate() {
+  need_gpu calibrate || return
+  run calibrate/table.txt "$PY" -m gptrain plan --calibrate
+}
+
 suite=${1:-}
 [ $# -gt 0 ] && shift
 case $suite in
-  train|scaling|ranks|decode|serve|checkpoint|preprocess|lane|kernels|profile|restart)
+  train|scaling|ranks|decode|serve|checkpoint|preprocess|lane|kernels|profile|restart|offload|llama|calibrate)
     device_info
     "suite_$suite" "$@"
     exit $? ;;

@@ -14,9 +14,8 @@ import time
 from contextlib import nullcontext
 
 import torch
-import torch.nn as nn
-import torch.nn.functional as F
 
+from gptrain.bench_models import baseline_for, model_kind
 from gptrain.config import parse_megatron_args
 from gptrain.data.gpt_dataset import MockGPTDataset
 from gptrain.device import pick_device
@@ -26,33 +25,6 @@ from gptrain.train import metrics
 from gptrain.train.build import build_training, parallel_dims
 from gptrain.data.loader import MicroBatchLoader
 from gptrain.train.loop import Trainer
-
-
-class BaselineGPT(nn.Module):
-    """The simplest strong GPT-2: nn.Linear/LayerNorm/SDPA, tied head, plain cross-entropy."""
-
-    def __init__(self, vocab: int, seq: int, hidden: int, heads: int, layers: int):
-        super().__init__()
-        self.heads = heads
-        self.wte, self.wpe = nn.Embedding(vocab, hidden), nn.Embedding(seq, hidden)
-        self.blocks = nn.ModuleList(nn.ModuleDict(dict(
-            ln1=nn.LayerNorm(hidden), qkv=nn.Linear(hidden, 3 * hidden), proj=nn.Linear(hidden, hidden),
-            ln2=nn.LayerNorm(hidden), fc=nn.Linear(hidden, 4 * hidden), out=nn.Linear(4 * hidden, hidden)))
-            for _ in range(layers))
-        self.ln_f = nn.LayerNorm(hidden)
-        for p in self.parameters():
-            nn.init.normal_(p, std=0.02) if p.ndim == 2 else None
-
-    def forward(self, idx, targets):
-        b, s = idx.shape
-        x = self.wte(idx) + self.wpe(torch.arange(s, device=idx.device))
-        for blk in self.blocks:
-            q, k, v = blk["qkv"](blk["ln1"](x)).view(b, s, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-            x = x + blk["proj"](y.transpose(1, 2).reshape(b, s, -1))
-            x = x + blk["out"](F.gelu(blk["fc"](blk["ln2"](x)), approximate="tanh"))
-        logits = F.linear(self.ln_f(x), self.wte.weight)
-        return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1))
 
 
 def _sync(device):
@@ -110,7 +82,7 @@ def synthetic_trainer(argv: list[str], iters: int) -> tuple[Trainer, MicroBatchL
     world = world_from_env()[0]
     cfg, _ = parse_megatron_args(argv + ["--mock-data", "--train-iters", str(iters)], world_size=world)
     dims = parallel_dims(cfg, world)
-    device = init_distributed(pick_device(cfg.train.device))
+    device = init_distributed(pick_device(cfg.train.device), alone=dims.sharded)  # offload on one process: a group of one
     parts = build_training(cfg, device, dims, dims.build_mesh(device.type), log=lambda s: None)
     data = MockGPTDataset("train", 10 ** 9, cfg.model.seq_length, cfg.model.vocab_size, cfg.data.seed)
     trainer = Trainer(cfg, parts, data, None, None, device, log=lambda s: None)
@@ -153,10 +125,10 @@ def bench_gptrain(argv: list[str], warmup: int, iters: int):
 
 
 def bench_baseline(cfg, device, warmup: int, iters: int, compile_model: bool = True, dp: int = 1):
-    """nanoGPT's recipe; under several processes, as nanoGPT runs it: compiled, then DDP, gradient
+    """nanoGPT's recipe (torchtitan's Llama for a Llama-style config); under several processes, as nanoGPT runs it: compiled, then DDP, gradient
     synchronisation only on the last micro-batch."""
     m = cfg.model
-    model = BaselineGPT(m.padded_vocab_size, m.seq_length, m.hidden_size, m.num_attention_heads, m.num_layers).to(device)
+    model = baseline_for(m).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     fwd = torch.compile(model) if compile_model else model
     if dp > 1:
@@ -226,7 +198,7 @@ def _bench(args, model_flags: list[str]) -> int:
         else "gptrain (train step)"
     rows = [(label, *timing)]
     if not args.no_baseline and not simulated:  # the baseline has no simulated layout
-        rows.append(("baseline (plain PyTorch)" + (f", DDP x{dp}" if dp > 1 else ""),
+        rows.append((f"baseline (plain PyTorch, {model_kind(cfg.model)})" + (f", DDP x{dp}" if dp > 1 else ""),
                      *bench_baseline(cfg, device, args.warmup, args.iters, not args.baseline_no_compile, dp)))
     if not is_logging_rank():
         return 0

@@ -197,3 +197,13 @@ def build_tokenizer(tokenizer_type: str = "GPT2BPETokenizer", *, vocab_file=None
 
         return HuggingFaceTokenizer(tokenizer_model, include_special_tokens)
     return GPT2Tokenizer(vocab_file, merge_file)
+
+
+def run_tokenizer(data: dict):
+    """The tokenizer a run's saved data config names (a checkpoint's ``state.json``), or None where
+    it names GPT-2's default files."""
+    kind = data.get("tokenizer_type") or "GPT2BPETokenizer"
+    if kind == "GPT2BPETokenizer" and not data.get("vocab_file"):
+        return None
+    return build_tokenizer(kind, vocab_file=data.get("vocab_file"), merge_file=data.get("merge_file"),
+                           vocab_size=data.get("vocab_size"), tokenizer_model=data.get("tokenizer_model"))

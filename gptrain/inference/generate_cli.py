@@ -9,6 +9,9 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--load", required=True, help="a gptrain or Megatron-LM checkpoint folder, or a HF GPT-2 folder")
     p.add_argument("--vocab-file", default=None, help="gpt2-vocab.json (default: the checkpoint's, else GPT-2's)")
     p.add_argument("--merge-file", default=None)
+    p.add_argument("--tokenizer-type", default=None, choices=("GPT2BPETokenizer", "HuggingFaceTokenizer"),
+                   help="default: the checkpoint's (a Hugging Face folder's tokenizer.json, a run's flags), else GPT-2's")
+    p.add_argument("--tokenizer-model", default=None, help="HuggingFaceTokenizer: a folder holding tokenizer.json, or the file")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 (default: cuda when present)")
     p.add_argument("--dtype", default=None, help="bf16 | fp16 | fp32 (default: bf16 on a GPU, fp32 on the CPU)")
     p.add_argument("--tensor-model-parallel-size", dest="tensor_parallel", type=int, default=1,
@@ -26,7 +29,8 @@ def load_from_flags(args):
     device = pick_device(args.device)
     dtype = pick_dtype(args.dtype, device)
     device, mesh = _tensor_parallel_mesh(args.tensor_parallel, device)
-    return load_for_inference(args.load, device, dtype, args.vocab_file, args.merge_file, tp_mesh=mesh)
+    return load_for_inference(args.load, device, dtype, args.vocab_file, args.merge_file, tp_mesh=mesh,
+                              tokenizer_type=args.tokenizer_type, tokenizer_model=args.tokenizer_model)
 
 
 def _tensor_parallel_mesh(tp: int, device):

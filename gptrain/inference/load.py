@@ -16,7 +16,7 @@ import torch
 
 from gptrain.checkpoint_kind import checkpoint_kind
 from gptrain.model.gpt import GPT, GPTConfig
-from gptrain.tokenizer import GPT2Tokenizer
+from gptrain.tokenizer import GPT2Tokenizer, build_tokenizer, run_tokenizer
 
 
 @dataclass
@@ -34,18 +34,24 @@ def _inference_config(cfg: GPTConfig) -> GPTConfig:
 
 
 def load_for_inference(path: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
-                       vocab_file: str | None = None, merge_file: str | None = None, tp_mesh=None) -> Loaded:
+                       vocab_file: str | None = None, merge_file: str | None = None, tp_mesh=None,
+                       tokenizer_type: str | None = None, tokenizer_model: str | None = None) -> Loaded:
     """The model in eval mode on ``device`` in ``dtype``; with ``tp_mesh`` (a 1-D DeviceMesh over the
-    tensor-parallel ranks) this rank's shard of it."""
+    tensor-parallel ranks) this rank's shard of it. The tokenizer: the flags', else the checkpoint's."""
     path = Path(path)
     kind = checkpoint_kind(path)  # NoCheckpoint (a FileNotFoundError) where there is none
-    tokenizer = GPT2Tokenizer(vocab_file, merge_file) if vocab_file or merge_file else None
+    tokenizer = None
+    if vocab_file or merge_file or tokenizer_type or tokenizer_model:
+        tokenizer = build_tokenizer(tokenizer_type or ("HuggingFaceTokenizer" if tokenizer_model else "GPT2BPETokenizer"),
+                                    vocab_file=vocab_file, merge_file=merge_file, tokenizer_model=tokenizer_model)
     full, root = None, None  # the whole model (read on the CPU), or a gptrain checkpoint folder to read into shards
     if kind == "huggingface":  # convert's reader: its refusals and checks of the weights against config.json
         from gptrain.interop.hf import load_hf_folder
 
         full = load_hf_folder(path, inference=True)
         cfg = full.cfg
+        if tokenizer is None and (path / "tokenizer.json").is_file() and not (path / "vocab.json").is_file():
+            tokenizer = build_tokenizer("HuggingFaceTokenizer", tokenizer_model=path)  # a Llama folder's
     elif kind == "megatron":
         from gptrain.interop.megatron import read_megatron_checkpoint
 
@@ -55,12 +61,13 @@ def load_for_inference(path: str | Path, device: torch.device | str = "cpu", dty
         full.load_state_dict({k: v.float() for k, v in ckpt.model_state_dict().items()}, strict=True)
     else:
         cfg, data, root = _gptrain_config(path)
-        if tokenizer is None and data.get("vocab_file"):
-            tokenizer = GPT2Tokenizer(data["vocab_file"], data.get("merge_file"))
+        if tokenizer is None:
+            tokenizer = run_tokenizer(data)
     tokenizer = tokenizer or GPT2Tokenizer()
     if tokenizer.vocab_size != cfg.vocab_size:
         raise ValueError(f"{path}: the model's vocabulary has {cfg.vocab_size} tokens, the tokenizer "
-                         f"{tokenizer.vocab_size} (give the checkpoint's --vocab-file and --merge-file)")
+                         f"{tokenizer.vocab_size} (give the checkpoint's --vocab-file and --merge-file, or "
+                         "--tokenizer-type HuggingFaceTokenizer --tokenizer-model)")
     if tp_mesh is not None:
         model = _load_sharded(cfg, tp_mesh, torch.device(device), full, root)
     else:

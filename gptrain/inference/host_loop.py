@@ -52,29 +52,34 @@ def capture(step: Callable[[], None], reset: Callable[[], None], pool=None,
 
 
 class StepReader:
-    """Each step's ids (a row of the device tensor ``ids``, step-major) to the host: on CUDA a
-    pinned slot and an event per step in flight, copied when the step is issued and read once the
-    event has passed; elsewhere read directly. Counts its waits in ``stats``."""
+    """Each step's ids (a row of the device tensor ``ids``, step-major, or a row given at issue) to
+    the host: on CUDA a pinned slot and an event per step in flight, copied when the step is issued
+    and read once the event has passed; elsewhere read when issued (the step already ran). Counts
+    its waits in ``stats``."""
 
     def __init__(self, ids: torch.Tensor, stats: dict):
         self.ids, self.stats = ids, stats
         self.host = self.events = None
+        self.eager: list[list[int] | None] = [None] * AHEAD
         if ids.is_cuda:
             self.host = torch.zeros(AHEAD, ids.shape[1], dtype=ids.dtype, pin_memory=True)
             self.events = [torch.cuda.Event() for _ in range(AHEAD)]
 
-    def issued(self, t: int) -> None:
-        """Step ``t`` is queued: its ids' copy goes in behind it."""
-        if self.host is not None:
-            slot = t % AHEAD
-            self.host[slot].copy_(self.ids[t], non_blocking=True)
-            self.events[slot].record()
+    def issued(self, t: int, row: torch.Tensor | None = None) -> None:
+        """Step ``t`` is queued: its ids' copy (``row``, default ``ids[t]``) goes in behind it."""
+        row = self.ids[t] if row is None else row
+        slot = t % AHEAD
+        if self.host is None:
+            self.eager[slot] = row.tolist()
+            return
+        self.host[slot, :row.shape[0]].copy_(row, non_blocking=True)
+        self.events[slot].record()
 
     def read(self, t: int) -> list[int]:
         """Step ``t``'s ids (steps are read in order, and at most ``AHEAD`` are queued unread)."""
-        if self.host is None:
-            return self.ids[t].tolist()
         slot = t % AHEAD
+        if self.host is None:
+            return self.eager[slot]
         begin = time.perf_counter()
         self.events[slot].synchronize()
         self.stats["wait_s"] += time.perf_counter() - begin

@@ -49,6 +49,13 @@ class RowSampling:
         self.bound.copy_(torch.tensor([p.top_p_bound for p in row_params]))
         self.colon_rows.copy_(torch.tensor(colon, dtype=torch.bool))
 
+    def _load_row(self, row: int, params: SamplingParams, colon: bool) -> None:
+        """One row's settings (a request joining a running batch, slots.py)."""
+        for buf, value in ((self.temperature, params.temperature), (self.top_k, params.top_k),
+                           (self.top_p, params.top_p), (self.seeds, params.seed), (self.decay, params.top_p_decay),
+                           (self.bound, params.top_p_bound), (self.colon_rows, colon)):
+            buf[row] = value
+
     def _top_buffers(self, top_n: int) -> None:
         """Buffers for the ``top_n`` most likely tokens of every step (made once per ``top_n``)."""
         if top_n and top_n not in self.top:

@@ -135,38 +135,43 @@ class RowDecoder(RowSampling):
 
     # ---- one step, on the device
     @torch.no_grad()
-    def step(self, mode: Mode) -> None:
-        self.forward(self.choose(mode))
+    def step(self, mode: Mode, rows: int | None = None, out: torch.Tensor | None = None) -> None:
+        """One step of the first ``rows`` rows (default: all), their ids into ``out`` (window, rows)
+        (default ``self.out``): the in-flight decoder (slots.py) steps a prefix of its slots."""
+        self.forward(self.choose(mode, rows), rows, out)
         self.step_index.add_(1)
 
-    def choose(self, mode: Mode) -> torch.Tensor:
-        """Each row's next id (batch,) from ``self.logits``, recorded at this step."""
+    def choose(self, mode: Mode, rows: int | None = None) -> torch.Tensor:
+        """Each of the first ``rows`` rows' next id from ``self.logits``, recorded at this step."""
+        b = rows or self.batch
         at = self.step_index.view(1)
-        logits = self.padded_logits
+        logits = self.padded_logits[:b]
         if mode.colon is not None:
             colon, eol = mode.colon
-            banned = self.colon_rows & (self.current == colon)
+            banned = self.colon_rows[:b] & (self.current[:b] == colon)
             logits[:, eol] = logits[:, eol].masked_fill(banned, float("-inf"))
         if mode.greedy:
-            chosen = row_argmax(self.logits, out=self.chosen)
+            chosen = row_argmax(self.logits[:b], out=self.chosen[:b])
         else:
-            chosen = sample(logits, self.temperature, self.top_k, self.top_p, self.seeds,
-                            self.start + self.step_index)
+            chosen = sample(logits, self.temperature[:b], self.top_k[:b], self.top_p[:b], self.seeds[:b],
+                            self.start[:b] + self.step_index)
         if mode.decay:
-            decayed = torch.maximum(self.top_p * self.decay, self.bound)
-            self.top_p.copy_(torch.where((self.decay > 0) & (self.top_p > 0), decayed, self.top_p))
+            top_p, decay = self.top_p[:b], self.decay[:b]
+            decayed = torch.maximum(top_p * decay, self.bound[:b])
+            top_p.copy_(torch.where((decay > 0) & (top_p > 0), decayed, top_p))
         if mode.logprobs or mode.top_n:
             self._record_logprobs(logits, chosen, at, mode.top_n)
         return chosen
 
-    def forward(self, chosen: torch.Tensor) -> None:
-        """Records ``chosen`` (batch,) as this step's ids and puts its logits into ``self.logits``,
+    def forward(self, chosen: torch.Tensor, rows: int | None = None, out: torch.Tensor | None = None) -> None:
+        """Records ``chosen`` (rows,) as this step's ids and puts its logits into ``self.logits``,
         each fed at its row's position (a row past the window, already finished, repeats the last
         position)."""
-        model = self.model
-        x, positions = self.x, self.positions
-        embed_rows(chosen, self.start, self.step_index, model.word_embeddings.weight,
-                   model.position_embeddings.weight, x, positions, self.out, self.current)
+        model, b = self.model, rows or self.batch
+        x, positions = self.x[:b], self.positions[:b]
+        embed_rows(chosen, self.start[:b], self.step_index, model.word_embeddings.weight,
+                   model.position_embeddings.weight, x, positions, self.out if out is None else out,
+                   self.current[:b])
         gemv = self.gemv
         for i, block in enumerate(model.layers.values()):
             attn, mlp = block.attn, block.mlp
@@ -175,8 +180,8 @@ class RowDecoder(RowSampling):
             ln_linear(y, attn.proj.weight, attn.proj.bias, residual=x, out=x, gemv=gemv)
             h = ln_linear(x, mlp.fc1.weight, mlp.fc1.bias, ln=block.ln2, gelu=True, gemv=gemv)
             ln_linear(h, mlp.fc2.weight, mlp.fc2.bias, residual=x, out=x, gemv=gemv)
-        out = model.output_layer
-        ln_linear(x, out.weight[: out.vocab_size], ln=model.final_layernorm, out=self.logits)
+        head = model.output_layer
+        ln_linear(x, head.weight[: head.vocab_size], ln=model.final_layernorm, out=self.logits[:b])
 
     def _graph(self, mode: Mode) -> torch.cuda.CUDAGraph:
         """The captured step (captured before a request's state goes in: warm-up steps write the

@@ -4,7 +4,8 @@ remote tokenizer uses, and the web page at ``/``. Every error is ``{"error": ...
 field (or JSON nested too deeply), 403 for a ``Host`` that is not this server's (guard.py), 413 for a
 body over the limit or more rows than the queue can ever hold, 415 for a body that is not
 ``application/json``, 503 when the queue is full (retry later), 500 (one log line) when generation
-fails. A client that goes away while it waits ends its generation (its rows stop at the next token).
+fails, 504 when it runs past --request-timeout. A client that goes away while it waits ends its
+generation (its rows stop at the next token).
 ``GET /metrics``: Prometheus text (metrics.py); each JSON endpoint counts its answers by outcome."""
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, Response, StreamingResponse
 
 from gptrain.serve import megatron_api, openai_api
-from gptrain.serve.engine import Engine, Job, QueueFull, TooLarge
+from gptrain.serve.engine import Engine, Job, QueueFull, Timeout, TooLarge
 from gptrain.serve.guard import TOO_DEEP, HostGuard, Refused, error, json_body, own_names, require_json
 from gptrain.serve.megatron_api import BadRequest
 
@@ -55,6 +56,8 @@ def build_app(engine: Engine, model_name: str, max_body_bytes: int = 1 << 20, lo
         finally:
             if not future.done():
                 job.cancel.set()  # dropped from the queue, or its rows end at their next token
+        if isinstance(future.exception(), Timeout):
+            raise future.exception()
         if future.exception() is not None:
             raise _Failed(f"{type(future.exception()).__name__}: {future.exception()}")
         return future.result()
@@ -81,6 +84,8 @@ def build_app(engine: Engine, model_name: str, max_body_bytes: int = 1 << 20, lo
                 return error(413, str(err))
             except QueueFull as err:
                 return error(503, str(err), headers={"Retry-After": "1"})
+            except Timeout as err:
+                return error(504, str(err))
             except _ClientGone:
                 log(f"{request.method} {request.url.path}: the client went away; its generation was stopped")
                 return error(499, "the client went away")
@@ -150,6 +155,10 @@ def build_app(engine: Engine, model_name: str, max_body_bytes: int = 1 << 20, lo
                     if event is None:
                         break
                     yield _sse(event)
+                if isinstance(future.exception(), Timeout):
+                    outcome["status"] = 504
+                    yield _sse({"error": str(future.exception())})
+                    return
                 if future.exception() is not None:
                     outcome["status"] = 500
                     yield _sse({"error": f"generation failed: {future.exception()}"})

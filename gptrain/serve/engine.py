@@ -4,7 +4,9 @@ holds at most ``max_batch`` rows: a larger request is split into parts of ``max_
 queued when the one before has run (so other requests take their turn between them). A request
 with more rows than the whole queue can hold is refused (``TooLarge``), one that does not fit now
 gets ``QueueFull``. A cancelled job (``job.cancel``: its client went away) is dropped from the
-queue, or its rows end at their next token.
+queue, or its rows end at their next token. A job still running ``request_timeout`` seconds after
+it was queued ends with ``Timeout`` (0: never). This is the static batch path; ``inflight.py``'s
+engine lets requests join and leave a running batch at every step.
 
 Rows never affect each other: each has its own sampling settings and seed, and a seeded row's
 noise depends only on its seed and position (inference/sampling.py). Streaming requests get each
@@ -40,6 +42,10 @@ class Cancelled(Exception):
     """The job's client went away before it ended."""
 
 
+class Timeout(Exception):
+    """The job ran past the server's --request-timeout (HTTP 504)."""
+
+
 @dataclass
 class Job:
     prompts: list[list[int]]
@@ -52,12 +58,17 @@ class Job:
     future: Future = field(default_factory=Future)
     cancel: threading.Event = field(default_factory=threading.Event)  # set: drop it / end its rows
     submitted: float = 0.0  # time.perf_counter() when it was queued (time to first token)
+    deadline: float = float("inf")  # time.perf_counter() after which it ends with Timeout
+
+    def expired(self, now: float | None = None) -> bool:
+        return (time.perf_counter() if now is None else now) > self.deadline
 
 
 class Engine:
     def __init__(self, model, tokenizer, max_batch: int = 64, max_queue: int = 256, gather_ms: float = 2.0,
-                 generate_fn=generate):
+                 generate_fn=generate, request_timeout: float = 0):
         self.model, self.tokenizer = model, tokenizer
+        self.request_timeout = request_timeout
         self.max_batch, self.max_queue, self.gather_s = max_batch, max_queue, gather_ms / 1000
         self.generate_fn = generate_fn
         self.window = model.cfg.max_position_embeddings
@@ -77,6 +88,8 @@ class Engine:
     def submit(self, job: Job) -> Future:
         rows = len(job.prompts)
         job.submitted = time.perf_counter()
+        if self.request_timeout > 0:
+            job.deadline = job.submitted + self.request_timeout
         if rows > self.max_queue:
             raise TooLarge(f"the request has {rows} rows (prompts x n) and the server holds at most {self.max_queue} "
                            f"(--max-queue): send at most {self.max_queue} per request")
@@ -84,11 +97,17 @@ class Engine:
             if self._waiting + rows > self.max_queue:
                 raise QueueFull(f"the queue holds {self._waiting} prompts (limit {self.max_queue}); retry later")
             self._waiting += rows  # a split job reserves all its rows now
-        if rows <= self.max_batch:
+        self._enqueue(job)
+        return job.future
+
+    def _enqueue(self, job: Job) -> None:
+        if len(job.prompts) <= self.max_batch:
             self._queue.put(job)
         else:
             _Split(self, job).queue_next()
-        return job.future
+
+    def timeout_error(self) -> Timeout:
+        return Timeout(f"the request ran longer than the server's --request-timeout ({self.request_timeout:g} s)")
 
     def _release(self, rows: int) -> None:
         with self._lock:
@@ -107,10 +126,10 @@ class Engine:
                 job = self._queue.get(timeout=max(0.0, deadline - time.monotonic()))
             except queue.Empty:
                 return None
-            if not job.cancel.is_set():
+            if not job.cancel.is_set() and not job.expired():
                 return job
             self._release(len(job.prompts))
-            _settle(job.future, error=Cancelled("the client went away"))
+            _settle(job.future, error=Cancelled("the client went away") if job.cancel.is_set() else self.timeout_error())
 
     def _take(self) -> list[Job]:
         first, self._carry = self._carry, None
@@ -158,6 +177,7 @@ class Engine:
                 params.append(s)
                 owner.append((j, r))
         last = [None] * len(prompts)  # each row's last token time (None: none yet)
+        timed_out: set[int] = set()  # jobs whose rows the timeout ended
         ttft, itl = self.metrics.ttft, self.metrics.itl
 
         def on_token(row: int, token: int):
@@ -170,6 +190,9 @@ class Engine:
             last[row] = now
             if jobs[j].cancel.is_set():
                 return True  # its client went away: the row ends here
+            if jobs[j].expired(now):
+                timed_out.add(j)
+                return True
             hook = jobs[j].on_token
             if hook is None:
                 return None
@@ -192,8 +215,8 @@ class Engine:
         grouped: list[list[Generation]] = [[] for _ in jobs]
         for (j, _), res in zip(owner, results):
             grouped[j].append(res)
-        for job, res in zip(jobs, grouped):
-            _settle(job.future, result=res)
+        for j, (job, res) in enumerate(zip(jobs, grouped)):
+            _settle(job.future, **({"error": self.timeout_error()} if j in timed_out else {"result": res}))
 
 
 class _Split:
@@ -210,7 +233,7 @@ class _Split:
         hook = None if job.on_token is None else (lambda row, token: job.on_token(offset + row, token))
         part = Job(prompts=job.prompts[offset:end], params=job.params[offset:end], logprobs=job.logprobs,
                    top_logprobs=job.top_logprobs, on_token=hook, no_newline_after_colon=job.no_newline_after_colon,
-                   cancel=job.cancel, submitted=job.submitted)
+                   cancel=job.cancel, submitted=job.submitted, deadline=job.deadline)
         part.future.add_done_callback(self._done)
         self.engine._queue.put(part)
 

@@ -20,6 +20,11 @@ def serve_main(argv: list[str]) -> int:
                    help="rows generated together (a larger request runs as parts of this many rows)")
     p.add_argument("--max-queue", type=int, default=512,
                    help="rows waiting before 503 (a request of more rows gets 413)")
+    p.add_argument("--request-timeout", type=float, default=600, metavar="SECONDS",
+                   help="a request still running this long after it arrived ends with 504 (0: no limit)")
+    p.add_argument("--static-batching", action="store_true",
+                   help="run whatever has gathered as one batch, the next batch after it (default: in-flight "
+                        "batching, requests join and leave the running batch at every step)")
     p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger requests get 413")
     p.add_argument("--model-name", default=None, help="the id /v1/models reports (default: the folder's name)")
     p.add_argument("--no-cuda-graph", action="store_true", help="eager decode steps on a GPU")
@@ -30,6 +35,8 @@ def serve_main(argv: list[str]) -> int:
         return _fail(f"--port {args.port}: not a port")
     if args.max_batch < 1 or args.max_queue < 1:
         return _fail("--max-batch and --max-queue must be >= 1")
+    if args.request_timeout < 0:
+        return _fail("--request-timeout must be >= 0 (0: no limit)")
     try:
         import uvicorn
 
@@ -58,13 +65,14 @@ def serve_main(argv: list[str]) -> int:
 
 
 def _serve(args, loaded, uvicorn, build_app, channel=None) -> int:
+    from gptrain.inference.fast import plain_model
     from gptrain.serve.engine import Engine
 
     model = loaded.model
     cuda = model.word_embeddings.weight.is_cuda
     generate_fn, how = None, "eager decode"
-    if cuda and not model.cfg.gpt2_layout:  # the CUDA-graph decoders are GPT-2's
-        how, cuda = "eager decode (the CUDA-graph decode steps are GPT-2-only)", False
+    if not plain_model(model):  # the fused decode steps are GPT-2's, on the model's own modules
+        how, cuda = "eager decode (the fused decode steps need GPT-2's layers)", False
     if channel is not None:
         from gptrain.serve.tensor_parallel import LeaderGenerate
 
@@ -74,17 +82,25 @@ def _serve(args, loaded, uvicorn, build_app, channel=None) -> int:
         if cuda and not args.no_cuda_graph:
             how += " (the CUDA-graph decode step is off under tensor parallelism)"
     elif cuda and not args.no_cuda_graph:
-        from gptrain.inference.fast import graph_generate, plain_model
         from gptrain.inference.rows import fused_generate
 
-        if plain_model(model):  # one graph per batch bucket; a request's text does not depend on its batch
-            generate_fn, how = fused_generate, "fused CUDA-graph decode (batch invariant)"
-            if not args.no_warmup:
-                _warm_up(model, args.max_batch)
-        else:
-            generate_fn, how = graph_generate, "CUDA-graph decode"
-    engine = Engine(model, loaded.tokenizer, max_batch=args.max_batch, max_queue=args.max_queue,
-                    **({"generate_fn": generate_fn} if generate_fn else {}))
+        # one graph per batch bucket; a request's text does not depend on its batch
+        generate_fn, how = fused_generate, "fused CUDA-graph decode (batch invariant)"
+        if not args.no_warmup and args.static_batching:
+            _warm_up(model, args.max_batch)
+    engine_kw = {"max_batch": args.max_batch, "max_queue": args.max_queue, "request_timeout": args.request_timeout,
+                 **({"generate_fn": generate_fn} if generate_fn else {})}
+    if channel is None and plain_model(model) and not args.static_batching:
+        from gptrain.serve.inflight import InflightEngine
+
+        engine = InflightEngine(model, loaded.tokenizer, use_graph=not args.no_cuda_graph, **engine_kw)
+        how = ("fused CUDA-graph" if engine.decoder.use_graph else "fused eager") + " decode, in-flight batching " \
+            "(batch invariant; log-probability requests in static batches)"
+        if engine.decoder.use_graph and not args.no_warmup:
+            print("gptrain serve: capturing the in-flight decode graphs ...", flush=True)
+            engine.warm_up()
+    else:
+        engine = Engine(model, loaded.tokenizer, **engine_kw)
     app = build_app(engine, args.model_name or loaded.name, max_body_bytes=args.max_body_bytes, host=args.host,
                     allowed_hosts=[h for h in args.allowed_hosts.split(",") if h.strip()])
     print(f"gptrain serve: {loaded.kind} model {loaded.name} ({model.cfg.num_layers} layers, "
@@ -122,7 +138,8 @@ def _hold_signals() -> None:
 
 
 # the pip package of a module `gptrain serve` imports, where the names differ
-PACKAGES = {"prometheus_client": "prometheus-client", "starlette": "fastapi", "pydantic": "fastapi"}
+PACKAGES = {"prometheus_client": "prometheus-client", "starlette": "fastapi", "pydantic": "fastapi",
+            "multipart": "python-multipart", "opentelemetry": "opentelemetry-api", "yaml": "pyyaml"}
 
 
 def _missing(err: ImportError) -> str:

@@ -7,7 +7,7 @@ from __future__ import annotations
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 OUTCOMES = {200: "ok", 400: "bad_request", 413: "too_large", 415: "unsupported_media_type", 499: "cancelled",
-            500: "error", 503: "busy"}
+            500: "error", 503: "busy", 504: "timeout"}
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 ITL_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 

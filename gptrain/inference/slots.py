@@ -1,0 +1,146 @@
+"""In-flight (continuous) batching on the device: ``SlotDecoder`` keeps a ``RowDecoder``'s static
+cache as ``slots`` rows, one request row per slot, each at its own position. Between two steps a
+free slot takes a new prompt (``prefill``: eager ``forward_cached`` on that row alone, in pieces of
+``chunk`` tokens at fixed boundaries, so the running rows wait at most a piece) and a finished row
+frees its slot (``park``); the running rows never wait for a whole batch.
+
+A step runs the first ``rows`` slots (a batch bucket: 1, 2, 4, ... covering the highest slot in
+use), one CUDA graph per (Mode, bucket), captured on first use while rows are live: the state a
+warm-up step would change (logits, last ids, top_p, the step counter) is saved and put back, and
+what else it writes (each row's next cache position, this step's ids) the real step writes again.
+
+Positions: a row's position is ``start + step`` (RowDecoder's rule); a row joining at device step
+``s`` gets ``start = len(prompt) - s``, so its sampling noise, seeded by (seed, position), is the
+one it gets alone. A free slot decodes from position 0 (finite numbers, never read), a slot whose
+prompt is still going in sits at the last position (its decode writes land where no prompt goes).
+The step counter indexes each step's ids, so before it reaches the window it is folded into
+``start`` (``_rebase``). Numbers of a row depend only on that row (batch-invariant kernels, the
+prompt's own prefill): a seeded request gives the same text alone or joining any running batch.
+Not served here (the server's batch path keeps them): log-probabilities, and models that
+``RowDecoder`` cannot run (``plain_model`` false: Llama-style layers, kernel swaps, tensor
+parallelism).
+"""
+from __future__ import annotations
+
+import torch
+
+from gptrain.inference.fast import Mode, bucket
+from gptrain.inference.generate import SamplingParams
+from gptrain.inference.host_loop import StepReader, capture
+from gptrain.inference.kv_cache import forward_cached
+from gptrain.inference.rows import RowCache, RowDecoder
+from gptrain.kernels.ln_fold import refresh_ln_constants
+
+PREFILL_CHUNK = 256  # prompt tokens prefilled between two decode steps (at most, piece boundaries fixed)
+
+
+class SlotDecoder:
+    def __init__(self, model, slots: int, use_graph: bool = True, chunk: int = PREFILL_CHUNK):
+        # its own RowDecoder, not the model's cached one: the server's batch path may run that one
+        # between two of this decoder's steps
+        self.rows = RowDecoder(model, bucket(slots), use_graph=use_graph)
+        self.model, self.slots, self.chunk = model, slots, chunk
+        self.window = self.rows.window
+        self.use_graph = self.rows.use_graph
+        self.outs: dict[int, torch.Tensor] = {self.rows.batch: self.rows.out}  # bucket -> (window, bucket) ids
+        self.graphs: dict[tuple[Mode, int], torch.cuda.CUDAGraph] = {}
+        self.pool = None
+        self.issued = 0  # steps issued (host numbering, never reset)
+        self.base = 0  # the host number of device step 0
+        self.parked: set[int] = set(range(self.rows.batch))  # slots decoding nothing
+        self.reader = StepReader(self.rows.out, self.rows.stats)
+        self.rows.start.zero_()
+        self.rows.step_index.zero_()
+        self.rows.logits.zero_()
+
+    # ---- slots, between steps
+    def _device_step(self) -> int:
+        return self.issued - self.base
+
+    def park(self, slot: int) -> None:
+        """``slot`` decodes nothing from the next step: position 0 onwards, its ids never read."""
+        self.parked.add(slot)
+        self.rows.start[slot] = -self._device_step()
+
+    @torch.no_grad()
+    def prefill(self, slot: int, prompt: list[int], begin: int, params: SamplingParams, colon: bool) -> int:
+        """Prompt tokens ``begin ..`` up to the next piece boundary into ``slot``'s cache; returns
+        where it stopped. At the prompt's end the slot decodes from the next step."""
+        rows, dev = self.rows, self.rows.logits.device
+        if begin == 0:
+            self.parked.discard(slot)
+            rows.start[slot] = self.window  # the last position while its prompt goes in
+            refresh_ln_constants()  # weights changed in place since the last request (a no-op if not)
+        end = min(len(prompt), (begin // self.chunk + 1) * self.chunk)
+        tokens = torch.tensor([prompt[begin:end]], device=dev)
+        hidden = forward_cached(self.model, tokens, begin, RowCache(rows.kv, slot))
+        if end == len(prompt):
+            rows.logits[slot] = self.model.output_layer(hidden[0, -1]).float()
+            rows.current[slot] = prompt[-1]
+            rows._load_row(slot, params, colon)
+            rows.start[slot] = len(prompt) - self._device_step()
+        return end
+
+    # ---- steps
+    @torch.no_grad()
+    def step(self, mode: Mode, used: int) -> int:
+        """Issues one step of the slots below ``used`` (rounded up to a bucket); returns its number."""
+        b = min(bucket(max(1, used)), self.rows.batch)
+        if self._device_step() >= self.window:
+            self._rebase()
+        out = self._out(b)
+        if self.use_graph:
+            self._graph(mode, b, out).replay()
+            self.rows.stats["replays"] += 1
+        else:
+            self.rows.step(mode, b, out)
+        t = self.issued
+        self.reader.issued(t, out[t - self.base])
+        self.issued += 1
+        self.rows.stats["steps"] += 1
+        return t
+
+    def _out(self, b: int) -> torch.Tensor:
+        if b not in self.outs:
+            self.outs[b] = torch.zeros(self.window, b, device=self.rows.out.device, dtype=torch.long)
+        return self.outs[b]
+
+    def read(self, t: int) -> list[int]:
+        """Step ``t``'s ids, one per slot of its bucket (in order; at most ``AHEAD`` unread)."""
+        return self.reader.read(t)
+
+    def _rebase(self) -> None:
+        """Folds the step counter into ``start`` (positions unchanged), free slots back to position 0."""
+        rows = self.rows
+        rows.start.add_(rows.step_index)
+        rows.step_index.zero_()
+        self.base = self.issued
+        for slot in self.parked:
+            rows.start[slot] = 0
+
+    def _graph(self, mode: Mode, b: int, out: torch.Tensor) -> torch.cuda.CUDAGraph:
+        graph = self.graphs.get((mode, b))
+        if graph is None:
+            rows = self.rows
+            state = (rows.padded_logits, rows.current, rows.top_p, rows.step_index)
+            saved = [s.clone() for s in state]
+
+            def restore():
+                for s, v in zip(state, saved):
+                    s.copy_(v)
+
+            graph = capture(lambda: rows.step(mode, b, out), restore, self.pool)
+            self.pool = graph.pool()
+            self.graphs[(mode, b)] = graph
+            rows.stats["graphs"] += 1
+        return graph
+
+    def warm_up(self) -> None:
+        """The greedy and the sampled step of every bucket (idle: nothing is decoding)."""
+        if self.use_graph:
+            b = 1
+            while b <= self.rows.batch:
+                for greedy in (True, False):
+                    self._graph(Mode(greedy=greedy), b, self._out(b))
+                b *= 2
+

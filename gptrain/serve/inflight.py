@@ -1,0 +1,217 @@
+"""The server's in-flight (continuous) batching: ``InflightEngine`` runs one decode loop over
+``max_batch`` slots (inference/slots.py) on its worker thread. Between two steps it takes queued
+jobs, gives each waiting row a free slot (its prompt prefilled in pieces, at most one piece of
+``chunk`` tokens between two steps while rows decode), reads a step's ids and applies the stop
+rules and stream hooks (``row_done``, as ``generate``), and frees the slot of a row that ended: at
+its stop rule or length, when its client went away (``job.cancel``) or when its job ran past
+``request_timeout`` (``Timeout``). A request thus starts at the next step instead of waiting for
+the running batch, and a short one ends before a long one that started before it.
+
+A seeded row gives the same text as alone, under any load (slots.py: its numbers depend only on
+it). Jobs asking for log-probabilities take the static batch path (engine.py's ``generate_fn``,
+one call between two steps, the running rows waiting for it); so does every job of an engine whose
+model ``SlotDecoder`` cannot run (the server picks engine.py's ``Engine`` then).
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from gptrain.inference.fast import Mode
+from gptrain.inference.generate import Generation, SamplingParams, check_request, generate, row_done
+from gptrain.inference.host_loop import AHEAD
+from gptrain.inference.slots import PREFILL_CHUNK, SlotDecoder
+from gptrain.serve.engine import Cancelled, Engine, Job, _settle
+
+
+@dataclass
+class _Row:
+    task: "_Task"
+    index: int  # the row within its job
+    params: SamplingParams
+    gen: Generation
+    slot: int = -1
+    filled: int = 0  # prompt tokens prefilled
+    first: int = -1  # the step of its first token (-1: its prompt is still going in)
+    count: int = 0
+    last: float | None = None  # when its last token came (None: none yet)
+
+
+@dataclass
+class _Task:
+    job: Job
+    rows: list[_Row] = field(default_factory=list)
+    left: int = 0
+
+
+class InflightEngine(Engine):
+    def __init__(self, model, tokenizer, max_batch: int = 64, max_queue: int = 256, generate_fn=generate,
+                 request_timeout: float = 0, use_graph: bool = True, chunk: int = PREFILL_CHUNK):
+        """``generate_fn``: the batch path, for jobs asking for log-probabilities."""
+        self.decoder = SlotDecoder(model, max_batch, use_graph=use_graph, chunk=chunk)
+        self._tasks: list[_Task] = []
+        self._waiting_rows: deque[_Row] = deque()  # taken from the queue, no slot yet
+        self._slot_rows: list[_Row | None] = [None] * max_batch
+        self._read = 0  # the next step to read
+        super().__init__(model, tokenizer, max_batch=max_batch, max_queue=max_queue, generate_fn=generate_fn,
+                         request_timeout=request_timeout)
+
+    def _enqueue(self, job: Job) -> None:
+        self._queue.put(job)  # rows take slots one by one: no parts needed
+
+    # ---- the worker thread
+    def _run(self) -> None:
+        while not self._stop.is_set() or self._tasks:
+            try:
+                self._take()
+                self._end_tasks()
+                self._admit()
+                self._advance()
+            except Exception as err:  # noqa: BLE001 - reported to every running request
+                self._fail_all(err)
+            used = sum(r is not None for r in self._slot_rows)
+            self.busy = bool(self._tasks)
+            self.metrics.batch(used)
+
+    def _take(self) -> None:
+        """Queued jobs into waiting rows (blocking briefly when there is nothing to do)."""
+        idle = not self._tasks
+        while not self._stop.is_set() and len(self._waiting_rows) < self.max_batch:
+            job = self._get(0.2 if idle else 0.0)
+            if job is None:
+                return
+            idle = False
+            if job.logprobs or job.top_logprobs:
+                self._release(len(job.prompts))
+                self._run_batch([job])  # the static path, between two steps
+                continue
+            task = _Task(job, left=len(job.prompts))
+            for i, (prompt, params) in enumerate(zip(job.prompts, job.params)):
+                task.rows.append(_Row(task, i, params, Generation(tokens=list(prompt), prompt_length=len(prompt))))
+            self._tasks.append(task)
+            self._waiting_rows.extend(task.rows)
+
+    def _end_tasks(self) -> None:
+        """Jobs whose client went away or whose time is up end here, their slots freed."""
+        now = time.perf_counter()
+        for task in list(self._tasks):
+            if task.job.cancel.is_set():
+                self._end(task, error=Cancelled("the client went away"))
+            elif task.job.expired(now):
+                self._end(task, error=self.timeout_error())
+
+    def _admit(self) -> None:
+        """Waiting rows into free slots: prompts in pieces, at most ``chunk`` tokens of them while
+        rows decode (the first piece always)."""
+        budget = self.decoder.chunk if self._decoding() else float("inf")
+        spent = 0
+        while self._waiting_rows:
+            row = self._waiting_rows[0]
+            prompt = row.gen.tokens
+            if row.slot < 0:
+                try:
+                    check_request([prompt], [row.params], self.window)
+                except ValueError as err:
+                    self._end(row.task, error=err)
+                    continue
+                if row.params.max_new_tokens == 0:  # score only: nothing to decode
+                    self._waiting_rows.popleft()
+                    self._release(1)
+                    self._row_ended(row)
+                    continue
+                free = [s for s, r in enumerate(self._slot_rows) if r is None]
+                if not free:
+                    return
+                row.slot = free[0]
+                self._slot_rows[row.slot] = row
+            piece = min(len(prompt), (row.filled // self.decoder.chunk + 1) * self.decoder.chunk) - row.filled
+            if spent and spent + piece > budget:
+                return
+            colon = row.task.job.no_newline_after_colon
+            row.filled = self.decoder.prefill(row.slot, prompt, row.filled, row.params, colon)
+            spent += piece
+            if row.filled == len(prompt):
+                row.first = self.decoder.issued
+                self._waiting_rows.popleft()
+                self._release(1)
+
+    def _decoding(self) -> list[_Row]:
+        return [r for r in self._slot_rows if r is not None and r.first >= 0]
+
+    def _advance(self) -> None:
+        """Issues steps up to ``AHEAD`` ahead of the oldest unread, then reads that one."""
+        decoder = self.decoder
+        rows = self._decoding()
+        while rows and decoder.issued - self._read < AHEAD:
+            params = [r.params for r in rows]
+            mode = Mode(greedy=all(p.temperature <= 0 or p.top_k == 1 for p in params),
+                        colon=(self.eol.colon, self.eol.eol) if any(r.task.job.no_newline_after_colon for r in rows)
+                        else None, decay=any(p.top_p_decay > 0 for p in params))
+            used = 1 + max(s for s, r in enumerate(self._slot_rows) if r is not None)
+            decoder.step(mode, used)
+        if decoder.issued == self._read:
+            return
+        t, ids = self._read, decoder.read(self._read)
+        self._read += 1
+        for row in rows:
+            if 0 <= row.first <= t and self._slot_rows[row.slot] is row:
+                self._token(row, ids[row.slot])
+
+    def _token(self, row: _Row, token: int) -> None:
+        now = time.perf_counter()
+        job = row.task.job
+        (self.metrics.ttft.observe(now - job.submitted) if row.last is None else self.metrics.itl.observe(now - row.last))
+        row.last = now
+        row.gen.tokens.append(token)
+        row.count += 1
+        self.metrics.generated_tokens.inc()
+
+        def hook(index: int, tok: int):
+            if job.on_token is None:
+                return None
+            try:
+                return job.on_token(index, tok)
+            except Exception:  # noqa: BLE001 - a broken stream must not end the other rows
+                return True
+
+        if row_done(row.gen, row.index, token, row.count, row.params, self.eol, hook):
+            self._row_ended(row)
+
+    def _row_ended(self, row: _Row) -> None:
+        if row.slot >= 0:
+            self._free(row)
+        task = row.task
+        task.left -= 1
+        if task.left == 0:
+            self._tasks.remove(task)
+            self.batches += 1
+            _settle(task.job.future, result=[r.gen for r in task.rows])
+
+    def _free(self, row: _Row) -> None:
+        self._slot_rows[row.slot] = None
+        self.decoder.park(row.slot)
+        row.slot = -1
+
+    def _end(self, task: _Task, error: BaseException) -> None:
+        for row in task.rows:
+            if row.slot >= 0:
+                self._free(row)
+        waiting = [r for r in self._waiting_rows if r.task is task]
+        if waiting:
+            self._waiting_rows = deque(r for r in self._waiting_rows if r.task is not task)
+            self._release(len(waiting))
+        if task in self._tasks:
+            self._tasks.remove(task)
+        _settle(task.job.future, error=error)
+
+    def _fail_all(self, err: Exception) -> None:
+        for task in list(self._tasks):
+            self._end(task, error=err)
+        if isinstance(err, torch.cuda.OutOfMemoryError):
+            torch.cuda.empty_cache()
+
+    def warm_up(self) -> None:
+        self.decoder.warm_up()

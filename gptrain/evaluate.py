@@ -111,10 +111,13 @@ def perplexity(model, tokens: np.ndarray, seq_length: int, stride: int, token_by
 
 
 def token_byte_lengths(tokenizer) -> np.ndarray:
+    if hasattr(tokenizer, "token_byte_lengths"):  # a Hugging Face tokenizer.json
+        return tokenizer.token_byte_lengths()
     out = np.zeros(tokenizer.vocab_size, dtype=np.int64)
     for i in range(tokenizer.vocab_size):
         if i != tokenizer.eod:
-            out[i] = len(tokenizer._enc.decode_single_token_bytes(i))
+            out[i] = len(tokenizer._enc.decode_single_token_bytes(i)) if hasattr(tokenizer, "_enc") else \
+                len(tokenizer.decode([i]).encode())  # NullTokenizer: the id's digits
     return out
 
 

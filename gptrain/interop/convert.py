@@ -20,7 +20,7 @@ import torch
 from gptrain.checkpoint_kind import checkpoint_kind
 from gptrain.interop.hf import HF_WEIGHTS, hf_config_dict, load_hf_folder, to_hf_state_dict
 from gptrain.model.gpt import GPT, GPTConfig
-from gptrain.tokenizer import GPT2Tokenizer
+from gptrain.tokenizer import GPT2Tokenizer, run_tokenizer
 
 PROMPT = "The quick brown fox jumps over the lazy dog. Megatron-LM checkpoints become Hugging Face models:"
 TOLERANCE = 1e-3  # fp32 on both sides: different attention kernels, nothing more
@@ -118,14 +118,24 @@ def _write_checked(model: GPT, out: Path, iteration, extra_state: dict, data_con
 
 
 def _tokenizer_of(state: dict) -> GPT2Tokenizer:
+    """The run's Hugging Face tokenizer.json, else GPT-2's files (the run's, or the built-in ones)."""
     data = (state.get("config") or {}).get("data") or {}
+    if data.get("tokenizer_type") == "HuggingFaceTokenizer":
+        return run_tokenizer(data)
     return GPT2Tokenizer(data.get("vocab_file"), data.get("merge_file"))
 
 
 # ---- Hugging Face folders
 def _write_tokenizer(tokenizer: GPT2Tokenizer, out: Path, max_length: int) -> None:
-    """GPT-2's tokenizer files as transformers reads them: vocab.json and merges.txt (the same
-    bytes gptrain tokenizes with) and the special tokens."""
+    """The tokenizer files as transformers reads them: a Hugging Face tokenizer.json (and the
+    transformers files beside it) copied, or GPT-2's vocab.json and merges.txt (the same bytes
+    gptrain tokenizes with) and the special tokens."""
+    if hasattr(tokenizer, "path"):  # a tokenizer.json (HuggingFaceTokenizer)
+        for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+            source = tokenizer.path if name == "tokenizer.json" else tokenizer.path.parent / name
+            if source.is_file():
+                shutil.copyfile(source, out / name)
+        return
     shutil.copyfile(tokenizer.files.vocab_file, out / "vocab.json")
     shutil.copyfile(tokenizer.files.merge_file, out / "merges.txt")
     eod = "<|endoftext|>"
@@ -173,9 +183,13 @@ def to_hf(ckpt, out, log=print) -> float:
         if not model.cfg.untie_embeddings_and_output_weights:
             weights.pop("lm_head.weight")  # tied to the word embeddings (tie_word_embeddings)
         save_safetensors(weights, tmp / HF_WEIGHTS, metadata={"format": "pt"})
-        (tmp / "config.json").write_text(json.dumps(hf_config_dict(model.cfg, tokenizer.eod), indent=1))
+        config = hf_config_dict(model.cfg, tokenizer.eod)
+        bos = getattr(tokenizer, "bos", None)  # a tokenizer.json's own; GPT-2 begins with its eod
+        if bos is not None:
+            config["bos_token_id"] = bos
+        (tmp / "config.json").write_text(json.dumps(config, indent=1))
         (tmp / "generation_config.json").write_text(json.dumps(
-            {"bos_token_id": tokenizer.eod, "eos_token_id": tokenizer.eod}, indent=1))
+            {"bos_token_id": config["bos_token_id"], "eos_token_id": tokenizer.eod}, indent=1))
         _write_tokenizer(tokenizer, tmp, model.cfg.max_position_embeddings)
         got = _transformers_logits(tmp, tokens, tokenizer)
         what = f"transformers' {'GPT2LMHeadModel' if model.cfg.gpt2_layout else 'LlamaForCausalLM'} reading OUT " \
@@ -204,6 +218,8 @@ def from_hf(folder, out, log=print) -> float:
         reference, what = _logits(model, tokens), "the gptrain checkpoint read back vs DIR (transformers is not installed)"
     data = {"vocab_file": str(folder.resolve() / "vocab.json"), "merge_file": str(folder.resolve() / "merges.txt")} \
         if tokenizer is not None else None
+    if tokenizer is None and (folder / "tokenizer.json").is_file():  # a Llama folder's: the checkpoint names it
+        data = {"tokenizer_type": "HuggingFaceTokenizer", "tokenizer_model": str(folder.resolve())}
     return _write_checked(model, out, "release", {"source": f"huggingface:{folder.resolve()}"}, data,
                           reference, tokens, what, log)
 

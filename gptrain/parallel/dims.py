@@ -113,8 +113,12 @@ def init_distributed(device: torch.device, timeout_minutes: float | None = None,
     if dist.is_initialized() or (world == 1 and not alone):
         return device
     if world == 1:  # one process that still needs a group (ZeRO-Offload's FSDP2): a group of itself
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0,
-                                world_size=1, **({"device_id": device} if device.type == "cuda" else {}))
+        if device.type != "cuda":
+            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+            return device
+        device = torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
+        torch.cuda.set_device(device)  # NCCL's device_id needs an index; gloo beside it as below (offloaded shards)
+        dist.init_process_group("cpu:gloo,cuda:nccl", store=dist.HashStore(), rank=0, world_size=1, device_id=device)
         return device
     kwargs = {}
     if timeout_minutes is not None:

@@ -56,6 +56,9 @@ CASES = [
     # the seed's layout on its 4 GPUs: TP 4, one data-parallel rank, ZeRO-3 with CPU offload (ZeRO-Offload)
     Case("pretrain_gpt_345m_deepspeed_zero3.sh", 4, 4, 1, 50688, (89714688,)),
     Case("pretrain_gpt_345m_deepspeed_zero3.sh", 8, 4, 1, 50688, (89714688,), env={"N_GPUS": "8"}),
+    # issue 32's Llama-style models (no seed): 16 x 45092864 in the blocks + embeddings and untied output layer
+    Case("pretrain_llama_1b.sh", 1, 1, 1, 50304, (927533056,)),
+    Case("pretrain_llama_4gpu.sh", 4, 2, 2, 50432, (782192640, 782195712)),  # ~3B, TP2+SP x PP2
     Case("pretrain_gpt3_175b_64gpu.sh", 64, 8, 8, 51200),
     Case("pretrain_gpt3_175b_64gpu.sbatch", 64, 8, 8, 51200),
 ]
@@ -164,6 +167,9 @@ DEFAULT_LAUNCH = {
        f"torchrun {TORCHRUN_1x4} --node_rank 0 --master_addr localhost --master_port 6000 -m gptrain train "
        for layout in ("tp2_dp2", "tp2_pp2", "tp4", "pp4")},
     "pretrain_gpt_345m_deepspeed_zero3.sh": "torchrun --nproc_per_node 4 -m gptrain train ",
+    "pretrain_llama_1b.sh": "python3 -m gptrain train ",
+    "pretrain_llama_4gpu.sh": f"torchrun {TORCHRUN_1x4} --node_rank 0 --master_addr localhost --master_port 6000 "
+                              "-m gptrain train ",
     "pretrain_gpt3_175b_64gpu.sh": "torchrun --nnodes 8 --nproc_per_node 8 --rdzv-backend c10d "
                                    "--rdzv-endpoint 10.0.0.1:6000 -m gptrain train ",
 }
@@ -217,7 +223,7 @@ def test_example_header(script):
     """Each script says where it comes from and what machine it needs, and passes "$@" through."""
     text = (EXAMPLES / script).read_text()
     head = text.split("\nset -eo pipefail", 1)[0] if "set -eo pipefail" in text else text
-    assert re.search(r"^# Seed: +seeds/00\d", head, flags=re.M), f"{script}: no '# Seed:' line"
+    assert re.search(r"^# Seed: +(seeds/00\d|none -- issue \d+)", head, flags=re.M), f"{script}: no '# Seed:' line"
     if script != "gpt3_175b_flags.sh":  # sourced by the two 175B launchers, which name the machine
         assert re.search(r"^# Machine: ", head, flags=re.M), f"{script}: no '# Machine:' line"
         assert re.search(r'"\$@"\s*$', text), f"{script}: the launch line must end with \"$@\""

@@ -13,7 +13,8 @@ def _preprocess_parser() -> argparse.ArgumentParser:
     p.add_argument("--input", nargs="+", required=True, help="JSONL files or globs (.gz .xz .bz2 .zst read too)")
     p.add_argument("--output-prefix", required=True)
     p.add_argument("--json-keys", nargs="+", default=["text"])
-    p.add_argument("--vocab-file", default=None, help="gpt2-vocab.json (default: the built-in GPT-2 files)")
+    # --vocab: Megatron-DeepSpeed's scripts abbreviate --vocab-file, which --vocab-size would make ambiguous
+    p.add_argument("--vocab-file", "--vocab", default=None, help="gpt2-vocab.json (default: the built-in GPT-2 files)")
     p.add_argument("--merge-file", default=None, help="gpt2-merges.txt")
     p.add_argument("--tokenizer-type", default="GPT2BPETokenizer",
                    help="GPT2BPETokenizer, HuggingFaceTokenizer (--tokenizer-model) or NullTokenizer (--vocab-size)")

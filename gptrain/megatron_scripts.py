@@ -144,7 +144,7 @@ def preprocess_argv(argv: list[str]) -> tuple[list[str], list[str]]:
 
 # the same name and meaning in `gptrain serve` (Megatron's first; then gptrain serve's own, so they may be added)
 _SERVE_VALUE = {"--load", "--vocab-file", "--merge-file", "--tensor-model-parallel-size", "--port",
-                "--host", "--device", "--dtype", "--max-batch", "--max-queue", "--max-body-bytes", "--model-name"}
+                "--host", "--device", "--dtype", "--max-batch", "--max-queue", "--max-body-bytes", "--model-name", "--tokenizer-model"}
 _SERVE_SWITCH = {"--no-cuda-graph", "--no-warmup"}
 # the architecture: gptrain serve reads it from the checkpoint; these are checked against it, as Megatron's
 # load fails on a different shape (unless --use-checkpoint-args, which takes the checkpoint's)
@@ -215,8 +215,12 @@ def server_argv(argv: list[str]) -> tuple[list[str], list[str], dict[str, str]]:
                 raise ValueError("--pipeline-model-parallel-size: gptrain serves with tensor parallelism only "
                                  "(--tensor-model-parallel-size); pipeline-parallel serving is not implemented")
         elif name == "--tokenizer-type":
-            if take() != "GPT2BPETokenizer":
-                raise ValueError("--tokenizer-type: only GPT2BPETokenizer is supported")
+            kind = take()
+            if kind not in ("GPT2BPETokenizer", "HuggingFaceTokenizer"):
+                raise ValueError(f"--tokenizer-type {kind}: only GPT2BPETokenizer and HuggingFaceTokenizer "
+                                 "(--tokenizer-model) are supported")
+            if kind != "GPT2BPETokenizer":
+                out += [name, kind]
         elif name in _ARCHITECTURE:
             shape[name] = take()
         elif name in _FROM_CHECKPOINT:

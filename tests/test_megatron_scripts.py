@@ -172,12 +172,14 @@ def test_server_flags_map_onto_gptrain_serve():
     assert server_argv(flags + ["--use-checkpoint-args"])[2] == {}
     assert server_argv(["--load", "c", "--bf16", "--port", "5001", "--host", "0.0.0.0"])[0] == [
         "--load", "c", "--port", "5001", "--host", "0.0.0.0", "--dtype", "bf16"]
+    assert server_argv(["--load", "c", "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", "t"])[0] == [
+        "--load", "c", "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", "t"]
     # gptrain train's no-op Megatron flags (flag_tables.COMPATIBILITY) are no-ops here too, its refused ones refused
     argv, notes, _ = server_argv(["--load", "c", "--use-flash-attn", "--distributed-backend", "nccl"])
     assert argv == ["--load", "c"] and "--use-flash-attn (" in notes[-2] and "--distributed-backend nccl (" in notes[-2]
     for bad, message in ((["--pipeline-model-parallel-size", "2"], "tensor parallelism only"),
                          (["--qk-layernorm"], "--qk-layernorm: not implemented"),
-                         (["--tokenizer-type", "SentencePieceTokenizer"], "only GPT2BPETokenizer"),
+                         (["--tokenizer-type", "SentencePieceTokenizer"], "only GPT2BPETokenizer and HuggingFaceTokenizer"),
                          (["--top_p", "0.9", "--out-seq-length", "64"], "--top_p --out-seq-length not implemented")):
         with pytest.raises(ValueError, match=message):
             server_argv(["--load", "c", *bad])

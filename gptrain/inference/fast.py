@@ -12,6 +12,12 @@ precomputed table), keeps the logits for ``t + 1`` and advances ``t`` on the dev
 the graphs a few steps ahead of reading the chosen ids back (pinned copies behind events) and applies
 ``generate``'s stop rules and stream hook there; a row that stopped only costs the steps already
 queued. The prefill is ``forward_cached``, eager, once per request.
+
+Not the server's loop (rows.py's, batch invariant, and slots.py's in-flight one over it): this one
+stays for ``graph_generate`` (benchmarks, tests). It shares with rows.py the host side (host_loop.py),
+the per-row sampling buffers (row_sampling.py) and ``Mode.of``; its own run loop remains because it
+steps every row through the prompt positions (Megatron's right-aligned prefill, prompt tokens scored
+by the steps) where rows.py starts each row after its own prompt.
 """
 from __future__ import annotations
 
@@ -49,6 +55,12 @@ class Mode:
     top_n: int = 0  # the n most likely tokens and their log-probabilities
     colon: tuple[int, int] | None = None  # (colon id, eol id): no eol right after a colon, per row
     decay: bool = False  # Megatron's top_p decay
+
+    @classmethod
+    def of(cls, params, colon: tuple[int, int] | None = None, logprobs: bool = False, top_n: int = 0) -> "Mode":
+        """The mode a batch of rows with these ``SamplingParams`` needs (every decode loop's rule)."""
+        return cls(greedy=all(p.temperature <= 0 or p.top_k == 1 for p in params), logprobs=logprobs, top_n=top_n,
+                   colon=colon, decay=any(p.top_p_decay > 0 for p in params))
 
 
 def _tail(x, y, proj_w, proj_b, ln2_w, ln2_b, fc1_w, fc1_b, fc2_w, fc2_b, norm_w, norm_b, eps2: float,
@@ -299,10 +311,7 @@ class Decoder(RowSampling):
         rows = list(prompts) + [prompts[shortest]] * pad
         row_params = list(params) + [SamplingParams(max_new_tokens=0, temperature=0.0)] * pad
         want_lp = logprobs or top_logprobs > 0
-        mode = Mode(greedy=all(p.temperature <= 0 or p.top_k == 1 for p in row_params),
-                    logprobs=want_lp, top_n=top_logprobs,
-                    colon=(eol.colon, eol.eol) if any(colon) else None,
-                    decay=any(p.top_p_decay > 0 for p in row_params))
+        mode = Mode.of(row_params, (eol.colon, eol.eol) if any(colon) else None, want_lp, top_logprobs)
         self._top_buffers(top_logprobs)
         begin = time.perf_counter()
         if self.use_graph:  # capture what this request needs before its state goes in

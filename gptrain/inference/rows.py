@@ -242,9 +242,7 @@ class RowDecoder(RowSampling):
         model, window, n = self.model, self.window, len(prompts)
         eol, ends, colon = self._begin_request(prompts, params, eol, no_newline_after_colon)
         want_lp = logprobs or top_logprobs > 0
-        mode = Mode(greedy=all(p.temperature <= 0 or p.top_k == 1 for p in params), logprobs=want_lp,
-                    top_n=top_logprobs, colon=(eol.colon, eol.eol) if any(colon[:n]) else None,
-                    decay=any(p.top_p_decay > 0 for p in params))
+        mode = Mode.of(params, (eol.colon, eol.eol) if any(colon[:n]) else None, want_lp, top_logprobs)
         self._top_buffers(top_logprobs)
         begin = time.perf_counter()
         if self.use_graph:

@@ -72,9 +72,7 @@ class InflightEngine(Engine):
                 self._advance()
             except Exception as err:  # noqa: BLE001 - reported to every running request
                 self._fail_all(err)
-            used = sum(r is not None for r in self._slot_rows)
             self.busy = bool(self._tasks)
-            self.metrics.batch(used)
 
     def _take(self) -> None:
         """Queued jobs into waiting rows (blocking briefly when there is nothing to do)."""
@@ -127,6 +125,7 @@ class InflightEngine(Engine):
                     return
                 row.slot = free[0]
                 self._slot_rows[row.slot] = row
+                self._occupancy()
             piece = min(len(prompt), (row.filled // self.decoder.chunk + 1) * self.decoder.chunk) - row.filled
             if spent and spent + piece > budget:
                 return
@@ -146,10 +145,8 @@ class InflightEngine(Engine):
         decoder = self.decoder
         rows = self._decoding()
         while rows and decoder.issued - self._read < AHEAD:
-            params = [r.params for r in rows]
-            mode = Mode(greedy=all(p.temperature <= 0 or p.top_k == 1 for p in params),
-                        colon=(self.eol.colon, self.eol.eol) if any(r.task.job.no_newline_after_colon for r in rows)
-                        else None, decay=any(p.top_p_decay > 0 for p in params))
+            colon = any(r.task.job.no_newline_after_colon for r in rows)
+            mode = Mode.of([r.params for r in rows], (self.eol.colon, self.eol.eol) if colon else None)
             used = 1 + max(s for s, r in enumerate(self._slot_rows) if r is not None)
             decoder.step(mode, used)
         if decoder.issued == self._read:
@@ -157,7 +154,7 @@ class InflightEngine(Engine):
         t, ids = self._read, decoder.read(self._read)
         self._read += 1
         for row in rows:
-            if 0 <= row.first <= t and self._slot_rows[row.slot] is row:
+            if 0 <= row.first <= t and row.slot >= 0 and self._slot_rows[row.slot] is row:
                 self._token(row, ids[row.slot])
 
     def _token(self, row: _Row, token: int) -> None:
@@ -194,6 +191,10 @@ class InflightEngine(Engine):
         self._slot_rows[row.slot] = None
         self.decoder.park(row.slot)
         row.slot = -1
+        self._occupancy()  # before its job's answer goes out
+
+    def _occupancy(self) -> None:
+        self.metrics.batch(sum(r is not None for r in self._slot_rows))
 
     def _end(self, task: _Task, error: BaseException) -> None:
         for row in task.rows:

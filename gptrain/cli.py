@@ -95,6 +95,9 @@ def cmd_data(argv: list[str]) -> int:
     i.add_argument("--document", type=int, default=None)
     i.add_argument("--vocab-file", default=None)
     i.add_argument("--merge-file", default=None)
+    i.add_argument("--tokenizer-type", default="GPT2BPETokenizer")
+    i.add_argument("--tokenizer-model", default=None, help="HuggingFaceTokenizer: a folder holding tokenizer.json")
+    i.add_argument("--vocab-size", type=int, default=None, help="NullTokenizer's")
     c = sub.add_parser("build-cache", help="build the dataset index maps of a training config ahead of a run",
                        add_help=False)
     sub.add_parser("samples", help="the token ids training reads at positions of a split (.npy)", add_help=False)
@@ -111,9 +114,11 @@ def cmd_data(argv: list[str]) -> int:
             print(f"wrote {args.output}: {docs} documents, {size / 1e6:.2f} MB")
         elif args.action == "inspect":
             from gptrain.data.inspect_data import describe
-            from gptrain.tokenizer import GPT2Tokenizer
+            from gptrain.tokenizer import build_tokenizer
 
-            tokenizer = GPT2Tokenizer(args.vocab_file, args.merge_file) if args.document is not None else None
+            tokenizer = build_tokenizer(args.tokenizer_type, vocab_file=args.vocab_file, merge_file=args.merge_file,
+                                        vocab_size=args.vocab_size, tokenizer_model=args.tokenizer_model) \
+                if args.document is not None else None
             print(describe(args.prefix, args.document, tokenizer))
         elif args.action == "build-cache":
             from gptrain.data.assemble import build_cache

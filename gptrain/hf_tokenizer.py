@@ -83,7 +83,11 @@ class HuggingFaceTokenizer:
 
     def encode(self, text: str, allow_special: bool = False) -> list[int]:
         """Token ids of ``text`` (special tokens in it are recognised, as transformers does)."""
-        return self._tok.encode(text, add_special_tokens=self.include_special_tokens).ids
+        try:
+            return self._tok.encode(text, add_special_tokens=self.include_special_tokens).ids
+        except TypeError:  # a lone surrogate: the binding's error, made the one preprocess counts
+            text.encode("utf-8")  # raises UnicodeEncodeError
+            raise
 
     def encode_array(self, text: str) -> np.ndarray:
         return np.asarray(self.encode(text), dtype=np.uint32)

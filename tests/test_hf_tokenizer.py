@@ -162,3 +162,24 @@ def test_unknown_type_and_a_tokenizer_without_eos_refused(tmp_path, capsys):
     failed = train_main(["--mock-data", "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model",
                          str(tmp_path / "missing"), *TINY_FLAGS, "--train-iters", "1"], log=lambda line: None)
     assert failed.exit_code == 2 and "no such file or folder" in capsys.readouterr().err
+
+
+def test_null_tokenizer_preprocesses_and_trains_on_token_ids(tmp_path):
+    """Megatron's NullTokenizer: documents of space-separated ids, eod N, a vocabulary of N + 1."""
+    from gptrain.train.run import train_main
+
+    docs = [" ".join(str((7 * i + j) % 90) for j in range(5 + i % 7)) for i in range(40)]
+    rc = gptrain(["preprocess", "--input", str(_jsonl(tmp_path / "ids.jsonl", docs)), "--output-prefix",
+                  str(tmp_path / "ids"), "--tokenizer-type", "NullTokenizer", "--vocab-size", "90", "--append-eod",
+                  "--no-progress"])
+    assert rc == 0
+    ds = MegatronIndexedDataset(str(tmp_path / "ids_text_document"))
+    assert ds[1].tolist() == [int(t) for t in docs[1].split()] + [90]
+    lines = []
+    result = train_main(["--data-path", str(tmp_path / "ids_text_document"), "--tokenizer-type", "NullTokenizer",
+                         "--vocab-size", "90", *TINY_FLAGS, "--seq-length", "16", "--max-position-embeddings", "16",
+                         "--micro-batch-size", "2", "--global-batch-size", "2", "--train-iters", "2", "--eval-iters",
+                         "0", "--split", "1,0,0", "--device", "cpu", "--data-cache-path", str(tmp_path / "cache")],
+                        log=lines.append)
+    assert result.exit_code == 0, lines[-5:]
+    assert " > padded vocab (size: 91) with 37 dummy tokens (new size: 128)" in lines

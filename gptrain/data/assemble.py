@@ -4,6 +4,7 @@ and ``gptrain data build-cache``. ``gptrain train`` (train/run.py) and ``gptrain
 build their datasets here, so both read the same samples."""
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 
@@ -39,6 +40,8 @@ def setup(argv: list[str], log=print):
     if cfg.train.use_checkpoint_args:
         cfg = with_checkpoint_args(cfg, log)
     cfg = cfg.with_tokenizer(tokenizer.vocab_size, tokenizer.eod, tokenizer.fingerprint)  # a new config, checked again
+    if cfg.data.tokenizer_model:  # saved whole: generate/serve/convert find it from any folder
+        cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, tokenizer_model=str(tokenizer.path.resolve())))
     log(f"> building {cfg.data.tokenizer_type} tokenizer ...")
     return cfg, tokenizer
 

@@ -352,10 +352,10 @@ class ParallelConfig:
     zero_stage: int = field(default=0, metadata=flag(
         "--zero-stage", group="distributed", type=int, choices=(0, 1, 2, 3), default=None,
         help="ZeRO sharding on FSDP2: 1 optimizer state, 2 + gradients, 3 + parameters"))
-    # stage 3: parameters, gradients and optimizer state in host memory
+    # FSDP2's CPUOffloadPolicy at any ZeRO stage
     cpu_offload: bool = field(default=False, metadata=flag(
         "--cpu-offload", group="distributed",
-        help="with --zero-stage 3: parameters and optimizer state in host memory"))
+        help="with --zero-stage 1/2/3: fp32 parameters, gradients and optimizer state in host memory"))
     deepspeed_config: str | None = field(default=None, metadata=flag(  # the ds.json it came from, if any
         "--deepspeed_config", "--deepspeed-config", group="distributed",
         help="a DeepSpeed ds.json: zero_optimization, fp16/bf16, batch sizes and clipping are honoured"))

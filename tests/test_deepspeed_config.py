@@ -132,12 +132,12 @@ def test_accepted_with_a_note():
      r'^ds\.json: zero_optimization\.offload_optimizer\.device "nvme": gptrain offloads to the CPU only$'),
     ({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "gpu"}}},
      r'offload_optimizer\.device "gpu": must be "cpu" or "none"'),
-    ({"zero_optimization": {"stage": 2, "cpu_offload": True}},
-     r"^ds\.json: zero_optimization\.cpu_offload true: cpu offload needs zero_optimization\.stage 3 in gptrain "
-     r"\(this file has stage 2\)$"),
-    ({"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu"}}},
-     r'offload_optimizer\.device "cpu": cpu offload needs zero_optimization\.stage 3 in gptrain \(.*stage 1\)'),
-    ({"zero_optimization": {"cpu_offload": True}}, r"cpu offload needs zero_optimization\.stage 3 .*stage 0"),
+    ({"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}},
+     r'^ds\.json: zero_optimization\.offload_param\.device "cpu": offloads parameters, which only stage 3 shards '
+     r"\(DeepSpeed's rule; this file has stage 2\): use offload_optimizer$"),
+    ({"zero_optimization": {"cpu_offload": True}},
+     r"^ds\.json: zero_optimization\.cpu_offload true: cpu offload needs zero_optimization\.stage 1, 2 or 3 "
+     r"\(this file has stage 0\)$"),
     ({"fp16": {"enabled": True}, "bf16": {"enabled": True}}, r"^ds\.json: fp16\.enabled true: bf16\.enabled is true"),
     ({"bf16": {"enabled": True}, "bfloat16": {"enabled": True}}, r"^ds\.json: bfloat16: give bf16 or its old name"),
     ({"prescale_gradients": True}, r"^ds\.json: prescale_gradients true: "),
@@ -242,3 +242,11 @@ def test_batch_sizes_from_a_parsed_file(tmp_path):
     with pytest.raises(ValueError, match=r"ds\.json: train_batch_size 16 != .* \(= 8\)$"):
         resolve_batch_sizes(s, 2, None, None)
     assert resolve_batch_sizes(s, 4, None, None) == (2, 16)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_optimizer_offload_at_stages_1_and_2(stage):
+    """DeepSpeed's ZeRO-1/2 with offload_optimizer (seeds' and users' usual one-GPU setting) runs."""
+    for zero in ({"stage": stage, "offload_optimizer": {"device": "cpu"}}, {"stage": stage, "cpu_offload": True}):
+        s = parse_deepspeed_config({"zero_optimization": zero})
+        assert (s.zero_stage, s.cpu_offload) == (stage, True)

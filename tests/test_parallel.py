@@ -167,7 +167,7 @@ def test_initial_weights_are_equal_at_every_layout(tmp_path):
      "--num-layers 6 is not divisible by pipeline-model-parallel size 4"),
     (4, ["--global-batch-size", "6"], "--global-batch-size 6 is not divisible by --micro-batch-size 2 x "
                                       "data-parallel size 4 = 8"),
-    (2, ["--cpu-offload", "--zero-stage", "2"], "--cpu-offload needs --zero-stage 3 (got 2)"),
+    (2, ["--cpu-offload"], "--cpu-offload needs --zero-stage 1, 2 or 3 (got 0): the offloaded state is FSDP2's shards"),
     (4, ["--pipeline-model-parallel-size", "2", "--zero-stage", "3"], "--zero-stage 3 with pipeline parallelism: use "
                                                                          "ZeRO-1"),
     (2, ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "2"],
@@ -298,14 +298,18 @@ def test_initial_weights_equal_one_process_bitwise(tmp_path, one_process_initial
 @pytest.mark.slow
 def test_cpu_offload_on_one_process_equals_the_plain_run(tmp_path):
     """ZeRO-Offload at one data-parallel rank (FSDP2 over a group of one): the plain run's losses, by the flags
-    and by a DeepSpeed config's offload_optimizer."""
+    and by a DeepSpeed config's offload_optimizer at stage 3 and 2, with several micro-batches per step (the
+    gradients accumulate on the device)."""
     args = TINY + ["--train-iters", "3", "--eval-iters", "0"]
     plain = losses(single(args))
     ds = tmp_path / "ds.json"
     ds.write_text('{"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}}')
-    for extra in (["--zero-stage", "3", "--cpu-offload"], ["--deepspeed", "--deepspeed_config", str(ds)]):
+    ds2 = tmp_path / "ds2.json"
+    ds2.write_text('{"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}')
+    for stage, extra in ((3, ["--zero-stage", "3", "--cpu-offload"]), (3, ["--deepspeed", "--deepspeed_config", str(ds)]),
+                         (2, ["--deepspeed", "--deepspeed_config", str(ds2)])):
         out = single(args + extra)
-        assert "ZeRO-3 over 1 rank on FSDP2" in out and "in host memory" in out, out[-2000:]
+        assert f"ZeRO-{stage} over 1 rank on FSDP2" in out and "in host memory" in out, out[-2000:]
         assert re.search(r"> host memory \(--cpu-offload\): peak resident [0-9.]+ GiB on rank 0", out)
         offloaded = losses(out)
         assert offloaded.keys() == plain.keys() == {1, 2, 3}

@@ -242,16 +242,19 @@ def parse_deepspeed_config(config: dict, source: str = "ds_config") -> DeepSpeed
                 p.error(f"{path}.device", 'must be "cpu" or "none"', device)
             p.known(sub, path, ("device", "pin_memory"))
             p.flag(sub, "pin_memory", f"{path}.pin_memory", None)
+            if device == "cpu" and name == "offload_param" and stage != 3:
+                p.error(f"{path}.device", f"offloads parameters, which only stage 3 shards (DeepSpeed's rule; "
+                        f"this file has stage {stage}): use offload_optimizer", device)
             if device == "cpu" and offload_by is None:
                 offload_by = (f"{path}.device", "cpu")
         for key in zero:
             if key in _ZERO_ENGINE_KEYS:
                 p.note(f"zero_optimization.{key}", "tunes DeepSpeed's own ZeRO engine; gptrain shards with "
                        "PyTorch FSDP2, which has no such setting")
-    if offload_by is not None and stage != 3:
-        # DeepSpeed offloads the ZeRO-1/2 optimizer state too; gptrain offloads through FSDP2 at stage 3 only.
-        p.error(offload_by[0], f"cpu offload needs zero_optimization.stage 3 in gptrain (this file has stage "
-                f"{stage})", offload_by[1])
+    if offload_by is not None and stage == 0:
+        p.error(offload_by[0], "cpu offload needs zero_optimization.stage 1, 2 or 3 (this file has stage 0)",
+                offload_by[1])
+
 
     return DeepSpeedSettings(
         zero_stage=stage,

@@ -63,8 +63,8 @@ class ParallelDims:
                              f"{micro_batch_size} x data-parallel size {self.dp} = {micro_batch_size * self.dp}")
         if self.zero_stage not in (0, 1, 2, 3):
             raise ValueError(f"--zero-stage {self.zero_stage}: use 0, 1, 2 or 3")
-        if self.cpu_offload and self.zero_stage != 3:
-            raise ValueError(f"--cpu-offload needs --zero-stage 3 (got {self.zero_stage})")
+        if self.cpu_offload and self.zero_stage == 0:
+            raise ValueError("--cpu-offload needs --zero-stage 1, 2 or 3 (got 0): the offloaded state is FSDP2's shards")
         if self.pp > 1 and self.zero_stage > 1:
             # as in DeepSpeed: gradients and parameters sharded over data-parallel ranks would be
             # reduced or gathered once per micro-batch inside the pipeline schedule

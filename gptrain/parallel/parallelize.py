@@ -46,7 +46,7 @@ def describe_sharding(dims: ParallelDims, overlap: bool = False, reduce_bf16: bo
     keep = "gathered per block, freed after its forward" if dims.zero_stage == 3 else \
         "gathered per block, kept until its backward"
     grads = "kept whole (fp32) across the micro-batches and reduce-scattered once, in the last one's backward" \
-        if dims.zero_stage == 1 else "reduce-scattered in fp32 during each backward"
+        if dims.zero_stage == 1 or dims.cpu_offload else "reduce-scattered in fp32 during each backward"
     offload = "; parameters, gradients and optimizer state in host memory" if dims.cpu_offload else ""
     return (f"{how} over {dims.dp} rank{'s' if dims.dp > 1 else ''} on FSDP2: fp32 parameter and optimizer-state shards, parameters "
             f"{keep}, gradients {grads}{offload}")

@@ -6,7 +6,8 @@
   moved into it (after the backward; as they arrive under a pipeline or --overlap-grad-reduce);
 - fp32 parameters (no --bf16/--fp16, or --autocast): weights 4 B, gradients 4 B, moments 8 B;
 - ZeRO on FSDP2 (parallel/parallelize.py): fp32 parameter and moment shards (12 B / dp; in host memory with
-  --cpu-offload, 16 B / dp with the gradients, leaving the gathered copies on the GPU), gradients whole
+  --cpu-offload, 16 B / dp with the gradients, leaving the gathered copies on the GPU, and the fp32
+  gradients whole over several micro-batches), gradients whole
   in fp32 at ZeRO-1 over several micro-batches, else fp32 shards; half-precision copies gathered per
   block (kept until the backward at ZeRO-1/2; at ZeRO-3 the root's, the running and the prefetched block's);
 - activations per layer and micro-batch (Korthikanti et al. 2022, arXiv 2205.05198, in units of s b h
@@ -156,8 +157,11 @@ def state_memory(cfg: RunConfig, dims: ParallelDims, params: int, layers: int) -
         # ZeRO-3 holds the root's parameters (embeddings, final LayerNorm) gathered, and two blocks'
         gathered = params if dims.zero_stage < 3 else params - max(0, layers - 2) * block_params(cfg, dims.tp)
         if dims.cpu_offload:  # FSDP2's CPU offload: shards, gradients and moments in host memory
-            # (offload_host_gib); on the GPU the gathered copies and a block's fp32 gradients in flight
-            return Memory(weights=(2.0 if half else 4.0) * gathered, grads=4.0 * block_params(cfg, dims.tp))
+            # (offload_host_gib); on the GPU the gathered copies and a block's fp32 gradients in flight,
+            # or with several micro-batches the whole gradients they accumulate into (train/loop.py)
+            accumulate = cfg.train.micro_batches_per_step(dims.dp) > 1
+            return Memory(weights=(2.0 if half else 4.0) * gathered,
+                          grads=4.0 * (params if accumulate else block_params(cfg, dims.tp)))
         # ZeRO-1 reduce-scatters in the last micro-batch's backward: with one, its gradients are ZeRO-2's
         whole = dims.zero_stage == 1 and cfg.train.micro_batches_per_step(d) > 1
         return Memory(weights=(2.0 if half else 4.0) * gathered,

@@ -27,8 +27,8 @@
 #   profile     profile_step.py: where one 345M training step's device and host time go (micro-batch 16)
 #   offload     ZeRO-Offload on one GPU (--zero-stage 3 --cpu-offload): a GPT-2-shaped 2.7B (seq 1024,
 #               full recompute) at micro-batch 8 with 1 and 8 micro-batches per step beside the same model
-#               without offload; then the largest of SIZES ("layers:hidden ...", default 6.7B, 5.2B,
-#               4.0B) that trains, with its host memory
+#               without offload, at ZeRO-3 and ZeRO-2; then the largest of SIZES ("layers:hidden ...",
+#               default 6.7B, 5.2B, 4.0B) that trains; ONLY="plain z3 z3x8 z2 z2x8 largest" picks rows
 #   llama       a ~1B Llama-style model (16 x 2048, 32 heads, 8 K/V groups, SwiGLU 5632, RMSNorm, RoPE,
 #               untied, seq 2048) against torchtitan-style plain PyTorch, the GPT-2-style model of the
 #               same shape against nanoGPT's, micro-batch 8; then decode_llama.py (against HF's static cache)
@@ -322,14 +322,18 @@ OFFLOAD=(--zero-stage 3 --cpu-offload --no-baseline)
 
 suite_offload() {
   need_gpu offload || return
-  local rc=0 size layers hidden
-  run offload/2p7b_plain.txt "$PY" benchmarks/train_throughput.py "${M27[@]}" --global-batch-size 8 --no-baseline \
-    --warmup 3 --iters 5 "$@" || rc=1
-  run offload/2p7b_offload.txt "$PY" benchmarks/train_throughput.py "${M27[@]}" --global-batch-size 8 "${OFFLOAD[@]}" \
-    --warmup 2 --iters 4 "$@" || rc=1
-  run offload/2p7b_offload_8micro.txt "$PY" benchmarks/train_throughput.py "${M27[@]}" --global-batch-size 64 \
-    "${OFFLOAD[@]}" --warmup 1 --iters 3 "$@" || rc=1
+  local rc=0 size layers hidden row stage gbs
+  selected plain && { run offload/2p7b_plain.txt "$PY" benchmarks/train_throughput.py "${M27[@]}" --global-batch-size 8 \
+    --no-baseline --warmup 3 --iters 5 "$@" || rc=1; }
+  for row in z3 z3x8 z2 z2x8; do  # ZeRO stage, and 8 micro-batches per step
+    selected $row || continue
+    stage=${row:1:1} gbs=8
+    [[ $row == *x8 ]] && gbs=64
+    run "offload/2p7b_offload_$row.txt" "$PY" benchmarks/train_throughput.py "${M27[@]}" --global-batch-size $gbs \
+      "${OFFLOAD[@]/3/$stage}" --warmup 2 --iters 3 "$@" || rc=1
+  done
   for size in ${SIZES:-32:4096 40:3200 32:3200}; do
+    selected largest || break
     layers=${size%%:*} hidden=${size##*:}
     if run "offload/largest_${layers}x${hidden}.txt" "$PY" benchmarks/train_throughput.py "${M27[@]/2560/$hidden}" \
         --num-layers "$layers" --num-attention-heads 32 --global-batch-size 8 "${OFFLOAD[@]}" --warmup 1 --iters 2 "$@"; then
@@ -337,7 +341,6 @@ suite_offload() {
     fi
   done
   echo "== offload"; bench_rows "$OUT"/offload/*.txt
-  grep -h "host memory\|peak host" "$OUT"/offload/*.txt
   return $rc
 }
 

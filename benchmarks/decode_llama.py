@@ -1,5 +1,6 @@
 """Decode tokens/s of a ~1B Llama-style gptrain model (random init, no download) in bf16: gptrain's
-generation (the generic KV-cache path these layers take) against Hugging Face transformers'
+generation (the CUDA-graph step of the model's own layers, inference/graph_step.py, and the eager
+KV-cache loop) against Hugging Face transformers'
 ``LlamaForCausalLM.generate`` on the same weights (converted by ``interop/hf_llama``), with its
 static cache and with its default dynamic cache, greedy, at each batch size, in one process.
 
@@ -13,6 +14,7 @@ import time
 import torch
 
 from gptrain.inference.generate import SamplingParams, generate
+from gptrain.inference.graph_step import graph_step_generate
 from gptrain.model.gpt import GPT, GPTConfig
 
 
@@ -69,8 +71,12 @@ def main() -> None:
     for b in args.batch_sizes:
         prompts = torch.randint(0, cfg.vocab_size, (b, args.prompt_tokens), generator=gen)
         rows = prompts.tolist()
-        t_ours, ours = timed(lambda: generate(model, rows, params), args.repeats)
-        line = f"batch {b:3d}: gptrain {b * n / t_ours:9.1f} tokens/s ({1e3 * t_ours / n:.2f} ms/step)"
+        t_ours, ours = timed(lambda: graph_step_generate(model, rows, params), args.repeats)
+        t_eager, eager = timed(lambda: generate(model, rows, params), 1)
+        agree = [first_difference(g.generated, e.generated, n) for g, e in zip(ours, eager)]
+        line = (f"batch {b:3d}: gptrain (graph step) {b * n / t_ours:9.1f} tokens/s ({1e3 * t_ours / n:.2f} ms/step), "
+                f"gptrain eager {b * n / t_eager:9.1f} tokens/s, greedy tokens identical for the first {min(agree)} "
+                f"(mean {sum(agree) / len(agree):.0f}) of {n}")
         ids, mask = prompts.cuda(), torch.ones_like(prompts).cuda()
         for name, kw in (("HF static cache", {"cache_implementation": "static"}), ("HF dynamic cache", {})):
             with torch.no_grad():

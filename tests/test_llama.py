@@ -104,6 +104,28 @@ def test_kv_cache_decoding_equals_the_full_forward():
     assert (torch.cat(parts, 1) - full).abs().max() < 1e-4
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU")])])
+@pytest.mark.parametrize("llama", [True, False])
+def test_graph_step_generates_as_generate(llama, device):
+    """The static-shape decode step (the CUDA-graph one on a GPU; eager here) gives generate's tokens and
+    log-probabilities, greedy and seeded, for prompts of different lengths, and again on a reused cache."""
+    from gptrain.inference.generate import SamplingParams, generate
+    from gptrain.inference.graph_step import graph_step_generate
+
+    cfg = GPTConfig(**LLAMA) if llama else GPTConfig(**{k: LLAMA[k] for k in ("num_layers", "hidden_size",
+                    "num_attention_heads", "seq_length", "vocab_size", "attention_dropout", "hidden_dropout")})
+    model = _random_model(cfg).to(device)
+    prompts = [[5, 7, 9], [1, 2, 3, 4, 5, 6, 7, 8, 9]]
+    params = [SamplingParams(max_new_tokens=20, temperature=0.0),
+              SamplingParams(max_new_tokens=12, temperature=0.8, top_p=0.9, seed=3)]
+    want = generate(model, prompts, params, logprobs=True)
+    for _ in range(2):  # on a GPU: the graphs captured, then replayed on the reused cache
+        got = graph_step_generate(model, prompts, params, logprobs=True)
+        assert [g.tokens for g in got] == [w.tokens for w in want]
+        assert all(max(abs(a - b) for a, b in zip(g.logprobs[1:], w.logprobs[1:])) < 1e-4 for g, w in zip(got, want))
+
+
 def test_megatron_defaults_and_parameter_formula():
     def parse(*extra):
         return parse_megatron_args(["--mock-data", "--train-iters", "1", *TINY_FLAGS, *extra])[0].model

@@ -125,6 +125,10 @@ def _generate(args) -> int:
 
         # one stream: nothing to be batch invariant against, so the single-stream decoder (faster)
         fused_generate(model, [prompt], params, on_token=show, batch_invariant=False)
+    elif sync is None and model.word_embeddings.weight.is_cuda:
+        from gptrain.inference.graph_step import graph_step_generate  # layers the fused kernels do not cover
+
+        graph_step_generate(model, [prompt], params, on_token=show)
     else:
         generate(model, [prompt], params, on_token=show, sync=sync)
     if out:

@@ -71,7 +71,8 @@ def _serve(args, loaded, uvicorn, build_app, channel=None) -> int:
     model = loaded.model
     cuda = model.word_embeddings.weight.is_cuda
     generate_fn, how = None, "eager decode"
-    if not plain_model(model):  # the fused decode steps are GPT-2's, on the model's own modules
+    generic = cuda and not plain_model(model)  # the fused decode steps are GPT-2's, on the model's own modules
+    if generic:
         how, cuda = "eager decode (the fused decode steps need GPT-2's layers)", False
     if channel is not None:
         from gptrain.serve.tensor_parallel import LeaderGenerate
@@ -81,6 +82,10 @@ def _serve(args, loaded, uvicorn, build_app, channel=None) -> int:
         how = f"tensor-parallel over {world} ranks, eager decode"
         if cuda and not args.no_cuda_graph:
             how += " (the CUDA-graph decode step is off under tensor parallelism)"
+    elif generic and not args.no_cuda_graph:
+        from gptrain.inference.graph_step import graph_step_generate
+
+        generate_fn, how = graph_step_generate, "CUDA-graph decode step of the model's own layers (static batches)"
     elif cuda and not args.no_cuda_graph:
         from gptrain.inference.rows import fused_generate
 

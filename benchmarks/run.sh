@@ -255,6 +255,7 @@ suite_serve() {
     kill -0 "$SERVER_PID" 2>/dev/null || break
     sleep 1
   done
+  echo "serve: /health answered $((i - 1)) s after the start (loading, graph capture and warm-up included)" | tee "$OUT/serve/health.txt"
   if ! "$PY" -c "import urllib.request as u; u.urlopen('http://127.0.0.1:$port/health', timeout=2)" 2>/dev/null; then
     echo "serve: the server did not come up; its log ($OUT/serve/server.txt) ends:"; tail -20 "$OUT/serve/server.txt"
     stop_server; return 1

@@ -125,12 +125,12 @@ def _generate(args) -> int:
 
         # one stream: nothing to be batch invariant against, so the single-stream decoder (faster)
         fused_generate(model, [prompt], params, on_token=show, batch_invariant=False)
-    elif sync is None and model.word_embeddings.weight.is_cuda:
-        from gptrain.inference.graph_step import graph_step_generate  # layers the fused kernels do not cover
+    elif sync is not None or model.word_embeddings.weight.is_cuda:
+        from gptrain.inference.graph_step import graph_step_generate  # layers the fused kernels do not cover, TP
 
-        graph_step_generate(model, [prompt], params, on_token=show)
+        graph_step_generate(model, [prompt], params, on_token=show, sync=sync)
     else:
-        generate(model, [prompt], params, on_token=show, sync=sync)
+        generate(model, [prompt], params, on_token=show)
     if out:
         out.write(stream.flush() + "\n")
     return 0

@@ -1,5 +1,7 @@
 """The CUDA-graph decode step for layers the fused decode kernels do not cover (Llama-style blocks:
-RMSNorm, RoPE, K/V groups, SwiGLU; any model ``fast.plain_model`` refuses but tensor parallelism).
+RMSNorm, RoPE, K/V groups, SwiGLU; any model ``fast.plain_model`` refuses) and for tensor parallelism,
+where the step's all-reduces and the logits' all-gather are captured with it (every rank captures and
+replays the same graphs at the same steps, rank 0's ids kept in step by ``generate``'s ``sync``).
 
 ``generate``'s one-token forward is ``kv_cache.forward_cached``: its shapes change every step (the
 cache slice grows), so it runs eagerly, kernel by kernel, with the host in the way. ``GraphStep`` runs
@@ -24,14 +26,14 @@ KEPT = 4  # GraphSteps (each with a whole-window cache) kept per model, by batch
 
 
 class GraphStep:
-    def __init__(self, model: GPT, batch: int):
+    def __init__(self, model: GPT, batch: int, use_graph: bool = True):
         self.model, self.batch = model, batch
         self.window = model.cfg.max_position_embeddings
         self.cache = KVCache(model, batch, self.window)
         device = self.cache.kv.device
         self.tokens = torch.zeros(batch, 1, dtype=torch.long, device=device)
         self.position = torch.zeros(1, dtype=torch.long, device=device)
-        self.use_graph = device.type == "cuda"
+        self.use_graph = use_graph and device.type == "cuda"
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = torch.cuda.graph_pool_handle() if self.use_graph else None
 
@@ -71,18 +73,20 @@ class GraphStep:
         return logits
 
 
-def step_for(model: GPT, batch: int) -> GraphStep:
+def step_for(model: GPT, batch: int, use_graph: bool = True) -> GraphStep:
     steps = model_cache(model, "_graph_steps")
-    if batch not in steps:
+    key = (batch, use_graph)
+    if key not in steps:
         while len(steps) >= KEPT:
             steps.pop(next(iter(steps)))
-        steps[batch] = GraphStep(model, batch)
-    return steps[batch]
+        steps[key] = GraphStep(model, batch, use_graph)
+    return steps[key]
 
 
-def graph_step_generate(model: GPT, prompts: list[list[int]], params, **kw):
-    """``generate`` (same arguments but ``cache`` and ``step_fn``) with the graph step."""
+def graph_step_generate(model: GPT, prompts: list[list[int]], params, use_graph: bool = True, **kw):
+    """``generate`` (same arguments but ``cache`` and ``step_fn``) with the graph step (``use_graph``
+    False: the same static-shape step, eagerly)."""
     if not prompts:
         return []
-    step = step_for(model, len(prompts))
+    step = step_for(model, len(prompts), use_graph)
     return generate(model, prompts, params, cache=step.cache, step_fn=step, **kw)

@@ -57,7 +57,7 @@ def serve_main(argv: list[str]) -> int:
         if channel.rank == 0:
             return _serve(args, loaded, uvicorn, build_app, channel)
         _hold_signals()  # rank 0 decides when to stop (torchrun signals every rank)
-        batches = follow(loaded.model, channel, loaded.group)
+        batches = follow(loaded.model, channel, loaded.group, use_graph=not args.no_cuda_graph)
         print(f"gptrain serve: rank {channel.rank}: stopped after {batches} batches", flush=True)
         return 0
     finally:
@@ -77,11 +77,11 @@ def _serve(args, loaded, uvicorn, build_app, channel=None) -> int:
     if channel is not None:
         from gptrain.serve.tensor_parallel import LeaderGenerate
 
-        generate_fn = LeaderGenerate(channel, loaded.group, model.word_embeddings.weight.device)
+        generate_fn = LeaderGenerate(channel, loaded.group, model.word_embeddings.weight.device,
+                                     use_graph=not args.no_cuda_graph)
         world = channel.group.size()
-        how = f"tensor-parallel over {world} ranks, eager decode"
-        if cuda and not args.no_cuda_graph:
-            how += " (the CUDA-graph decode step is off under tensor parallelism)"
+        graphs = model.word_embeddings.weight.is_cuda and not args.no_cuda_graph
+        how = f"tensor-parallel over {world} ranks, {'CUDA-graph decode step' if graphs else 'eager decode'}"
     elif generic and not args.no_cuda_graph:
         from gptrain.inference.graph_step import graph_step_generate
 

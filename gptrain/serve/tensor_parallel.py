@@ -19,7 +19,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from gptrain.inference.generate import EolIds, SamplingParams, check_request, generate
+from gptrain.inference.generate import EolIds, SamplingParams, check_request
+from gptrain.inference.graph_step import graph_step_generate
 from gptrain.inference.tensor_parallel import StepSync
 
 STOP, WORK = 0, 1
@@ -109,8 +110,8 @@ class LeaderGenerate:
     other ranks. A failure after the batch was sent leaves the ranks out of step: the process
     exits (torchrun then stops the others)."""
 
-    def __init__(self, channel: WorkChannel, group, device: torch.device):
-        self.channel, self.sync, self.device = channel, StepSync(group), device
+    def __init__(self, channel: WorkChannel, group, device: torch.device, use_graph: bool = True):
+        self.channel, self.sync, self.device, self.use_graph = channel, StepSync(group), device, use_graph
 
     def __call__(self, model, prompts, params, logprobs=False, top_logprobs=0, eol=None, on_token=None,
                  no_newline_after_colon=None):
@@ -126,22 +127,25 @@ class LeaderGenerate:
         packed = self.channel.pack(Work(prompts, params, logprobs, top_logprobs, eol, colons))
         try:
             self.channel.send(packed)  # from here on the other ranks are in this batch
-            return generate(model, prompts, params, logprobs=logprobs, top_logprobs=top_logprobs, eol=eol,
-                            on_token=on_token, no_newline_after_colon=colons, sync=self.sync)
+            return graph_step_generate(model, prompts, params, use_graph=self.use_graph, logprobs=logprobs,
+                                       top_logprobs=top_logprobs, eol=eol, on_token=on_token,
+                                       no_newline_after_colon=colons, sync=self.sync)
         except BaseException as err:  # noqa: BLE001 - the other ranks are mid-batch: nothing can go on
             print(f"gptrain serve: error: rank 0 failed while generating with the other tensor-parallel ranks "
                   f"({type(err).__name__}: {err}); stopping", file=sys.stderr, flush=True)
             os._exit(1)
 
 
-def follow(model, channel: WorkChannel, group) -> int:
-    """A rank other than 0: generate each batch rank 0 sends, in step with it, until it says stop."""
+def follow(model, channel: WorkChannel, group, use_graph: bool = True) -> int:
+    """A rank other than 0: generate each batch rank 0 sends, in step with it, until it says stop
+    (``use_graph``: as rank 0's, so that every rank captures the same graphs)."""
     sync = StepSync(group)
     batches = 0
     try:
         while (work := channel.receive()) is not None:
-            generate(model, work.prompts, work.params, logprobs=work.logprobs, top_logprobs=work.top_logprobs,
-                     eol=work.eol, no_newline_after_colon=work.no_newline_after_colon, sync=sync)
+            graph_step_generate(model, work.prompts, work.params, use_graph=use_graph, logprobs=work.logprobs,
+                                top_logprobs=work.top_logprobs, eol=work.eol,
+                                no_newline_after_colon=work.no_newline_after_colon, sync=sync)
             batches += 1
     except Exception as err:  # noqa: BLE001 - out of step with rank 0: one line, and torchrun stops the rest
         print(f"gptrain serve: error: rank {channel.rank} failed after {batches} batches "

@@ -1,8 +1,13 @@
 """In-flight (continuous) batching on the device: ``SlotDecoder`` keeps a ``RowDecoder``'s static
 cache as ``slots`` rows, one request row per slot, each at its own position. Between two steps a
-free slot takes a new prompt (``prefill``: eager ``forward_cached`` on that row alone, in pieces of
-``chunk`` tokens at fixed boundaries, so the running rows wait at most a piece) and a finished row
-frees its slot (``park``); the running rows never wait for a whole batch.
+free slot takes a new prompt (``prefill``) and a finished row frees its slot (``park``); the running
+rows never wait for a whole batch. A prompt of one piece (at most ``chunk`` tokens) joins on CUDA
+through ``SlotJoin`` (slot_join.py): padded to a power-of-two length, prefilled alone and written
+into the slot with the row's settings by one CUDA graph replay after one pinned copy, so the steps
+queued ahead keep running. Its numbers are those of the padded prefill (the batch path's
+``PrefillGraphs``', not the unpadded eager prefill's), the same alone and under load. A longer
+prompt goes in eagerly (``forward_cached`` on that row alone) in pieces of ``chunk`` tokens at fixed
+boundaries, so the running rows wait at most a piece; so does every prompt elsewhere than CUDA.
 
 A step runs the first ``rows`` slots (a batch bucket: 1, 2, 4, ... covering the highest slot in
 use), one CUDA graph per (Mode, bucket), captured on first use while rows are live: the state a
@@ -28,14 +33,18 @@ from gptrain.inference.fast import Mode, bucket
 from gptrain.inference.generate import SamplingParams
 from gptrain.inference.host_loop import StepReader, capture
 from gptrain.inference.kv_cache import forward_cached
-from gptrain.inference.rows import RowCache, RowDecoder
+from gptrain.inference.rows import PrefillGraphs, RowCache, RowDecoder, prefill_bucket
+from gptrain.inference.slot_join import SlotJoin
 from gptrain.kernels.ln_fold import refresh_ln_constants
 
 PREFILL_CHUNK = 256  # prompt tokens prefilled between two decode steps (at most, piece boundaries fixed)
 
 
 class SlotDecoder:
-    def __init__(self, model, slots: int, use_graph: bool = True, chunk: int = PREFILL_CHUNK):
+    def __init__(self, model, slots: int, use_graph: bool = True, chunk: int = PREFILL_CHUNK,
+                 padded: bool | None = None):
+        """``padded``: prompts of one piece join through ``SlotJoin`` (default: on CUDA with graphs;
+        True elsewhere runs it eagerly, for tests)."""
         # its own RowDecoder, not the model's cached one: the server's batch path may run that one
         # between two of this decoder's steps
         self.rows = RowDecoder(model, bucket(slots), use_graph=use_graph)
@@ -45,6 +54,10 @@ class SlotDecoder:
         self.outs: dict[int, torch.Tensor] = {self.rows.batch: self.rows.out}  # bucket -> (window, bucket) ids
         self.graphs: dict[tuple[Mode, int], torch.cuda.CUDAGraph] = {}
         self.pool = None
+        self.join = None
+        if padded if padded is not None else self.use_graph:
+            stage = self.rows.prefill_graphs or PrefillGraphs(model, self.window, use_graph=False)
+            self.join = SlotJoin(self, stage)
         self.issued = 0  # steps issued (host numbering, never reset)
         self.base = 0  # the host number of device step 0
         self.parked: set[int] = set(range(self.rows.batch))  # slots decoding nothing
@@ -69,10 +82,15 @@ class SlotDecoder:
         rows, dev = self.rows, self.rows.logits.device
         if begin == 0:
             self.parked.discard(slot)
+            refresh_ln_constants()  # weights changed in place since the last request (cheap if not)
+            if self.join is not None and len(prompt) <= self.chunk:
+                self.join.run(slot, prompt, len(prompt) - self._device_step(), params, colon)
+                return len(prompt)
             rows.start[slot] = self.window  # the last position while its prompt goes in
-            refresh_ln_constants()  # weights changed in place since the last request (a no-op if not)
         end = min(len(prompt), (begin // self.chunk + 1) * self.chunk)
-        tokens = torch.tensor([prompt[begin:end]], device=dev)
+        tokens = torch.tensor([prompt[begin:end]])
+        if dev.type == "cuda":  # a pageable copy would wait for the steps queued ahead
+            tokens = tokens.pin_memory().to(dev, non_blocking=True)
         hidden = forward_cached(self.model, tokens, begin, RowCache(rows.kv, slot))
         if end == len(prompt):
             rows.logits[slot] = self.model.output_layer(hidden[0, -1]).float()
@@ -136,7 +154,14 @@ class SlotDecoder:
         return graph
 
     def warm_up(self) -> None:
-        """The greedy and the sampled step of every bucket (idle: nothing is decoding)."""
+        """The greedy and the sampled step of every bucket, and the join of every padded length
+        (idle: nothing is decoding)."""
+        if self.join is not None and self.join.use_graph:
+            longest = min(self.chunk, self.window - 1)
+            lengths = {min(prefill_bucket(n, self.window), longest) for n in range(1, longest + 1)}
+            for n in sorted(lengths):  # a prompt of each padded length, into a free slot and out
+                self.prefill(0, [0] * n, 0, SamplingParams(temperature=0.0), False)
+                self.park(0)
         if self.use_graph:
             b = 1
             while b <= self.rows.batch:

@@ -44,8 +44,8 @@ def _prune() -> None:
             _retired.append(_constants.pop(key)[1])
 
 
-def _refresh(entry: list) -> None:
-    owner, g, b = (ref() for ref in entry[2])
+def _refresh(entry: list, tensors: tuple | None = None) -> None:
+    owner, g, b = tensors or tuple(ref() for ref in entry[2])
     versions = (owner._version, g._version, b._version)  # (a view shares its base's counter)
     if entry[0] == versions:
         return
@@ -62,7 +62,11 @@ def _refresh(entry: list) -> None:
 
 
 def refresh_ln_constants() -> None:
-    """Brings every folded LayerNorm's constants up to date (before replaying captured steps)."""
-    _prune()
-    for entry in _constants.values():
-        _refresh(entry)
+    """Brings every folded LayerNorm's constants up to date (before replaying captured steps): one
+    pass over the entries, cheap when nothing changed (the in-flight server calls it per request)."""
+    for key, entry in list(_constants.items()):
+        tensors = tuple(ref() for ref in entry[2])
+        if any(t is None for t in tensors):
+            _retired.append(_constants.pop(key)[1])
+        else:
+            _refresh(entry, tensors)

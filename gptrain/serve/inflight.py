@@ -1,7 +1,8 @@
 """The server's in-flight (continuous) batching: ``InflightEngine`` runs one decode loop over
 ``max_batch`` slots (inference/slots.py) on its worker thread. Between two steps it takes queued
 jobs, gives each waiting row a free slot (its prompt prefilled in pieces, at most one piece of
-``chunk`` tokens between two steps while rows decode), reads a step's ids and applies the stop
+``chunk`` tokens between two steps while rows decode; a prompt of one piece, on CUDA, in one graph
+replay behind the steps queued ahead: slot_join.py), reads a step's ids and applies the stop
 rules and stream hooks (``row_done``, as ``generate``), and frees the slot of a row that ended: at
 its stop rule or length, when its client went away (``job.cancel``) or when its job ran past
 ``request_timeout`` (``Timeout``). A request thus starts at the next step instead of waiting for

@@ -83,8 +83,8 @@ def plan_main(argv: list[str]) -> int:
         host = offload_host_gib(cfg, parallel_dims(cfg, world))
         if host:
             print(f"host memory per rank (--cpu-offload: fp32 parameter, gradient and AdamW moment shards): {host:.2f} GiB")
-            print("with --cpu-offload the memory is modelled, the time is not: the optimizer step runs on the CPU "
-                  "and gradients and parameters cross PCIe every step (measure it: gptrain bench)")
+            print("with --cpu-offload the optimizer's time is the host's AdamW and PCIe copies as measured on one "
+                  "host (16 cores, PCIe 5): yours may differ (measure it: gptrain bench)")
     else:
         print(left_out(result, gpu))
     return 0

@@ -37,7 +37,7 @@ def dry_run_line(cfg: RunConfig, world: int) -> str | None:
     from gptrain.train.build import parallel_dims
 
     host = offload_host_gib(cfg, parallel_dims(cfg, world))
-    offload = f", {host:.2f} GiB of host memory per rank (--cpu-offload; its time is not modelled)" if host else ""
+    offload = f", {host:.2f} GiB of host memory per rank (--cpu-offload)" if host else ""
     return (f" > plan on {world} x {where}{note}: {p.tokens_per_s_per_gpu:,.0f} tokens/s per GPU, "
             f"{100 * p.mfu:.1f}% MFU, {p.step_s * 1000:.1f} ms per iteration, peak {p.peak_gib:.2f} GiB per GPU"
             f"{'' if p.fits else ' (does not fit)'}{offload}")

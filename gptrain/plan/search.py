@@ -14,7 +14,8 @@ from gptrain.parallel.layout import parameter_counts
 from gptrain.parallel.pipeline import stage_layer_counts, virtual_stages
 from gptrain.plan.hardware import Gpu
 from gptrain.plan.memory import GIB, Memory, fits, stage_memory
-from gptrain.plan.timing import OPTIMIZER_BYTES, StepTime, all_reduce_s, data_parallel_s, p2p_s, stage_time
+from gptrain.plan.timing import (OPTIMIZER_BYTES, StepTime, all_reduce_s, data_parallel_s, offload_s, p2p_s,
+                                 stage_time)
 from gptrain.train.build import parallel_dims
 
 RECOMPUTE = (None, "selective", "full")
@@ -109,7 +110,8 @@ def predict(cfg: RunConfig, world: int, gpu: Gpu, gpus_per_node: int) -> Predict
     time.dp_comm = data_parallel_s(cfg, dims, params[biggest], stages[biggest], n_micro, layer_counts[biggest],
                                    dp_gbps)
     local_params = params[biggest] / (dims.dp if dims.sharded else 1)
-    time.optimizer = gpu.memory_s(OPTIMIZER_BYTES * local_params, gpu.optimizer_efficiency)
+    time.optimizer = offload_s(local_params, dims.zero_stage, n_micro) if dims.cpu_offload else \
+        gpu.memory_s(OPTIMIZER_BYTES * local_params, gpu.optimizer_efficiency)
     memories = [stage_memory(cfg, dims, params[r], layer_counts[r], r, virtual, sp) for r in range(dims.pp)]
     memory = max(memories, key=lambda mem: mem.total)
     step = time.total

@@ -21,7 +21,10 @@ prints each against its prediction):
 - the optimizer step at the memory bandwidth; the host's time to launch a micro-batch (per block for
   one compiled graph, blocks compiled one by one, tensor-parallel ranks, FSDP2's hooks, plus each
   NCCL collective; none under CUDA graphs), which sets the pace where it exceeds the device's and
-  slows it where the two are close.
+  slows it where the two are close;
+- --cpu-offload: the host's AdamW over the rank's fp32 shards and the step's PCIe copies, per parameter,
+  and at ZeRO-3 the shards fetched again for every micro-batch; measured on one host (the H100
+  machines': 16 cores, PCIe 5), so another host's CPU and bus move it.
 """
 from __future__ import annotations
 
@@ -45,6 +48,10 @@ DEVICE_GAPS = 0.02  # the device's idle time between kernels, a fraction of thei
 HOST_DEVICE_SHARPNESS = 8.0  # how fast the wall time approaches max(device, host) as they part (fitted)
 GATHER_EFFICIENCY = 0.83  # all-gather / reduce-scatter bus bandwidth over all-reduce's (NCCL, 2 x H200)
 COLLECTIVE_HOST_S = 30e-6  # the host's time to launch an NCCL collective, beyond the simulator's fake one
+# --cpu-offload, per fp32 parameter of the rank (s18, a 2.7B at ZeRO-2 and ZeRO-3 with 1 and 8 micro-batches):
+# the host's fused AdamW with the step's gradient and parameter copies, none overlapped with the GPU
+OFFLOAD_STEP_S_PER_PARAM = 0.76e-9
+OFFLOAD_FETCH_S_PER_PARAM = 0.16e-9  # ZeRO-3: the shards copied in again for each micro-batch
 # per parameter of a block, FSDP2's copies around each all-gather (the fp32 shard cast to half
 # precision, the gathered buffer split into the parameters) and each reduce-scatter (the gradients
 # cast to fp32 and copied into its input)
@@ -224,3 +231,9 @@ def data_parallel_s(cfg: RunConfig, dims: ParallelDims, params: int, stage: Stag
     backward_comm = scatter + (gather if dims.zero_stage == 3 else 0.0)
     per_micro = max(0.0, gather - forward) + max(0.0, backward_comm - backward)
     return n_micro * per_micro + (gather + scatter) / max(1, layers)
+
+
+def offload_s(local_params: float, zero_stage: int, n_micro: int) -> float:
+    """Seconds a step of --cpu-offload spends on the host and the PCIe bus (the optimizer's share)."""
+    fetch = OFFLOAD_FETCH_S_PER_PARAM * n_micro if zero_stage == 3 else 0.0
+    return local_params * (OFFLOAD_STEP_S_PER_PARAM + fetch)

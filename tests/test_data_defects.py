@@ -162,7 +162,7 @@ def test_signal_cleans_up_and_ends_with_one_line(tmp_path, sig):
 
 def test_ctrl_c_during_start_up_is_one_line(tmp_path, capsys, monkeypatch):
     """Before preprocess installs its own handler (loading the tokenizer), Ctrl-C printed a traceback."""
-    from gptrain.data import preprocess as module
+    from gptrain import tokenizer as module  # build_tokenizer loads it before preprocess starts
 
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt

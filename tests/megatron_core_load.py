@@ -44,28 +44,42 @@ def _worker(rank: int, tp: int, pp: int, port: int, folders: list[str], tokens_p
     from megatron.core.transformer.transformer_config import TransformerConfig
     from megatron.core.utils import GlobalMemoryBuffer
 
-    # the CUDA calls on this path, on the CPU: the attention's scratch buffer (baddbmm with beta 0), the
+    # the CUDA calls on this path, on the CPU: rope's inv_freq, the attention's scratch buffer (baddbmm with beta 0), the
     # CUDA RNG fork around its dropout (probability 0, and the model is in eval mode) and, with PP > 1,
     # the all-reduce that makes the last stage's copy of the embeddings the first's at construction
     torch.Tensor.cuda = lambda self, *a, **k: self
+    torch.cuda.current_device = lambda: "cpu"  # rope's inv_freq moves to "the GPU" at the first forward
     GlobalMemoryBuffer.get_tensor = lambda self, shape, dtype, name, mem_alloc_context=None: torch.empty(
         shape, dtype=dtype)
     CudaRNGStatesTracker.fork = lambda self, name=None: contextlib.nullcontext()
-    args = torch.load(Path(folders[0]) / "common.pt", map_location="cpu")["args"]  # megatron-core's safe globals
+    common = Path(folders[0]) / "common.pt"  # torch_dist; a legacy folder's args are in its first rank's file
+    common = common if common.is_file() else next(Path(folders[0]).glob("mp_rank_00*/model_optim_rng.pt"))
+    args = torch.load(common, map_location="cpu")["args"]  # megatron-core's safe globals
     parallel_state.initialize_model_parallel(tp, pp)
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
     pp_rank = parallel_state.get_pipeline_model_parallel_rank()
     first, last = pp_rank == 0, pp_rank == pp - 1
+    swiglu = getattr(args, "swiglu", False)
+    llama = dict(  # the Llama-family args as Megatron-LM's core_transformer_config_from_args maps them
+        normalization=getattr(args, "normalization", "LayerNorm"), add_bias_linear=getattr(args, "add_bias_linear", True),
+        add_qkv_bias=getattr(args, "add_qkv_bias", False), kv_channels=getattr(args, "kv_channels", None),
+        num_query_groups=args.num_query_groups if getattr(args, "group_query_attention", False) else None)
+    if swiglu:  # SwiGLU has no GELU fusion; F.silu gated, as --swiglu sets it
+        llama.update(gated_linear_unit=True, activation_func=torch.nn.functional.silu, bias_activation_fusion=False)
+    else:
+        llama.update(bias_activation_fusion=True)  # Megatron-LM's default --bias-gelu-fusion: the tanh GELU
     cfg = TransformerConfig(
         num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
         ffn_hidden_size=args.ffn_hidden_size, layernorm_epsilon=args.norm_epsilon, init_method_std=0.02,
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, pipeline_dtype=torch.float32,
-        use_cpu_initialization=True, hidden_dropout=0.0, attention_dropout=0.0, params_dtype=torch.float32,
-        bias_activation_fusion=True)  # Megatron-LM's default --bias-gelu-fusion: the tanh GELU
-    model = GPTModel(cfg, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=args.padded_vocab_size,
-                     max_sequence_length=args.max_position_embeddings, position_embedding_type="learned_absolute",
+        use_cpu_initialization=True, hidden_dropout=0.0, attention_dropout=0.0, params_dtype=torch.float32, **llama)
+    position = getattr(args, "position_embedding_type", "learned_absolute")
+    rope = dict(rotary_base=args.rotary_base, rotary_percent=args.rotary_percent) if position == "rope" else {}
+    spec = get_gpt_layer_local_spec(normalization=cfg.normalization)
+    model = GPTModel(cfg, transformer_layer_spec=spec, vocab_size=args.padded_vocab_size,
+                     max_sequence_length=args.max_position_embeddings, position_embedding_type=position,
                      share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
-                     parallel_output=True, pre_process=first, post_process=last)
+                     parallel_output=True, pre_process=first, post_process=last, **rope)
     tokens = torch.load(tokens_path)
     batch, seq = tokens.shape
     positions = torch.arange(seq).expand_as(tokens)

@@ -341,9 +341,9 @@ def test_legacy_qkv_order_matters(tmp_path):
 def test_untied_or_unsupported_architectures_are_refused(tmp_path):
     ref = reference_state()
     files = legacy_rank_files(ref, 3.0, old_names=False, tp=1, pp=1)
-    files["mp_rank_00"]["args"].swiglu = True
+    files["mp_rank_00"]["args"].qk_layernorm = True  # (the Llama family's flags are read: megatron_llama)
     _layout_checkpoint(tmp_path, files, iteration=7)
-    with pytest.raises(ValueError, match="does not support --swiglu"):
+    with pytest.raises(ValueError, match="does not support --qk-layernorm"):
         read_megatron_checkpoint(tmp_path)
 
 

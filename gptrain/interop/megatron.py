@@ -23,6 +23,7 @@ import torch
 
 from gptrain.checkpoint_kind import TRACKER as TRACKER_FILENAME  # the one name, Megatron's
 from gptrain.interop.megatron_dist import BACKEND_FILE, is_torch_dist, read_torch_dist
+from gptrain.interop import megatron_llama as llama
 from gptrain.interop.megatron_keys import flatten, layout_of, legacy_qkv_to_per_head, map_key, merge_shards
 from gptrain.interop.safe_unpickle import load_pickle_lazily
 
@@ -122,6 +123,8 @@ class MegatronCheckpoint:
 
     def model_state_dict(self) -> dict[str, torch.Tensor]:
         """``state`` plus the tied ``output_layer.weight``, for ``GPT.load_state_dict(strict=True)``."""
+        if "output_layer.weight" in self.state:  # untied: its own
+            return dict(self.state)
         return {**self.state, "output_layer.weight": self.state["word_embeddings.weight"]}
 
     def gpt_config(self, vocab_size: int | None = None, **overrides):
@@ -140,15 +143,17 @@ class MegatronCheckpoint:
             else:
                 raise ValueError(f"give vocab_size: the checkpoint's tokenizer {tok!r} does not say it")
         hidden = self.state["word_embeddings.weight"].shape[1]
+        fc1 = self.state.get("layers.0.mlp.fc1.weight", self.state.get("layers.0.mlp.up.weight"))
+        positions = self.state.get("position_embeddings.weight")
+        max_pos = positions.shape[0] if positions is not None else a.get("max_position_embeddings") or a["seq_length"]
         cfg = dict(
             num_layers=a["num_layers"], hidden_size=hidden, num_attention_heads=a["num_attention_heads"],
-            ffn_hidden_size=self.state["layers.0.mlp.fc1.weight"].shape[0],
-            seq_length=a.get("seq_length") or self.state["position_embeddings.weight"].shape[0],
-            max_position_embeddings=self.state["position_embeddings.weight"].shape[0],
+            ffn_hidden_size=fc1.shape[0], seq_length=a.get("seq_length") or max_pos, max_position_embeddings=max_pos,
             vocab_size=vocab_size, make_vocab_size_divisible_by=a.get("make_vocab_size_divisible_by") or 128,
             tensor_parallel_size=self.tp,
             layernorm_epsilon=a.get("norm_epsilon") or a.get("layernorm_epsilon") or 1e-5,
         )
+        cfg.update(llama.family(a))
         for name in ("init_method_std", "attention_dropout", "hidden_dropout"):
             if isinstance(a.get(name), float):
                 cfg[name] = a[name]
@@ -171,18 +176,7 @@ def _args_dict(obj) -> dict:
 
 def check_supported(args: dict, where) -> None:
     """Refuse architectures gptrain's GPT cannot represent (one line naming the option)."""
-    problems = []
-    if args.get("swiglu"):
-        problems.append("--swiglu")
-    if args.get("normalization") not in (None, "LayerNorm"):
-        problems.append(f"--normalization {args['normalization']}")
-    if args.get("position_embedding_type") not in (None, "learned_absolute"):
-        problems.append(f"--position-embedding-type {args['position_embedding_type']}")
-    heads, groups = args.get("num_attention_heads"), args.get("num_query_groups")
-    if args.get("group_query_attention") and groups not in (None, heads):
-        problems.append(f"--group-query-attention (--num-query-groups {groups})")
-    if args.get("untie_embeddings_and_output_weights"):
-        problems.append("--untie-embeddings-and-output-weights")
+    problems = llama.unsupported(args)  # the Llama family's options are read (megatron_llama)
     if args.get("num_experts"):
         problems.append(f"--num-experts {args['num_experts']}")
     if args.get("multi_latent_attention"):
@@ -193,9 +187,6 @@ def check_supported(args: dict, where) -> None:
         problems.append("--apply-layernorm-1p")
     if args.get("squared_relu"):
         problems.append("--squared-relu")
-    kv = args.get("kv_channels")
-    if kv is not None and heads and args.get("hidden_size") and kv * heads != args["hidden_size"]:
-        problems.append(f"--kv-channels {kv}")
     if problems:
         raise ValueError(f"{where}: gptrain's GPT does not support {', '.join(problems)}")
 
@@ -281,6 +272,9 @@ def read_megatron_checkpoint(root, iteration=None, *, overrides: dict | None = N
                     layout = this_layout
                 elif this_layout != layout:
                     raise ValueError(f"{path}: {this_layout} keys, but other ranks are {layout}")
+                if layout == "legacy" and (version is None or version < 2.0) and llama.groups_of(args) != heads:
+                    raise ValueError(f"{path}: checkpoint_version {version} with grouped-query attention: "
+                                     "no known QKV order")
                 if layout == "legacy" and version is not None and version < 2.0 and not heads:
                     raise ValueError(f"{path}: checkpoint_version {version} needs num_attention_heads "
                                      f"to reorder QKV; pass overrides={{'num_attention_heads': N}}")
@@ -294,9 +288,14 @@ def read_megatron_checkpoint(root, iteration=None, *, overrides: dict | None = N
                     if mapped is None or not isinstance(value, torch.Tensor):
                         continue
                     name, layer, rule = mapped
+                    untied = args.get("untie_embeddings_and_output_weights")
                     if name == "untied_output_layer.weight":
-                        raise ValueError(f"{path}: an untied output layer ({key}); gptrain ties it to the "
-                                         f"word embeddings")
+                        if not untied:
+                            raise ValueError(f"{path}: an untied output layer ({key}), but args do not say "
+                                             "--untie-embeddings-and-output-weights")
+                        name = "output_layer.weight"
+                    if name.startswith("mlp.fc1.") and args.get("swiglu"):
+                        rule = llama.GLU  # [gate_i; up_i] per rank
                     shards = bucket.setdefault((name, layer), [None] * tp)
                     if shards[tp_rank] is not None:
                         raise ValueError(f"{path}: two keys map to {name} (layer {layer})")
@@ -328,13 +327,14 @@ def read_megatron_checkpoint(root, iteration=None, *, overrides: dict | None = N
                     raise FileNotFoundError(
                         f"{_rank_file(folder, missing[0], pp_rank, pp)}: lacks {name} that rank 0 of the "
                         f"same stage has")
-                full = merge_shards(shards, rules[name], name, folder)
-                if name == "output_layer.weight":
+                rule = rules[name]
+                full = llama.merge_glu(shards) if rule == llama.GLU else merge_shards(shards, rule, name, folder)
+                if name == "output_layer.weight" and not args.get("untie_embeddings_and_output_weights"):
                     output_copy = full
                     continue
                 gname = f"layers.{layer + shift}.{name}" if layer is not None else name
                 if gname in state:
-                    if name.startswith(("word_embeddings", "position_embeddings")):
+                    if name.startswith(("word_embeddings", "position_embeddings", "output_layer")):
                         continue  # a later chunk's copy (embeddings live on the first stage)
                     raise ValueError(f"{folder}: {gname} appears on two pipeline stages")
                 state[gname] = full
@@ -363,26 +363,35 @@ def finish_state(state: dict[str, torch.Tensor], args: dict, folder, tp: int, pp
         args["num_layers"] = num_layers = offset
     if offset != num_layers:
         raise ValueError(f"{folder}: the stages hold {offset} layers, args say num_layers {num_layers}")
-    required = ["word_embeddings.weight", "position_embeddings.weight", "final_layernorm.weight",
-                "final_layernorm.bias"] + [
-        f"layers.{i}.{n}" for i in range(num_layers) for n in
-        ("ln1.weight", "ln1.bias", "attn.qkv.weight", "attn.qkv.bias", "attn.proj.weight", "attn.proj.bias",
-         "ln2.weight", "ln2.bias", "mlp.fc1.weight", "mlp.fc1.bias", "mlp.fc2.weight", "mlp.fc2.bias")]
+    required = llama.required(args, num_layers)
     missing = [n for n in required if n not in state]
     if missing:
         raise ValueError(f"{folder}: no tensor for {missing[0]}" +
                          (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+    extra = sorted(set(state) - set(required))
+    if extra:
+        raise ValueError(f"{folder}: {extra[0]} is in the checkpoint, but its args (normalization, biases, "
+                         "position embeddings) leave no place for it in gptrain's GPT")
     emb = state["word_embeddings.weight"]
-    for key, value in (("hidden_size", emb.shape[1]), ("padded_vocab_size", emb.shape[0]),
-                       ("ffn_hidden_size", state["layers.0.mlp.fc1.weight"].shape[0]),
-                       ("max_position_embeddings", state["position_embeddings.weight"].shape[0])):
+    swiglu = bool(args.get("swiglu"))
+    checks = [("hidden_size", emb.shape[1]), ("padded_vocab_size", emb.shape[0]),
+              ("ffn_hidden_size", state["layers.0.mlp.fc1.weight"].shape[0] // (2 if swiglu else 1))]
+    if "position_embeddings.weight" in state:
+        checks.append(("max_position_embeddings", state["position_embeddings.weight"].shape[0]))
+    for key, value in checks:
         if args.get(key) is None:
             args[key] = value
         elif args[key] != value:
             raise ValueError(f"{folder}: args say {key} {args[key]}, the tensors say {value}")
     args.setdefault("tensor_model_parallel_size", tp)
     args.setdefault("pipeline_model_parallel_size", pp)
-    if heads and (emb.shape[1] % heads or state["layers.0.attn.qkv.weight"].shape[0] != 3 * emb.shape[1]):
-        raise ValueError(f"{folder}: fused QKV has {state['layers.0.attn.qkv.weight'].shape[0]} rows, "
-                         f"expected 3 x hidden {emb.shape[1]} for {heads} heads")
+    if heads:
+        kv = args.get("kv_channels") or emb.shape[1] // heads
+        groups = llama.groups_of(args)
+        rows = state["layers.0.attn.qkv.weight"].shape[0]
+        if (args.get("kv_channels") is None and emb.shape[1] % heads) or rows != (heads + 2 * groups) * kv:
+            raise ValueError(f"{folder}: fused QKV has {rows} rows, expected ({heads} heads + 2 x {groups} K/V "
+                             f"groups) x {kv} channels")
+    if swiglu:
+        llama.split_fc1(state, num_layers)
 

@@ -97,8 +97,8 @@ def read_torch_dist(folder, iteration):
             if mapped is None:
                 continue
             gname, layer, _ = mapped
-            if gname == "output_layer.weight":
-                output_copy = value
+            if gname == "output_layer.weight" and not args.get("untie_embeddings_and_output_weights"):
+                output_copy = value  # the tied copy; an untied one is a parameter (SwiGLU's fc1 is [gate; up] here)
                 continue
             full = f"layers.{layer}.{gname}" if layer is not None else gname
             if full in state:

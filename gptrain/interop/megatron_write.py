@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 
 from gptrain.checkpoint_kind import TRACKER
+from gptrain.interop import megatron_llama as llama
 from gptrain.interop.megatron_keys import _CORE_GLOBAL, _CORE_LAYER
 from gptrain.model.config import padded_vocab_size
 
@@ -68,6 +69,8 @@ def check_layout(cfg, tp: int, pp: int) -> None:
     if cfg.num_attention_heads % tp:
         problems.append(f"{cfg.num_attention_heads} attention heads are not divisible by "
                         f"--tensor-model-parallel-size {tp}")
+    if cfg.num_query_groups % tp:
+        problems.append(f"{cfg.num_query_groups} K/V groups are not divisible by --tensor-model-parallel-size {tp}")
     if cfg.ffn_hidden_size % tp:
         problems.append(f"ffn hidden size {cfg.ffn_hidden_size} is not divisible by "
                         f"--tensor-model-parallel-size {tp}")
@@ -110,6 +113,7 @@ def megatron_args(cfg, tp: int, pp: int, iteration: int, ckpt_format: str, token
         transformer_impl="local", use_legacy_models=False, ckpt_format=ckpt_format,
         use_dist_ckpt=ckpt_format != "torch", params_dtype=torch.float32, fp16=False, bf16=False,
     )
+    a.update(llama.writer_args(cfg))  # the GPT-2 values above for a GPT-2 model
     return argparse.Namespace(**a)
 
 
@@ -119,8 +123,8 @@ def common_state(args: argparse.Namespace, iteration: int) -> dict:
             "content_metadata": {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}}
 
 
-def _padded_embeddings(model, rows: int) -> torch.Tensor:
-    real = model.word_embeddings.weight.detach()[: model.cfg.vocab_size]
+def _padded_embeddings(model, rows: int, name: str = "word_embeddings.weight") -> torch.Tensor:
+    real = model.get_parameter(name).detach()[: model.cfg.vocab_size]
     out = torch.zeros(rows, real.shape[1], dtype=real.dtype)
     out[: real.shape[0]] = real
     return out
@@ -133,9 +137,17 @@ def full_tensors(model, tp: int) -> tuple[dict[str, torch.Tensor], dict[str, str
     tensors: dict[str, torch.Tensor] = {}
     rules: dict[str, str] = {}
     rows = padded_vocab_size(cfg.vocab_size, cfg.make_vocab_size_divisible_by, tp)
-    for name, param in model.named_parameters():
-        value = _padded_embeddings(model, rows) if name == "word_embeddings.weight" else param.detach()
-        if name.startswith("layers."):
+    params = dict(model.named_parameters())
+    for name, param in params.items():
+        padded = name in ("word_embeddings.weight", "output_layer.weight")  # (untied) output rows as the embeddings'
+        value = _padded_embeddings(model, rows, name) if padded else param.detach()
+        if name.startswith("layers.") and ".mlp.up." in name:
+            continue  # written with its gate
+        if name.startswith("layers.") and ".mlp.gate." in name:  # SwiGLU: megatron-core's fc1 is [gate; up]
+            value = torch.cat([value, params[name.replace(".mlp.gate.", ".mlp.up.")].detach()])
+            _, layer, rest = name.replace(".mlp.gate.", ".mlp.fc1.").split(".", 2)
+            key, rule = f"decoder.layers.{layer}.{_LAYER[rest][0]}", llama.GLU
+        elif name.startswith("layers."):
             _, layer, rest = name.split(".", 2)
             key, _, rule = _LAYER[rest]
             key = f"decoder.layers.{layer}.{key}"
@@ -188,6 +200,8 @@ def write_torch_dist(folder: Path, model, args: argparse.Namespace, iteration: i
 
 
 def _shard(value: torch.Tensor, rule: str, tp: int, rank: int) -> torch.Tensor:
+    if rule == llama.GLU and tp > 1:
+        return llama.shard_glu(value, tp, rank)
     if tp == 1 or rule == "rank0":
         return value.clone()
     return value.chunk(tp, dim=1 if rule == "cat1" else 0)[rank].clone()
@@ -209,7 +223,8 @@ def write_legacy(folder: Path, model, args: argparse.Namespace, iteration: int) 
 
             if first:
                 for key in ("embedding.word_embeddings.weight", "embedding.position_embeddings.weight"):
-                    put(key, tensors[key], rules[key])
+                    if key in tensors:  # no position embeddings with rope
+                        put(key, tensors[key], rules[key])
             for local in range(per_stage):
                 prefix = f"decoder.layers.{stage * per_stage + local}."
                 for key, value in tensors.items():
@@ -221,8 +236,11 @@ def write_legacy(folder: Path, model, args: argparse.Namespace, iteration: int) 
                             sd[f"decoder.layers.{local}.{linear}._extra_state"] = None
             if last:
                 for key in ("decoder.final_layernorm.weight", "decoder.final_layernorm.bias"):
-                    put(key, tensors[key], rules[key])
-                if pp > 1:  # the last stage's own copy of the tied word embeddings
+                    if key in tensors:  # RMSNorm has no bias
+                        put(key, tensors[key], rules[key])
+                if "output_layer.weight" in tensors:  # untied
+                    put("output_layer.weight", tensors["output_layer.weight"], "cat0")
+                elif pp > 1:  # the last stage's own copy of the tied word embeddings
                     put("output_layer.weight", tensors["embedding.word_embeddings.weight"], "cat0")
                 sd["output_layer._extra_state"] = None
             name = f"mp_rank_{rank:02d}" if pp == 1 else f"mp_rank_{rank:02d}_{stage:03d}"
@@ -271,9 +289,6 @@ def to_megatron(ckpt, out, log=print, ckpt_format: str = "torch_dist", tp: int =
     if ckpt_format not in FORMATS:
         raise MegatronWriteError(f"--ckpt-format {ckpt_format}: gptrain writes {' or '.join(FORMATS)}")
     model, state = c.read_gptrain(ckpt)
-    if not model.cfg.gpt2_layout:
-        raise MegatronWriteError(f"{ckpt}: a Llama-style model (--swiglu, RMSNorm, rope, groups, ...); --to megatron "
-                                 "writes the GPT-2 layers only: convert it with --to hf")
     check_layout(model.cfg, tp, pp)
     name = find_gptrain_iteration_dir(ckpt).name
     iteration = "release" if name == "release" else int(name.removeprefix("iter_"))
@@ -296,7 +311,7 @@ def to_megatron(ckpt, out, log=print, ckpt_format: str = "torch_dist", tp: int =
         vocab = model.cfg.vocab_size
         for key, param in model.named_parameters():
             got = back.get_parameter(key)
-            if key == "word_embeddings.weight":
+            if key in ("word_embeddings.weight", "output_layer.weight"):
                 param, got = param[:vocab], got[:vocab]
             if not torch.equal(param, got):
                 raise c.ConversionError(f"{key} read back from the written checkpoint differs from the source's; "

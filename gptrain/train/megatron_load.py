@@ -58,7 +58,7 @@ def load_megatron(root, params: dict[str, torch.Tensor], cfg: RunConfig, layout=
     for name, target in params.items():
         full = ckpt.state[name].float()
         shape = _full_shape(name, target, layout)
-        if name == "word_embeddings.weight" and full.shape[0] != shape[0]:
+        if name in ("word_embeddings.weight", "output_layer.weight") and full.shape[0] != shape[0]:
             # another tensor-parallel padding: the real vocabulary's rows carry over, the rest is zero
             rows = min(full.shape[0], shape[0], cfg.model.padded_vocab_size)
             padded = torch.zeros(shape)

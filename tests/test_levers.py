@@ -160,7 +160,7 @@ def test_fp8_converts_the_block_linears_and_trains():
 def test_bench_runs_and_prints_the_table(capsys):
     assert bench_main(FLAGS + ["--bf16", "--warmup", "1", "--iters", "2", "--baseline-no-compile"]) == 0
     out = capsys.readouterr().out
-    assert "| gptrain (train step) |" in out and "| baseline (plain PyTorch) |" in out
+    assert "| gptrain (train step) |" in out and "| baseline (plain PyTorch, GPT-2 style) |" in out
     assert "gptrain / baseline tokens/s:" in out and "host ms/iter" in out
 
 

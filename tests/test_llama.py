@@ -175,13 +175,6 @@ def test_refusals_name_the_numbers():
     refused("hidden-size 32 is not divisible by --num-attention-heads 5", "--num-attention-heads", "5")
     assert parse_megatron_args(["--mock-data", "--train-iters", "1", *TINY_FLAGS, "--num-attention-heads", "5",
                                 "--kv-channels", "8"])[0].model.kv_channels == 8  # as Megatron: no divisibility needed
-    from gptrain.inference.load import _load_sharded
-
-    class TwoRanks:
-        size = staticmethod(lambda: 2)
-
-    with pytest.raises(ValueError, match="tensor-parallel generation is built for the GPT-2 layers only"):
-        _load_sharded(GPTConfig(**LLAMA), TwoRanks(), torch.device("cpu"), None, None)
     with pytest.raises(ValueError, match="Llama's positions are RoPE"):
         hf_config_dict(GPTConfig(**{**LLAMA, "position_embedding_type": "learned_absolute"}), 0)
     with pytest.raises(ValueError, match="Llama's MLP is SwiGLU"):
@@ -239,6 +232,29 @@ def test_train_convert_load_and_generate(tmp_path):
         for _ in range(4):
             tokens = torch.cat([tokens, back.logits(tokens)[:, -1:].argmax(-1)], 1)
     assert out[0].tokens == tokens[0].tolist()
+
+
+@pytest.mark.slow
+def test_tensor_parallel_generation_equals_one_process(tmp_path):
+    """gptrain generate of a trained Llama-style checkpoint at TP2 (two gloo ranks: K/V groups, SwiGLU's gate
+    and up and the untied output layer split, the graph step's code path) prints one process's greedy text."""
+    import subprocess
+    import sys
+
+    from gptrain.train.run import train_main
+
+    run = ["--mock-data", *TINY_FLAGS, *LLAMA_FLAGS, "--seq-length", "16", "--micro-batch-size", "2",
+           "--global-batch-size", "2", "--lr", "1e-2", "--eval-iters", "0", "--device", "cpu"]
+    assert train_main(run + ["--train-iters", "3", "--save", str(tmp_path / "ck")], log=lambda s: None).exit_code == 0
+    argv = ["generate", "--load", str(tmp_path / "ck"), "--device", "cpu", "--prompt", "The meaning of life is",
+            "--greedy", "--tokens-to-generate", "8"]
+    env = {**__import__("os").environ, "OMP_NUM_THREADS": "1"}
+    one = subprocess.run([sys.executable, "-m", "gptrain", *argv], capture_output=True, text=True, timeout=120, env=env)
+    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                          "-m", "gptrain", *argv, "--tensor-model-parallel-size", "2"],
+                         capture_output=True, text=True, timeout=180, env=env)
+    assert one.returncode == 0 and two.returncode == 0, (one.stderr[-2000:], two.stderr[-2000:])
+    assert two.stdout == one.stdout and one.stdout.startswith("The meaning of life is")
 
 
 @pytest.mark.slow

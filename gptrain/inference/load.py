@@ -102,9 +102,6 @@ def _load_sharded(cfg: GPTConfig, mesh, device: torch.device, full: GPT | None, 
 
     tp = mesh.size()
     check_layout(cfg, tp)
-    if not cfg.gpt2_layout:
-        raise ValueError(f"--tensor-model-parallel-size {tp}: tensor-parallel generation is built for the GPT-2 "
-                         "layers only; serve this Llama-style model on one GPU")
     cfg = dataclasses.replace(cfg, tensor_parallel_size=tp)  # Megatron pads the vocabulary to 128 x tp
     with torch.device("meta"):
         model = GPT(cfg)
@@ -121,7 +118,7 @@ def _load_sharded(cfg: GPTConfig, mesh, device: torch.device, full: GPT | None, 
             whole = dict(full.named_parameters())
             for name, param in model.named_parameters():
                 source = whole[name]
-                if name == "word_embeddings.weight":  # re-padded for this tensor-parallel size
+                if name in ("word_embeddings.weight", "output_layer.weight"):  # re-padded for this TP size
                     padded = torch.zeros((cfg.padded_vocab_size, source.shape[1]), dtype=source.dtype)
                     padded[: cfg.vocab_size] = source[: cfg.vocab_size]
                     source = padded

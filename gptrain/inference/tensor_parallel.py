@@ -60,7 +60,7 @@ class GatheredOutputLayer(nn.Module):
 
     def __init__(self, weight: nn.Parameter, vocab_size: int, group):
         super().__init__()
-        self.weight = weight  # the embedding's local rows (tied)
+        self.weight = weight  # the embedding's local rows (tied), or the untied output layer's
         self.vocab_size = vocab_size
         self.group = group
 
@@ -88,20 +88,25 @@ def localize(model: GPT, group) -> GPT:
     """Swap the training layers ``apply_tensor_parallel`` made for forward-only ones over the same
     shards (in place; returns the model). Forward-only: the collectives here have no backward."""
     for block in model.layers.values():
-        block.attn.qkv = _column(block.attn.qkv)
-        block.mlp.fc1 = _column(block.mlp.fc1)
+        block.attn.qkv = _column(block.attn.qkv)  # whole heads, or whole K/V groups with their queries
+        for name in ("fc1", "gate", "up"):  # GPT-2's MLP, or SwiGLU's two input layers
+            if hasattr(block.mlp, name):
+                setattr(block.mlp, name, _column(getattr(block.mlp, name)))
         block.attn.proj = RowParallelLinear(_local(block.attn.proj.weight), _local(block.attn.proj.bias), group)
         block.mlp.fc2 = RowParallelLinear(_local(block.mlp.fc2.weight), _local(block.mlp.fc2.bias), group)
     weight = _local(model.word_embeddings.weight)
     first = dist.get_rank(group) * weight.shape[0]
     model.word_embeddings = VocabParallelEmbedding(weight, first, group)
-    model.output_layer = GatheredOutputLayer(model.word_embeddings.weight, model.cfg.vocab_size, group)
+    head = _local(model.output_layer.weight) if model.cfg.untie_embeddings_and_output_weights \
+        else model.word_embeddings.weight
+    model.output_layer = GatheredOutputLayer(head, model.cfg.vocab_size, group)
     return model
 
 
 def retie(model: GPT) -> None:
-    """The output layer's weight is the embedding's again (after ``to`` or ``to_empty``)."""
-    model.output_layer.weight = model.word_embeddings.weight
+    """The output layer's weight is the embedding's again (after ``to`` or ``to_empty``), where tied."""
+    if not model.cfg.untie_embeddings_and_output_weights:
+        model.output_layer.weight = model.word_embeddings.weight
 
 
 class StepSync:

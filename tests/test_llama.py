@@ -260,8 +260,8 @@ def test_tensor_parallel_generation_equals_one_process(tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("nproc, flags", [(2, ["--tensor-model-parallel-size", "2"]),
                                           (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
-                                          (2, ["--zero-stage", "3"]), (2, ["--pipeline-model-parallel-size", "2"])],
-                         ids=["tp2", "tp2+sp", "dp2-zero3", "pp2"])
+                                          (2, []), (2, ["--zero-stage", "3"]), (2, ["--pipeline-model-parallel-size", "2"])],
+                         ids=["tp2", "tp2+sp", "dp2", "dp2-zero3", "pp2"])
 def test_llama_layouts_equal_one_process(nproc, flags, tmp_path):
     """TP shards query heads and K/V groups (whole groups per rank), SwiGLU's gate and up by rows, the
     untied output layer by vocabulary rows; PP keeps the untied output layer on the last stage only (no

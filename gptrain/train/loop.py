@@ -144,9 +144,8 @@ class Trainer:
         """ZeRO-1 and ZeRO-2 keep the gathered parameters between micro-batches (gathered once per
         step); ZeRO-1 also keeps the gradients whole and reduce-scatters them once, after the last
         micro-batch (FSDP2 accumulates them in fp32 meanwhile), where ZeRO-2 reduce-scatters after
-        each micro-batch and holds only shards. With --cpu-offload every stage accumulates as ZeRO-1
-        does (4 bytes per parameter on the GPU with several micro-batches) and moves the gradients
-        to the host once per step."""
+        each micro-batch and holds only shards. --cpu-offload accumulates as ZeRO-1 at every stage:
+        a host copy and a CPU add per micro-batch would cost more than the micro-batch."""
         dims = self.parts.dims
         if not dims.sharded:
             return
@@ -154,8 +153,6 @@ class Trainer:
         if dims.zero_stage < 3:
             module.set_reshard_after_backward(last)
         if dims.zero_stage == 1 or dims.cpu_offload:
-            # offload: the gradients accumulate on the GPU too; a host copy and a CPU add per micro-batch
-            # would cost more than the micro-batch itself
             module.set_requires_gradient_sync(last)
 
     # ---- precision helpers

@@ -257,28 +257,37 @@ def test_tensor_parallel_generation_equals_one_process(tmp_path):
     assert two.stdout == one.stdout and one.stdout.startswith("The meaning of life is")
 
 
+@pytest.fixture(scope="module")
+def one_process_llama(tmp_path_factory):
+    """The flags, losses and checkpoint of the one-process run every layout is held to (run once)."""
+    from distributed import TINY, losses, single
+
+    run = TINY + LLAMA_FLAGS + ["--train-iters", "4"]
+    folder = tmp_path_factory.mktemp("llama") / "one"
+    return run, losses(single(run + ["--save", str(folder)])), folder
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("nproc, flags", [(2, ["--tensor-model-parallel-size", "2"]),
                                           (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
                                           (2, []), (2, ["--zero-stage", "3"]), (2, ["--pipeline-model-parallel-size", "2"])],
                          ids=["tp2", "tp2+sp", "dp2", "dp2-zero3", "pp2"])
-def test_llama_layouts_equal_one_process(nproc, flags, tmp_path):
+def test_llama_layouts_equal_one_process(nproc, flags, tmp_path, one_process_llama):
     """TP shards query heads and K/V groups (whole groups per rank), SwiGLU's gate and up by rows, the
     untied output layer by vocabulary rows; PP keeps the untied output layer on the last stage only (no
     embedding group); the same losses and saved weights as one process."""
-    from distributed import TINY, losses, single, torchrun
+    from distributed import losses, torchrun
     from gptrain.train.checkpoint import load_checkpoint
 
-    run = TINY + LLAMA_FLAGS + ["--train-iters", "4"]
-    reference = losses(single(run + ["--save", str(tmp_path / "one")]))
+    run, reference, one = one_process_llama
     got = losses(torchrun(nproc, run + flags + ["--save", str(tmp_path / "many")]))
     for it, loss in reference.items():
         assert got[it] == pytest.approx(loss, rel=1e-5), it
     cfg = parse_megatron_args(run, world_size=1)[0].model
     weights = []
-    for name in ("one", "many"):
+    for folder in (one, tmp_path / "many"):
         model = GPT(cfg)
-        load_checkpoint(tmp_path / name, dict(model.named_parameters()), None, cfg.vocab_size)
+        load_checkpoint(folder, dict(model.named_parameters()), None, cfg.vocab_size)
         weights.append(dict(model.named_parameters()))
     for name, ref in weights[0].items():
         # Adam turns the rounding of near-zero gradients into differences of about 2e-5 (as at GPT-2)

@@ -86,3 +86,33 @@ def test_what_gptrain_cannot_hold_is_refused(flag):
     with pytest.raises(ValueError, match=f"does not support.*--{flag.replace('_', '-')}"):
         check_supported(args, "ckpt")
     check_supported({**args, flag: False}, "ckpt")
+
+
+def test_load_into_a_run_checks_the_family_flags(converted):
+    """--load of a Megatron Llama-style checkpoint: the run's flags must match what its args imply (one line
+    naming the flag), and matching flags load every weight."""
+    import dataclasses
+
+    from gptrain.config import parse_megatron_args
+    from gptrain.model.gpt import GPT
+    from gptrain.train.megatron_load import load_megatron
+    from test_llama import LLAMA_FLAGS
+
+    base = ["--mock-data", "--train-iters", "1", "--tokenizer-type", "NullTokenizer", "--vocab-size", str(VOCAB - 1),
+            "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+            "--max-position-embeddings", "32"]
+    def parsed(flags):  # the vocabulary as the run's tokenizer sets it (NullTokenizer: --vocab-size + 1)
+        cfg = parse_megatron_args(base + flags)[0]
+        cfg.model = dataclasses.replace(cfg.model, vocab_size=VOCAB)
+        return cfg
+
+    source, _ = read_gptrain(converted / "src")
+    cfg = parsed(LLAMA_FLAGS)
+    model = GPT(cfg.model)
+    state = load_megatron(converted / "torch_tp1", dict(model.named_parameters()), cfg)
+    assert state["iteration"] == 7
+    assert all(torch.equal(p, source.get_parameter(k)) for k, p in model.named_parameters())
+    wrong = parsed([f if f != "2" else "4" for f in LLAMA_FLAGS])  # 4 K/V groups, not 2
+    with pytest.raises(ValueError, match=r"^--num-query-groups: the run has num_query_groups 4, the checkpoint's args "
+                                         r"\(.*\) implies 2$"):
+        load_megatron(converted / "torch_tp1", dict(GPT(wrong.model).named_parameters()), wrong)

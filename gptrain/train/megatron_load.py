@@ -35,6 +35,14 @@ def check_architecture(args: dict, cfg: RunConfig, where: str) -> None:
             raise ValueError(f"{flag} {ours} contradicts the checkpoint's {key} {theirs} ({where})")
 
 
+def check_family(implied, cfg: RunConfig, where: str) -> None:
+    """The Llama family's choices of the run against those a checkpoint implies (a GPTConfig)."""
+    for attr, flag in _FAMILY.items():
+        if getattr(implied, attr) != getattr(cfg.model, attr):
+            raise ValueError(f"{flag}: the run has {attr} {getattr(cfg.model, attr)}, {where} implies "
+                             f"{getattr(implied, attr)}")
+
+
 def _full_shape(name: str, target: torch.Tensor, layout) -> tuple[int, ...]:
     return layout.full_shape(name, target.shape) if layout is not None else tuple(target.shape)
 
@@ -52,6 +60,7 @@ def load_megatron(root, params: dict[str, torch.Tensor], cfg: RunConfig, layout=
     ckpt = read_megatron_checkpoint(root)
     where = str(Path(root) / TRACKER)
     check_architecture(ckpt.args, cfg, where)
+    check_family(ckpt.gpt_config(vocab_size=cfg.model.vocab_size), cfg, f"the checkpoint's args ({where})")
     missing = sorted(set(params) - set(ckpt.state))
     if missing:
         raise ValueError(f"{root}: the Megatron checkpoint lacks {missing[:3]} ({len(missing)} in all)")
@@ -82,10 +91,7 @@ def load_hf(root, params: dict[str, torch.Tensor], cfg: RunConfig, layout=None) 
     model = load_hf_folder(root)
     theirs = {key: getattr(model.cfg, attr) for key, (attr, _) in _ARCHITECTURE.items()}
     check_architecture(theirs, cfg, str(Path(root) / "config.json"))
-    for attr, flag in _FAMILY.items():  # the Llama family's choices, as the folder's config.json implies them
-        if getattr(model.cfg, attr) != getattr(cfg.model, attr):
-            raise ValueError(f"{flag}: the run has {attr} {getattr(cfg.model, attr)}, {root}/config.json implies "
-                             f"{getattr(model.cfg, attr)}")
+    check_family(model.cfg, cfg, f"{root}/config.json")
     if model.cfg.vocab_size != cfg.model.vocab_size:
         raise ValueError(f"{root}: a {model.cfg.vocab_size}-token vocabulary, the tokenizer has {cfg.model.vocab_size} "
                          "(give the folder's vocab.json and merges.txt as --vocab-file and --merge-file)")

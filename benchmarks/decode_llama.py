@@ -9,29 +9,13 @@ static cache and with its default dynamic cache, greedy, at each batch size, in 
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 
 from gptrain.inference.generate import SamplingParams, generate
 from gptrain.inference.graph_step import graph_step_generate
 from gptrain.model.gpt import GPT, GPTConfig
-
-
-def timed(fn, repeats: int):
-    fn()  # warm-up
-    torch.cuda.synchronize()
-    best, out = float("inf"), None
-    for _ in range(repeats):
-        start = time.perf_counter()
-        out = fn()
-        torch.cuda.synchronize()
-        best = min(best, time.perf_counter() - start)
-    return best, out
-
-
-def first_difference(a: list[int], b: list[int], n: int) -> int:
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(n, len(a), len(b)))
+from decode_speed import first_difference, timed  # benchmarks/ is the script's folder
 
 
 def main() -> None:

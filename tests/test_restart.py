@@ -163,5 +163,5 @@ def test_log_straggler_names_the_slow_rank(monkeypatch):
     lines = [line for line in out.splitlines() if line.startswith(" > straggler:")]
     assert len(lines) == 2, out[-3000:]
     m = re.search(r"over 2 ranks: fastest rank 0 ([0-9.]+) \| median [0-9.]+ \| slowest rank 1 ([0-9.]+) \(", lines[1])
-    assert m and float(m.group(2)) - float(m.group(1)) > 150, lines
+    assert m and float(m.group(2)) - float(m.group(1)) > 100, lines  # 200 ms injected; a loaded CPU narrows the gap
     assert lines[1].endswith(": rank 1 is a straggler"), lines

@@ -1,10 +1,11 @@
 """Tensor-parallel serving on GPUs against one GPU: the 345M GPT (random init, saved as a gptrain
 checkpoint; nothing downloaded) served by ``torchrun --nproc-per-node N -m gptrain serve
 --tensor-model-parallel-size N`` and by one process. In fp32 the greedy tokens and log-probabilities
-of both are compared; in bf16 the decode tokens/s through PUT /api at batch 1 and 32 are printed.
+of both are compared; in bf16 the decode tokens/s through PUT /api at batch 1 and 32 are printed, then serve_load.py's
+``--clients`` concurrent clients against each server.
 The TP server is stopped with SIGTERM to rank 0 and must exit 0.
 
-    python3 benchmarks/serve_tp.py [--nproc 2] [--new-tokens 128] [--batch-sizes 1 32]
+    python3 benchmarks/serve_tp.py [--nproc 2] [--new-tokens 128] [--batch-sizes 1 32] [--clients 32]
 """
 from __future__ import annotations
 
@@ -126,6 +127,8 @@ def main() -> None:
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 32])
+    p.add_argument("--clients", type=int, default=32, help="serve_load.py's concurrent clients (0: none)")
+    p.add_argument("--load-seconds", type=float, default=20)
     p.add_argument("--workdir", default="/tmp/gptrain_serve_tp")
     args = p.parse_args()
     import torch
@@ -146,11 +149,19 @@ def main() -> None:
           f"max |logprob difference| {diff:.2e}", flush=True)
 
     for nproc in (1, args.nproc):
-        how = "1 GPU (CUDA-graph decode)" if nproc == 1 else f"TP{nproc} (eager decode)"
+        how = "1 GPU" if nproc == 1 else f"TP{nproc}"
         with server(ckpt, nproc) as base:
             for batch in args.batch_sizes:
                 rate = tokens_per_s(base, batch, args.new_tokens)
                 print(f"bf16 {how}: batch {batch}: {rate:,.0f} tokens/s over HTTP", flush=True)
+            if args.clients:
+                load = subprocess.run([sys.executable, str(Path(__file__).with_name("serve_load.py")), "--url", base,
+                                       "--clients", str(args.clients), "--seconds", str(args.load_seconds),
+                                       "--tokens", "64"], capture_output=True, text=True)
+                for line in load.stdout.splitlines():
+                    print(f"bf16 {how} load: {line}", flush=True)
+                if load.returncode:
+                    print(f"bf16 {how} load: exit {load.returncode}: {load.stderr[-2000:]}", flush=True)
 
 
 if __name__ == "__main__":

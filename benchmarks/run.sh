@@ -118,6 +118,8 @@ LAYOUTS2=("1:16:16:1gpu:" "2:16:32:dp2:" "2:16:32:dp2_overlap:--overlap-grad-red
           "2:16:16:tp2_graphs:--tensor-model-parallel-size 2 $GRAPHS --no-baseline"
           "2:16:16:tp2_sp:--tensor-model-parallel-size 2 --sequence-parallel --no-baseline"
           "2:16:16:tp2_sp_graphs:--tensor-model-parallel-size 2 --sequence-parallel $GRAPHS --no-baseline"
+          "2:16:16:tp2_sp_async:--tensor-model-parallel-size 2 --sequence-parallel --tp-comm-overlap --no-baseline"
+          "2:16:16:tp2_sp_async_graphs:--tensor-model-parallel-size 2 --sequence-parallel --tp-comm-overlap $GRAPHS --no-baseline"
           "2:16:128:pp2:--pipeline-model-parallel-size 2 --decoder-last-pipeline-num-layers 10 --no-baseline"
           "2:16:128:pp2_interleaved:--pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 6 --no-baseline"
           "1:32:32:1gpu_mb32:" "2:32:64:dp2_mb32:" "2:32:64:zero3_dp2_mb32:--zero-stage 3 --no-baseline"

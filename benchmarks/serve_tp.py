@@ -94,10 +94,14 @@ def server(load: Path, nproc: int, *extra: str):
     finally:
         if proc.poll() is None:
             os.kill(_rank0(proc.pid) if nproc > 1 else proc.pid, signal.SIGTERM)
+            start = time.monotonic()
             try:
                 proc.wait(timeout=120)
+                print(f"  stopped {time.monotonic() - start:.1f} s after SIGTERM", flush=True)
             except subprocess.TimeoutExpired:
+                print("  still running 120 s after SIGTERM: killed", flush=True)
                 proc.kill()
+                proc.wait()
         log.seek(0)
         lines = [ln for ln in log.read().decode(errors="replace").splitlines() if ln.startswith("gptrain serve")]
         print(f"  [{nproc} process{'es' if nproc > 1 else ''}] exit {proc.returncode}; " + " | ".join(lines), flush=True)

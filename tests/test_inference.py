@@ -163,3 +163,17 @@ def test_static_cache_decoder_equals_generate():
             step.position.fill_(t)
             step.forward(tokens[:, t], 64)
             torch.testing.assert_close(step.logits, full[:, t], rtol=1e-5, atol=1e-5)
+
+
+def test_release_model_caches_drops_the_decode_caches():
+    """A tensor-parallel process frees its captured decode graphs before the process group ends
+    (NCCL hangs destroying a communicator a live graph captured)."""
+    from gptrain.inference.host_loop import model_cache, release_model_caches
+
+    model = torch.nn.Linear(2, 2)
+    model_cache(model, "_graph_steps")[1] = object()
+    model_cache(model, "_row_decoders")["x"] = object()
+    release_model_caches(model)
+    assert "_graph_steps" not in model.__dict__ and "_row_decoders" not in model.__dict__
+    assert dict(model_cache(model, "_graph_steps")) == {}
+    assert model.weight.shape == (2, 2)

@@ -53,10 +53,16 @@ def _tensor_parallel_mesh(tp: int, device):
     return device, init_device_mesh(device.type, (tp,), mesh_dim_names=("tp",))
 
 
-def close_distributed() -> None:
+def close_distributed(model=None) -> None:
+    """End the process group, after ``model``'s captured decode graphs are gone (see
+    ``host_loop.release_model_caches``)."""
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
+        if model is not None:
+            from gptrain.inference.host_loop import release_model_caches
+
+            release_model_caches(model)
         dist.destroy_process_group()
 
 
@@ -129,6 +135,8 @@ def _generate(args) -> int:
         from gptrain.inference.graph_step import graph_step_generate  # layers the fused kernels do not cover, TP
 
         graph_step_generate(model, [prompt], params, on_token=show, sync=sync)
+        if sync is not None:
+            close_distributed(model)  # its graphs first (see close_distributed)
     else:
         generate(model, [prompt], params, on_token=show)
     if out:

@@ -32,6 +32,22 @@ def model_cache(model: torch.nn.Module, name: str) -> dict:
     return cache
 
 
+def release_model_caches(model: torch.nn.Module) -> None:
+    """Drop the decode loops' caches kept on ``model`` (CUDA graphs among them) and free them now:
+    an NCCL communicator whose collectives a live CUDA graph captured hangs in its destruction
+    (pytorch issue 115388), so a tensor-parallel process releases its graphs before it ends."""
+    names = [name for name, value in model.__dict__.items() if isinstance(value, _Cache)]
+    if not names:
+        return
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    for name in names:
+        del model.__dict__[name]
+    import gc
+
+    gc.collect()
+
+
 def capture(step: Callable[[], None], reset: Callable[[], None], pool=None,
             warmups: int = 2) -> torch.cuda.CUDAGraph:
     """``step`` captured as a CUDA graph in ``pool``, after ``warmups`` eager runs on a side stream

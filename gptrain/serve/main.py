@@ -43,6 +43,7 @@ def serve_main(argv: list[str]) -> int:
         from gptrain.serve.app import build_app
     except ImportError as err:
         return _fail(_missing(err))
+    loaded = None
     try:
         try:
             loaded = load_from_flags(args)
@@ -61,7 +62,7 @@ def serve_main(argv: list[str]) -> int:
         print(f"gptrain serve: rank {channel.rank}: stopped after {batches} batches", flush=True)
         return 0
     finally:
-        close_distributed()
+        close_distributed(loaded.model if loaded is not None else None)  # its captured graphs first
 
 
 def _serve(args, loaded, uvicorn, build_app, channel=None) -> int:

@@ -170,7 +170,8 @@ def test_async_tensor_parallelism_refuses_what_it_cannot_rewrite():
     for args, message in [((1, True, True, cuda), "--tensor-model-parallel-size above 1"),
                           ((2, False, True, cuda), "needs --sequence-parallel"),
                           ((2, True, False, cuda), "needs --compile"),
-                          ((2, True, True, torch.device("cpu")), "needs NVIDIA GPUs with NCCL")]:
+                          ((2, True, True, torch.device("cpu")), "needs NVIDIA GPUs with NCCL"),
+                          ((2, True, True, cuda, False, "reduce-overhead"), "does not run under CUDA graphs")]:
         with pytest.raises(ValueError, match=message):
             check_async_tp(*args)
 

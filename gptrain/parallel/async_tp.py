@@ -15,7 +15,7 @@ import torch
 
 
 def check_async_tp(tp: int, sequence_parallel: bool, compiled: bool, device: torch.device,
-                   simulated: bool = False) -> None:
+                   simulated: bool = False, compile_mode: str | None = None) -> None:
     """The conditions under which the rewrite can happen, refused with the missing one."""
     if tp == 1:
         raise ValueError("--tp-comm-overlap needs --tensor-model-parallel-size above 1")
@@ -24,6 +24,10 @@ def check_async_tp(tp: int, sequence_parallel: bool, compiled: bool, device: tor
                          "all-gathers and reduce-scatters with the matmuls)")
     if not compiled:
         raise ValueError("--tp-comm-overlap needs --compile (the overlap is a torch.compile rewrite)")
+    if compile_mode in ("reduce-overhead", "max-autotune"):
+        # the symmetric-memory kernels leave buffers in the graph pool that inductor's CUDA graphs refuse
+        raise ValueError(f"--tp-comm-overlap does not run under CUDA graphs (--compile-mode {compile_mode}): "
+                         "leave out one of the two")
     if device.type != "cuda" or not torch.distributed.is_nccl_available():
         raise ValueError(f"--tp-comm-overlap needs NVIDIA GPUs with NCCL (symmetric memory); this run is on "
                          f"{device.type}")

@@ -114,7 +114,8 @@ def _kernels_for_layout(cfg: RunConfig, device: torch.device, dims: ParallelDims
     from gptrain.parallel.async_tp import check_async_tp
 
     simulated = torch.distributed.is_initialized() and torch.distributed.get_backend() == "fake"
-    check_async_tp(dims.tp, cfg.parallel.sequence_parallel, cfg.train.compile, device, simulated)
+    check_async_tp(dims.tp, cfg.parallel.sequence_parallel, cfg.train.compile, device, simulated,
+                   cfg.train.compile_mode)
     if cfg.kernels.linear_impl == "cublaslt":
         raise ValueError("--tp-comm-overlap runs the linear layers on torch's matmuls: leave out --linear-impl cublaslt")
     return dataclasses.replace(cfg.kernels, linear_impl="torch")

@@ -33,6 +33,8 @@
 #               untied, seq 2048) against torchtitan-style plain PyTorch, the GPT-2-style model of the
 #               same shape against nanoGPT's, micro-batch 8; then decode_llama.py (against HF's static cache)
 #   calibrate   gptrain plan --calibrate on this GPU (the table it writes is printed)
+#   memory      memory_peak.py: what is live at the peak of the 2.7B's step (full recompute) at micro-batch
+#               8 and 16 (MBS="8 16"), grouped by where it was allocated, beside the planner's terms
 #   all         lane train ranks decode serve checkpoint preprocess scaling, in turn (no extra args)
 #
 # Extra args go to the suite's benchmark command(s) and, given last, override its defaults (e.g.
@@ -53,7 +55,7 @@ BENCH=("${M345[@]}" --hidden-dropout 0 --attention-dropout 0 --bf16 --compile)
 TORCHRUN=("$PY" -m torch.distributed.run --standalone --nproc-per-node)
 SERVER_PID=
 
-usage() { sed -n '2,43p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,45p' "$0" | sed 's/^# \{0,1\}//'; }
 
 # run LOG CMD...: print the command, run it, its output to the screen and to $OUT/LOG
 run() {
@@ -207,6 +209,11 @@ suite_ranks() {
   run ranks/sim_175b_tp8_sp_12layers.txt "$PY" benchmarks/train_throughput.py "${G175[@]}" --compile --num-layers 12 \
     --micro-batch-size 1 --global-batch-size 8 --tensor-model-parallel-size 8 --sequence-parallel \
     --recompute-activations --simulate-world-size 8 --warmup 3 --iters 6 "$@" || rc=1
+  # a TP8 + SP rank of the first stage of the whole 175B plan (96 layers, TP8 x PP8, world 64), timed over
+  # 1F1B steps of 8 micro-batches (the simulated rank never waits for its neighbours: no bubble)
+  run ranks/sim_175b_tp8_pp8_stage.txt "$PY" benchmarks/train_throughput.py "${G175[@]}" --compile --num-layers 96 \
+    --tensor-model-parallel-size 8 --pipeline-model-parallel-size 8 --sequence-parallel --recompute-activations \
+    --micro-batch-size 1 --global-batch-size 8 --simulate-world-size 64 --warmup 2 --iters 4 "$@" || rc=1
   # start-up of a rank of the whole 175B plan (96 layers, TP8 x PP8, world 64): build, initialise, one
   # evaluation iteration
   run ranks/sim_175b_tp8_pp8_startup.txt /usr/bin/time -v "$PY" -m gptrain train "${G175[@]}" --num-layers 96 \
@@ -323,6 +330,18 @@ M27=(--num-layers 32 --hidden-size 2560 --num-attention-heads 32 --seq-length 10
      --hidden-dropout 0 --attention-dropout 0 --bf16 --compile --recompute-granularity full --micro-batch-size 8)
 OFFLOAD=(--zero-stage 3 --cpu-offload --no-baseline)
 
+suite_memory() {
+  # what is live at the peak of the 2.7B's step (full recompute) at micro-batch 8 and 16, beside the
+  # planner's memory terms (benchmarks/memory_peak.py)
+  need_gpu memory || return
+  local rc=0 mbs
+  for mbs in ${MBS:-8 16}; do
+    run memory/2p7b_mbs$mbs.txt "$PY" benchmarks/memory_peak.py "${M27[@]}" --micro-batch-size "$mbs" \
+      --global-batch-size "$mbs" "$@" || rc=1
+  done
+  return $rc
+}
+
 suite_offload() {
   need_gpu offload || return
   local rc=0 size layers hidden row stage gbs
@@ -370,7 +389,7 @@ suite_calibrate() {
 suite=${1:-}
 [ $# -gt 0 ] && shift
 case $suite in
-  train|scaling|ranks|decode|serve|checkpoint|preprocess|lane|kernels|profile|restart|offload|llama|calibrate)
+  train|scaling|ranks|decode|serve|checkpoint|preprocess|lane|kernels|profile|restart|offload|llama|calibrate|memory)
     device_info
     "suite_$suite" "$@"
     exit $? ;;

@@ -29,12 +29,12 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorSt
 
 BACKEND_FILE = "metadata.json"  # {"sharded_backend": "torch_dist", ...}
 _STACKED = re.compile(r"^decoder\.layers\.(?!\d+\.)(.+)$")  # decoder.layers.<name>, layer dim first
-# megatron-core's optimizer state (a ChainedOptimizer prefixes chained_N.) and schedule: not imported
+# megatron-core's optimizer state (a ChainedOptimizer prefixes chained_N.) and schedule: read by megatron_optim
 _OPTIMIZER = re.compile(r"^(chained_\d+\.)?(optimizer|opt_param_scheduler)(\.|/|$)")
 _SKIPPED = re.compile(r"(^|\.)_extra_state(/|$)|^rerun_state_machine_state(/|$)|^common_state(/|$)|^rng_state")
 
 
-def _common_state(folder: Path, metadata) -> dict:
+def common_state(folder: Path, metadata) -> dict:
     """Megatron's common state: the ``common_state`` byte entry (Megatron-LM of today) or ``common.pt``."""
     for index, info in (metadata.storage_data or {}).items():
         if index.fqn.startswith("common_state"):
@@ -61,27 +61,23 @@ def _model_keys(folder: Path, metadata) -> dict[str, TensorStorageMetadata]:
         if _SKIPPED.search(key) or isinstance(entry, BytesStorageMetadata):
             continue
         if _OPTIMIZER.search(key):
-            continue  # the optimizer starts fresh (as for the legacy format's import)
+            continue  # not the model's (interop/megatron_optim.py reads them for training's --load)
         keys[key] = entry
     if not keys:
         raise ValueError(f"{folder}: a torch_dist checkpoint without model tensors")
     return keys
 
 
-def read_torch_dist(folder, iteration):
-    """A :class:`~gptrain.interop.megatron.MegatronCheckpoint` from the torch_dist iteration folder."""
-    from gptrain.interop.megatron import MegatronCheckpoint, check_supported, finish_state
-
-    folder = Path(folder)
-    metadata = read_metadata_safely(folder, allow_bytes=True)
-    common = _common_state(folder, metadata)
-    raw_args = common.get("args")
-    args = dict(vars(raw_args)) if isinstance(raw_args, argparse.Namespace) else dict(raw_args or {})
-    check_supported(args, folder)
-    entries = _model_keys(folder, metadata)
+def read_entries(folder: Path, entries: dict[str, TensorStorageMetadata]) -> dict[str, torch.Tensor]:
+    """The named tensor entries of the folder, whole, through the safe DCP reader."""
     tensors = {key: torch.empty(tuple(entry.size), dtype=entry.properties.dtype) for key, entry in entries.items()}
     load_safely(tensors, folder, allow_bytes=True, no_dist=True)
+    return tensors
 
+
+def gptrain_tensors(tensors: dict[str, torch.Tensor], args: dict, folder: Path):
+    """megatron-core's global tensors (model keys) as gptrain's per-layer names, and the tied output layer's
+    copy (None without one). The optimizer's per-parameter state goes through here too, by its model key."""
     state: dict[str, torch.Tensor] = {}
     output_copy = None
     for key, tensor in tensors.items():
@@ -104,6 +100,22 @@ def read_torch_dist(folder, iteration):
             if full in state:
                 raise ValueError(f"{folder}: two keys map to {full}")
             state[full] = value.clone()
+    return state, output_copy
+
+
+def read_torch_dist(folder, iteration):
+    """A :class:`~gptrain.interop.megatron.MegatronCheckpoint` from the torch_dist iteration folder."""
+    from gptrain.interop.megatron import MegatronCheckpoint, check_supported, finish_state
+
+    folder = Path(folder)
+    metadata = read_metadata_safely(folder, allow_bytes=True)
+    common = common_state(folder, metadata)
+    raw_args = common.get("args")
+    args = dict(vars(raw_args)) if isinstance(raw_args, argparse.Namespace) else dict(raw_args or {})
+    check_supported(args, folder)
+    tensors = read_entries(folder, _model_keys(folder, metadata))
+
+    state, output_copy = gptrain_tensors(tensors, args, folder)
     iteration = common.get("iteration", iteration)
     version = common.get("checkpoint_version")
     tp = int(args.get("tensor_model_parallel_size") or 1)

@@ -24,9 +24,8 @@ from gptrain.train import metrics
 from gptrain.train.startup import datetime_line
 from gptrain.train.interval_log import TrainingStopped, log_interval  # noqa: F401 (re-exported)
 from gptrain.train.build import TrainingParts
-from gptrain.train import signals
 from gptrain.train.checkpoint import Checkpointer, load_checkpoint
-from gptrain.train import heartbeat, restart_note, resume
+from gptrain.train import heartbeat, restart_note, resume, signals
 from gptrain.train.checkpoint_files import find_gptrain_iteration_dir, iteration_dir, recover
 from gptrain.train.durable import stall_point
 from gptrain.train.nan_check import NanCheck
@@ -230,17 +229,18 @@ class Trainer:
         self.log(f"  successfully loaded checkpoint from {load} at iteration {self.iteration}")
 
     def _load_megatron(self) -> None:
-        t = self.cfg.train
-        state = load_megatron(t.load, self.opt_params, self.cfg, self.parts.layout)
+        t = self.cfg.train  # Megatron's --no-load-optim: the schedule goes with the optimizer
+        optimizer = None if (t.finetune or t.no_load_optim) else self.optimizer
+        state = load_megatron(t.load, self.opt_params, self.cfg, self.parts.layout, optimizer, self.schedule)
         if self.main is not None:
             self.main.copy_to_model()
         self.log(f"  loaded Megatron-LM checkpoint from {t.load} at iteration {state['iteration']} ({state['layout']}); "
-                 "optimizer state starts fresh")
+                 + state["optimizer"])
         if t.finetune or state["iteration"] == "release":
             return
         self.progress.load_state_dict(state)
-        self.loaded_iteration = self.iteration
-        self.schedule.num_steps = self.consumed_train  # Megatron's schedule counts samples, as gptrain's does
+        self.loaded_iteration = self.iteration  # Megatron's schedule counts samples, as gptrain's does
+        self.schedule.num_steps = int(state["scheduler"]["num_steps"]) if state["scheduler"] else self.consumed_train
 
     # ---- one optimisation step
     def _forward_backward(self, loader: MicroBatchLoader, scale: float, n_micro: int) -> torch.Tensor:

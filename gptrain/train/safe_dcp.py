@@ -29,6 +29,7 @@ class UnsafeDCPMetadata(ValueError):
 
 _METADATA_RECORDS = {"Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
                      "ChunkStorageMetadata", "_MEM_FORMAT_ENCODING", "BytesStorageMetadata"}
+_PLAN_RECORDS = {"SavePlan", "WriteItem", "WriteItemType", "TensorWriteData", "BytesIOWriteData"}
 _ALLOWED = {
     ("torch", "Size"): torch.Size,
     ("torch.serialization", "_get_layout"): torch.serialization._get_layout,
@@ -53,6 +54,10 @@ class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module, name):
         if module == "torch.distributed.checkpoint.metadata" and name in _METADATA_RECORDS:
             return getattr(dcp_metadata, name)
+        if module == "torch.distributed.checkpoint.planner" and name in _PLAN_RECORDS:
+            # megatron-core keeps each rank's save plan in the metadata (to reuse it): inert dataclasses
+            from torch.distributed.checkpoint import planner
+            return getattr(planner, name)
         if module == "torch.distributed.checkpoint.filesystem" and name == "_StorageInfo":
             from torch.distributed.checkpoint.filesystem import _StorageInfo
             return _StorageInfo

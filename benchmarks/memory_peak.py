@@ -105,8 +105,8 @@ def plan_terms(flags: list[str]) -> str:
 
     name = torch.cuda.get_device_name().lower()
     gpu = "h200" if "h200" in name else "h100"
-    out = subprocess.run([sys.executable, "-m", "gptrain", "plan", *flags, "--evaluate", "--gpu", gpu,
-                          "--world-size", "1"], capture_output=True, text=True)
+    out = subprocess.run([sys.executable, "-m", "gptrain", "plan", *flags, "--mock-data", "--train-iters", "1",
+                          "--evaluate", "--gpu", gpu, "--world-size", "1"], capture_output=True, text=True)
     return f"gptrain plan --evaluate --gpu {gpu}:\n{out.stdout[-3000:]}{out.stderr[-1000:]}"
 
 

@@ -101,11 +101,17 @@ def use_flash4(model: GPT, device: torch.device, dtype: torch.dtype, allow_refer
 
 def linear_choice(model: GPT, loss: LMLoss | None, kernels, device: torch.device, dtype: torch.dtype,
                   tokens_per_micro_batch: int, fp8: bool,
-                  min_tokens: int = AUTO_CUBLASLT_MIN_TOKENS, tensor_parallel: int = 1) -> KernelChoice:
+                  min_tokens: int = AUTO_CUBLASLT_MIN_TOKENS, tensor_parallel: int = 1,
+                  compiled: bool = False) -> KernelChoice:
     if kernels.linear_impl == "torch":
         return KernelChoice("torch", "--linear-impl torch")
     if fp8:
         return KernelChoice("torch", "fp8 layers do their own matmuls")
+    if kernels.linear_impl == "auto" and compiled and kernels.recompute == "full":
+        # compiled with full recompute, the cuBLASLt layers' outputs stayed alive across the recomputed
+        # blocks (a GPU memory profile of the 2.7B at micro-batch 16 found every fc1's two outputs held)
+        return KernelChoice("torch", "auto: full recompute under torch.compile keeps the cuBLASLt layers' outputs; "
+                            "--linear-impl cublaslt forces them")
     # a tensor-parallel rank's matmuls do 1/tp of the work for the same host cost per call
     work = tokens_per_micro_batch // tensor_parallel
     if kernels.linear_impl == "auto" and work < min_tokens:
@@ -140,5 +146,5 @@ def apply_kernels(model: GPT, loss: LMLoss, kernels, device: torch.device, dtype
     loss.compiled = compiled
     min_tokens = AUTO_CUBLASLT_MIN_TOKENS_ZERO3 if zero3 else AUTO_CUBLASLT_MIN_TOKENS
     return {"linear layers": linear_choice(model, loss, kernels, device, dtype, tokens_per_micro_batch, fp8,
-                                           min_tokens=min_tokens, tensor_parallel=tensor_parallel),
+                                           min_tokens=min_tokens, tensor_parallel=tensor_parallel, compiled=compiled),
             "attention": attention_choice(model, kernels, device, dtype)}

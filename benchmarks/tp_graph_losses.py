@@ -1,0 +1,79 @@
+"""Tensor parallelism under CUDA graphs (its default on GPUs) against the same run without them
+(``--compile-mode default``): ``gptrain train`` under torchrun on the built-in corpus (``gptrain demo``'s,
+preprocessed here) with dropout on and evaluations in between, the logged training and validation losses
+compared line by line.
+
+    python3 benchmarks/tp_graph_losses.py [--nproc 2] [--sequence-parallel] [-- extra train flags]
+"""
+from __future__ import annotations
+
+import argparse
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+MODEL = ("--num-layers 12 --hidden-size 768 --num-attention-heads 12 --seq-length 1024 --max-position-embeddings 1024 "
+         "--micro-batch-size 8 --global-batch-size 8 --train-iters 30 --lr 6e-4 --min-lr 6e-5 --lr-warmup-iters 5 "
+         "--bf16 --compile --log-interval 5 --eval-interval 15 --eval-iters 2 --split 98,1,1").split()
+LOSS = re.compile(r"(iteration\s+(\d+)/.*?lm loss: ([0-9.E+-]+))|(validation loss at iteration (\d+).*?lm loss value: ([0-9.E+-]+))")
+
+
+def losses(argv: list[str]) -> tuple[dict[str, float], float, str]:
+    start = time.perf_counter()
+    out = subprocess.run(argv, capture_output=True, text=True)
+    seconds = time.perf_counter() - start
+    found = {}
+    for m in LOSS.finditer(out.stdout + out.stderr):
+        if m.group(1):
+            found[f"train {m.group(2)}"] = float(m.group(3))
+        else:
+            found[f"valid {m.group(5)}"] = float(m.group(6))
+    tail = "" if out.returncode == 0 else f"exit {out.returncode}: {(out.stdout + out.stderr)[-2000:]}"
+    return found, seconds, tail
+
+
+def builtin_data(folder: Path) -> str:
+    """The built-in corpus preprocessed with GPT-2's tokenizer; returns the --data-path prefix."""
+    from gptrain.data.preprocess import PreprocessConfig, preprocess
+    from gptrain.demo import write_demo_corpus
+
+    folder.mkdir(parents=True, exist_ok=True)
+    write_demo_corpus(folder / "builtin.jsonl")
+    preprocess(PreprocessConfig(inputs=[str(folder / "builtin.jsonl")], output_prefix=str(folder / "builtin"),
+                                append_eod=True, workers=2, progress=False))
+    return str(folder / "builtin_text_document")
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--sequence-parallel", action="store_true")
+    p.add_argument("--workdir", default="/tmp/gptrain_tp_graph_losses")
+    args, extra = p.parse_known_args()
+    extra = [a for a in extra if a != "--"]
+    base = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.nproc),
+            "-m", "gptrain", "train", *MODEL, "--data-path", builtin_data(Path(args.workdir)),
+            "--tensor-model-parallel-size", str(args.nproc),
+            *(["--sequence-parallel"] if args.sequence_parallel else []), *extra]
+    graphs, t_graphs, err_graphs = losses(base)
+    plain, t_plain, err_plain = losses(base + ["--compile-mode", "default"])
+    what = f"TP{args.nproc}{' + SP' if args.sequence_parallel else ''}"
+    for name, err in (("CUDA graphs", err_graphs), ("--compile-mode default", err_plain)):
+        if err:
+            print(f"{what}, {name}: {err}")
+    keys = sorted(set(graphs) & set(plain), key=lambda k: (k.split()[0], int(k.split()[1])))
+    if not keys or err_graphs or err_plain:
+        print(f"{what}: no losses to compare")
+        return 1
+    worst = max(abs(graphs[k] - plain[k]) for k in keys)
+    for k in keys:
+        print(f"{what} {k}: graphs {graphs[k]:.6f}  default {plain[k]:.6f}")
+    print(f"{what}: {len(keys)} logged losses, max |difference| {worst:.2e}; wall {t_graphs:.0f} s with graphs, "
+          f"{t_plain:.0f} s without (compilation included)")
+    return 0 if worst < 1e-3 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,20 +1,24 @@
 """A Megatron-LM torch_dist checkpoint with optimizer state, written by megatron-core itself (CPU, one
-gloo process, fp32): the reference the optimizer import is tested against.
+gloo process): the reference the optimizer import is tested against.
 
     python tests/megatron_core_optim.py OUT_ROOT SAMPLES.npy CONFIG.json
 
 CONFIG.json: the model (gptrain GPTConfig fields) and the run (lr, min_lr, warmup/decay iterations,
-decay style, weight decay, clip_grad, global batch, iterations to save after). SAMPLES.npy: the
+decay style, weight decay, clip_grad, global batch, iterations to save after; optional "precision": fp32
+or bf16, "distributed": the distributed optimizer's sharding type, as Megatron-LM's
+_build_sharded_state_dict_metadata passes it, default none: no distributed optimizer). SAMPLES.npy: the
 [iterations + 1 x global batch, seq + 1] token ids training reads (gptrain's `data samples`).
 
-As Megatron-LM's pretrain_gpt.py runs a non-distributed fp32 job: megatron-core's GPTModel (local
-spec) inside its DistributedDataParallel, `get_megatron_optimizer` (a ChainedOptimizer holding one
-FP32Optimizer over torch's AdamW: no apex/TE here), its OptimizerParamScheduler in samples; each
+As Megatron-LM's pretrain_gpt.py runs a one-process job: megatron-core's GPTModel (local spec; bf16: inside
+Float16Module, gradients accumulated in fp32 as Megatron-LM's --bf16 forces) inside its
+DistributedDataParallel, `get_megatron_optimizer` (a ChainedOptimizer holding one FP32Optimizer, or
+Float16OptimizerWithFloat16Params for bf16, or DistributedOptimizer, over torch's AdamW: no apex/TE
+here), its OptimizerParamScheduler in samples; each
 iteration is one micro-batch of the global batch, loss = the mean of the per-token losses. After
 `iterations` it saves as megatron/training/checkpointing.py does (generate_state_dict's keys,
 dist_checkpointing.save, iter_XXXXXXX and the tracker). Then it runs one more iteration and writes
 OUT_ROOT/reference.pt: the optimizer state at the save (per parameter name), the lr that iteration
-used and the weights after it.
+used and the main (fp32) weights after it.
 """
 from __future__ import annotations
 
@@ -40,6 +44,7 @@ def _cpu_only(torch) -> None:
 
     torch.Tensor.cuda = lambda self, *a, **k: self
     torch.cuda.current_device = lambda: "cpu"
+    torch.cuda.default_stream = lambda *a, **k: None
     torch.cuda.synchronize = lambda *a, **k: None  # dist_checkpointing waits for device copies
     GlobalMemoryBuffer.get_tensor = lambda self, shape, dtype, name, mem_alloc_context=None: torch.empty(
         shape, dtype=dtype)
@@ -47,14 +52,32 @@ def _cpu_only(torch) -> None:
     tensor_type = torch.Tensor.type  # clip_grads asserts its gradients are 'torch.cuda.FloatTensor'
     torch.Tensor.type = lambda self, *a, **k: tensor_type(self, *a, **k) if a or k else \
         tensor_type(self).replace("torch.", "torch.cuda.", 1)
-    for name in ("tensor", "zeros", "ones", "empty", "full"):  # FP32Optimizer's scale, clip_grads' buffers
+    torch.cuda.Stream = lambda *a, **k: None  # DDP's communication stream (unused without overlap)
+    for name in ("tensor", "zeros", "ones", "empty", "full"):  # optimizers' scale, clip_grads', DDP's buffers
         factory = getattr(torch, name)
 
         def on_cpu(*a, _factory=factory, **k):
-            if str(k.get("device", "")).startswith("cuda"):
+            if str(k.get("device", "")).startswith("cuda") or isinstance(k.get("device"), int):
                 k["device"] = "cpu"
             return _factory(*a, **k)
         setattr(torch, name, on_cpu)
+
+
+def _main_state(optimizer, param) -> dict:
+    """The optimizer's state of one model parameter at its shape: fp32_param (the main weights), the
+    moments, step (megatron-core's FP32Optimizer, Float16OptimizerWithFloat16Params, DistributedOptimizer)."""
+    import torch
+
+    if hasattr(optimizer, "_get_main_param_and_optimizer_states"):  # the distributed optimizer: flat shards
+        state = dict(optimizer._get_main_param_and_optimizer_states(param))
+        main = state.pop("param")
+    else:
+        main = getattr(param, "main_param", param)
+        state = dict(optimizer.optimizer.state[main])
+    out = {k: v.detach().clone().view(param.shape if v.numel() == param.numel() else v.shape)
+           if torch.is_tensor(v) else v for k, v in state.items()}
+    out["fp32_param"] = main.detach().clone().view(param.shape)
+    return out
 
 
 def main(out_root: str, samples_path: str, config_path: str) -> None:
@@ -74,6 +97,7 @@ def main(out_root: str, samples_path: str, config_path: str) -> None:
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+    from megatron.core.transformer.module import Float16Module
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     from gptrain.interop.megatron_write import megatron_args
@@ -82,21 +106,28 @@ def main(out_root: str, samples_path: str, config_path: str) -> None:
     run = json.loads(Path(config_path).read_text())
     gcfg = GPTConfig(**run["model"])
     gbs, iterations = run["global_batch"], run["iterations"]
+    bf16, sharding = run.get("precision", "fp32") == "bf16", run.get("distributed")
     samples = torch.from_numpy(np.load(samples_path))
     parallel_state.initialize_model_parallel(1, 1)
     cfg = TransformerConfig(
         num_layers=gcfg.num_layers, hidden_size=gcfg.hidden_size, num_attention_heads=gcfg.num_attention_heads,
         ffn_hidden_size=gcfg.ffn_hidden_size, layernorm_epsilon=gcfg.layernorm_epsilon, init_method_std=0.02,
-        use_cpu_initialization=True, hidden_dropout=0.0, attention_dropout=0.0, params_dtype=torch.float32,
+        use_cpu_initialization=True, hidden_dropout=0.0, attention_dropout=0.0, bf16=bf16,
+        params_dtype=torch.bfloat16 if bf16 else torch.float32,
         bias_activation_fusion=True)  # Megatron-LM's default --bias-gelu-fusion: the tanh GELU
     args = megatron_args(gcfg, 1, 1, iterations, "torch_dist")
+    args.bf16, args.params_dtype, args.use_distributed_optimizer = bf16, cfg.params_dtype, sharding is not None
     model = GPTModel(cfg, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=args.padded_vocab_size,
                      max_sequence_length=gcfg.max_position_embeddings, position_embedding_type="learned_absolute",
                      share_embeddings_and_output_weights=True, parallel_output=True)
-    model = DistributedDataParallel(cfg, DistributedDataParallelConfig(), model)
+    megatron_model = model
+    if bf16:
+        model = Float16Module(cfg, model)
+    model = DistributedDataParallel(cfg, DistributedDataParallelConfig(
+        grad_reduce_in_fp32=bf16, use_distributed_optimizer=sharding is not None), model)
     opt_cfg = OptimizerConfig(optimizer="adam", lr=run["lr"], min_lr=run["min_lr"], weight_decay=run["weight_decay"],
                               adam_beta1=0.9, adam_beta2=0.999, adam_eps=1e-8, clip_grad=run["clip_grad"],
-                              use_distributed_optimizer=False)
+                              bf16=bf16, params_dtype=cfg.params_dtype, use_distributed_optimizer=sharding is not None)
     optimizer = get_megatron_optimizer(opt_cfg, [model])
     # Megatron-LM's get_optimizer_param_scheduler for iteration-based runs: steps are samples
     scheduler = OptimizerParamScheduler(
@@ -126,7 +157,9 @@ def main(out_root: str, samples_path: str, config_path: str) -> None:
     state_dict = {"args": args, "checkpoint_version": 3.0, "iteration": iterations}
     metadata = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True,
                 "dp_cp_group": parallel_state.get_data_parallel_group(with_context_parallel=True)}
-    model_sd = model.module.sharded_state_dict(metadata=metadata)  # save_checkpoint unwraps the DDP model
+    if sharding is not None:
+        metadata["distrib_optim_sharding_type"] = sharding
+    model_sd = megatron_model.sharded_state_dict(metadata=metadata)  # save_checkpoint unwraps the model
     state_dict["model"] = model_sd
     state_dict["optimizer"] = optimizer.sharded_state_dict(state_dict, metadata=metadata)
     state_dict["opt_param_scheduler"] = scheduler.state_dict()
@@ -138,15 +171,11 @@ def main(out_root: str, samples_path: str, config_path: str) -> None:
                                                                        "chained_optim_avoid_prefix": True})
     (root / "latest_checkpointed_iteration.txt").write_text(str(iterations))
 
-    names = {p: n for n, p in model.module.named_parameters()}
-    saved = {names[p]: {k: v.clone() if torch.is_tensor(v) else v for k, v in s.items()}
-             for p, s in optimizer.chained_optimizers[0].optimizer.state.items()}
+    inner = optimizer.chained_optimizers[0]
+    saved = {n: _main_state(inner, p) for n, p in megatron_model.named_parameters()}
     lr = train_step(iterations)
-    weights = {n: p.detach().clone() for n, p in model.module.named_parameters()}
-    groups = [{**{k: v for k, v in g.items() if k != "params"}, "names": [names[p] for p in g["params"]]}
-              for g in optimizer.param_groups]
-    torch.save({"optimizer_state": saved, "next_lr": lr, "weights_after_next": weights, "param_groups": groups},
-               root / "reference.pt")
+    weights = {n: _main_state(inner, p)["fp32_param"] for n, p in megatron_model.named_parameters()}
+    torch.save({"optimizer_state": saved, "next_lr": lr, "weights_after_next": weights}, root / "reference.pt")
     dist.destroy_process_group()
 
 

@@ -110,7 +110,7 @@ def test_an_older_torch_dist_folder_with_a_pickled_common_pt_is_refused(tmp_path
 
 def test_optimizer_and_rng_entries_of_a_torch_dist_folder_are_passed_over(tmp_path):
     # the model's tensors are read; megatron-core's optimizer state (plain or chained), schedule and RNG are not
-    from gptrain.interop.megatron_dist import _model_keys
+    from gptrain.interop.megatron_dist import model_keys
     from gptrain.train.safe_dcp import read_metadata_safely
 
     folder = tmp_path / "iter_0000001"
@@ -119,7 +119,7 @@ def test_optimizer_and_rng_entries_of_a_torch_dist_folder_are_passed_over(tmp_pa
              "chained_0.optimizer.state.exp_avg_sq.embedding.word_embeddings.weight": torch.zeros(8, 4),
              "rng_state/shard_0_1": [{"random_rng_state": 1}], "opt_param_scheduler": {"num_steps": 3}}
     dcp.save(state, storage_writer=dcp.FileSystemWriter(str(folder)), no_dist=True)
-    assert list(_model_keys(folder, read_metadata_safely(folder, allow_bytes=True))) == [
+    assert list(model_keys(folder, read_metadata_safely(folder, allow_bytes=True))) == [
         "embedding.word_embeddings.weight"]
 
 

@@ -34,28 +34,34 @@ _OPTIMIZER = re.compile(r"^(chained_\d+\.)?(optimizer|opt_param_scheduler)(\.|/|
 _SKIPPED = re.compile(r"(^|\.)_extra_state(/|$)|^rerun_state_machine_state(/|$)|^common_state(/|$)|^rng_state")
 
 
-def common_state(folder: Path, metadata) -> dict:
-    """Megatron's common state: the ``common_state`` byte entry (Megatron-LM of today) or ``common.pt``."""
+def byte_entry(folder: Path, metadata, name: str):
+    """The object in the byte entry ``name`` (or ``name/shard_...``: a megatron-core ShardedObject) through
+    the restricted unpickler (a one-object list, as Megatron-LM of today saves a ShardedObject, unwrapped); None
+    where there is none."""
     for index, info in (metadata.storage_data or {}).items():
-        if index.fqn.startswith("common_state"):
+        if index.fqn == name or index.fqn.startswith(name + "/"):
             with open(folder / info.relative_path, "rb") as f:
                 f.seek(info.offset)
                 data = f.read(info.length)
             if len(data) != info.length:
-                raise ValueError(f"{folder / info.relative_path}: shorter than its common_state entry")
-            state = load_pickle_bytes(data, f"{folder / info.relative_path} (common_state)")
-            break
-    else:
+                raise ValueError(f"{folder / info.relative_path}: shorter than its {name} entry")
+            value = load_pickle_bytes(data, f"{folder / info.relative_path} ({name})")
+            return value[0] if isinstance(value, list) and len(value) == 1 else value
+    return None
+
+
+def common_state(folder: Path, metadata) -> dict:
+    """Megatron's common state: the ``common_state`` byte entry (Megatron-LM of today) or ``common.pt``."""
+    state = byte_entry(folder, metadata, "common_state")
+    if state is None:
         common = folder / "common.pt"
         state = load_pickle_safely(common) if common.is_file() else {}
-    if isinstance(state, list) and len(state) == 1:
-        state = state[0]  # Megatron-LM of today saves it as a one-object list (a sharded object)
     if not isinstance(state, dict):
         raise ValueError(f"{folder}: Megatron's common state is a {type(state).__name__}, not a dict")
     return state
 
 
-def _model_keys(folder: Path, metadata) -> dict[str, TensorStorageMetadata]:
+def model_keys(folder: Path, metadata) -> dict[str, TensorStorageMetadata]:
     keys = {}
     for key, entry in metadata.state_dict_metadata.items():
         if _SKIPPED.search(key) or isinstance(entry, BytesStorageMetadata):
@@ -113,7 +119,7 @@ def read_torch_dist(folder, iteration):
     raw_args = common.get("args")
     args = dict(vars(raw_args)) if isinstance(raw_args, argparse.Namespace) else dict(raw_args or {})
     check_supported(args, folder)
-    tensors = read_entries(folder, _model_keys(folder, metadata))
+    tensors = read_entries(folder, model_keys(folder, metadata))
 
     state, output_copy = gptrain_tensors(tensors, args, folder)
     iteration = common.get("iteration", iteration)

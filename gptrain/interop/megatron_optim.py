@@ -1,18 +1,20 @@
 """Megatron-LM's optimizer state and lr schedule from a ``--ckpt-format torch_dist`` checkpoint, in
 gptrain's parameter names, for training's ``--load`` (a Megatron run continues in gptrain).
 
-What megatron-core saves for an fp32 run without the distributed optimizer (``FP32Optimizer``, alone or
-in a ``ChainedOptimizer``): per parameter, Adam's moments at the parameter's global shape under
-``optimizer.state.{exp_avg,exp_avg_sq}.<model key>`` (the model's own sharding: layers stacked, TP shards
-joined, vocabulary padded as the model's), and in the common state the step shared by all parameters
-(``optimizer.state.common_step``) and ``opt_param_scheduler`` (its ``num_steps`` counts samples). The moments go through the weights' key
-mapping (:func:`gptrain.interop.megatron_dist.gptrain_tensors`), so they land where the weights do.
+What megatron-core saves without the distributed optimizer (``FP32Optimizer`` for fp32 runs,
+``Float16OptimizerWithFloat16Params`` for bf16/fp16, alone or in a ``ChainedOptimizer``): per parameter,
+Adam's moments at the parameter's global shape under ``optimizer.state.{exp_avg,exp_avg_sq}.<model key>``
+(the model's own sharding: layers stacked, TP shards joined, vocabulary padded as the model's), a
+half-precision run's fp32 main weights under ``optimizer.state.fp32_param.<model key>``, and in the common
+state the step shared by all parameters (``optimizer.state.common_step``) and ``opt_param_scheduler`` (its
+``num_steps`` counts samples). The distributed optimizer's ``fully_reshardable`` format is the same per
+parameter (main weights as ``optimizer.state.param``, the step in the param_groups); its default
+``dp_reshardable`` buffers are read by :mod:`megatron_distopt`. Everything goes through the weights' key
+mapping (:func:`gptrain.interop.megatron_dist.gptrain_tensors`), so it lands where the weights do.
 
-Not imported yet, refused by name (``--no-load-optim`` loads the weights alone): an fp16/bf16 run's
-fp32 main weights beside the moments (``Float16OptimizerWithFloat16Params``' ``optimizer.state.fp32_param``,
-and its loss scaler), and the distributed optimizer's formats (``optimizer.distributed.*`` buffers of
-dp_reshardable / dp_zero_gather_scatter; per-parameter ``param`` state of fully_reshardable, flattened
-shards of fully_sharded_model_space).
+Not imported (:class:`OptimizerNotImported` names the format; the weights load and the optimizer starts
+fresh): the distributed optimizer's dp_zero_gather_scatter and fully_sharded_model_space formats,
+dp_reshardable buffers of TP/PP > 1 runs, another optimizer's state; an fp16 run's loss scale.
 """
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ from gptrain.interop.megatron_dist import common_state, gptrain_tensors, is_torc
 from gptrain.train.safe_dcp import read_metadata_safely
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
+_PER_PARAMETER = {"exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq", "fp32_param": "main", "param": "main"}
 _STATE = re.compile(r"^(?:chained_\d+\.)?optimizer\.state\.([A-Za-z0-9_]+)\.(.+)$")
 _DISTRIBUTED = re.compile(r"^(?:chained_\d+\.)?optimizer\.distributed\.")
 # the lr schedule's settings: Megatron's opt_param_scheduler key -> gptrain's LRSchedule field
@@ -35,66 +38,131 @@ _SCHEDULE = {"max_lr": "max_lr", "min_lr": "min_lr", "lr_warmup_steps": "warmup_
              "lr_decay_steps": "decay_steps", "lr_decay_style": "style"}
 
 
+class OptimizerNotImported(Exception):
+    """The checkpoint's optimizer state is in a form gptrain does not import; the message says which
+    (training's --load then loads the weights and starts the optimizer fresh)."""
+
+
 @dataclass
 class MegatronOptimizerState:
     moments: dict[str, dict[str, torch.Tensor]]  # gptrain name -> exp_avg, exp_avg_sq (full tensors)
+    main: dict[str, torch.Tensor] | None  # gptrain name -> fp32 main weights (half-precision runs, distributed)
     step: int  # Adam's step, the same for every parameter
     scheduler: dict | None  # Megatron's opt_param_scheduler.state_dict()
+    precision: str  # the saving run's parameters: fp32, bf16 or fp16
+    source: str  # the optimizer and format, for the log line
 
 
-def _common_steps(tree) -> list:
-    """Every ``common_step`` in the optimizer's common state (one per chained optimizer)."""
+def _steps(tree) -> list:
+    """Every step in an optimizer's saved state: ``common_step`` (one per chained optimizer), or the
+    param_groups' ``step`` (the distributed optimizer's)."""
     if isinstance(tree, dict):
         found = [tree["common_step"]] if "common_step" in tree else []
-        return found + [s for v in tree.values() for s in _common_steps(v)]
+        if isinstance(tree.get("param_groups"), list):
+            found += [g["step"] for g in tree["param_groups"] if isinstance(g, dict) and "step" in g]
+        return found + [s for k, v in tree.items() if k != "param_groups" for s in _steps(v)]
     if isinstance(tree, (list, tuple)):
-        return [s for v in tree for s in _common_steps(v)]
+        return [s for v in tree for s in _steps(v)]
     return []
 
 
-def read_optimizer_state(folder) -> MegatronOptimizerState | None:
-    """The optimizer state of a Megatron iteration folder; None where it holds none (a run saved with
-    ``--no-save-optim``, or the legacy format, whose import is not written yet)."""
-    folder = Path(folder)
-    if not is_torch_dist(folder):
-        return None
-    metadata = read_metadata_safely(folder, allow_bytes=True)
-    keys = metadata.state_dict_metadata
-    if any(_DISTRIBUTED.match(k) for k in keys):
-        raise ValueError(f"{folder}: the optimizer state is the distributed optimizer's buffers (dp_reshardable or "
-                         "dp_zero_gather_scatter), which gptrain does not import: --no-load-optim loads the weights "
-                         "and starts the optimizer fresh")
+def _sharding_types(tree) -> set:
+    """The distributed optimizer's ``param_state_sharding_type`` values in the common state."""
+    if isinstance(tree, dict):
+        found = {tree["param_state_sharding_type"]} if "param_state_sharding_type" in tree else set()
+        return found.union(*(_sharding_types(v) for v in tree.values()))
+    if isinstance(tree, (list, tuple)):
+        return set().union(*(_sharding_types(v) for v in tree))
+    return set()
+
+
+def _gptrain_names(tensors: dict[str, torch.Tensor], args: dict, folder: Path) -> dict[str, torch.Tensor]:
+    state, _ = gptrain_tensors(tensors, args, folder)  # a tied output layer shares the embeddings' state
+    if args.get("swiglu"):
+        llama.split_fc1(state, int(args["num_layers"]))
+    return state
+
+
+def _per_parameter(folder: Path, keys: dict, args: dict) -> dict[str, dict[str, torch.Tensor]]:
+    """gptrain name -> {exp_avg, exp_avg_sq[, main]} from ``optimizer.state.<kind>.<model key>`` entries."""
     entries: dict[str, dict] = {}
     for key, entry in keys.items():
         m = _STATE.match(key)
         if m:
             entries.setdefault(m.group(1), {})[key] = (m.group(2), entry)
-    if not entries:
-        return None
-    other = sorted(set(entries) - set(MOMENTS))
+    other = sorted(set(entries) - set(_PER_PARAMETER))
     if other:
-        raise ValueError(f"{folder}: optimizer state {other} beside Adam's moments (an fp16/bf16 run's fp32 main "
-                         "weights, the distributed optimizer's fully_reshardable format, or another optimizer) is not "
-                         "imported: --no-load-optim loads the weights and starts the optimizer fresh")
+        raise OptimizerNotImported(f"per-parameter optimizer state {other} beside Adam's (another optimizer)")
+    out: dict[str, dict[str, torch.Tensor]] = {}
+    for kind, named in entries.items():
+        tensors = read_entries(folder, {key: entry for key, (_, entry) in named.items()})
+        by_model_key = {named[key][0]: tensor for key, tensor in tensors.items()}
+        for name, tensor in _gptrain_names(by_model_key, args, folder).items():
+            out.setdefault(name, {})[_PER_PARAMETER[kind]] = tensor
+    return out
+
+
+def _distributed(folder: Path, metadata, args: dict, sharding: str) -> tuple[dict, list]:
+    from gptrain.interop.megatron_distopt import LayoutNotRecovered, read_dp_reshardable
+
+    if sharding != "dp_reshardable":
+        raise OptimizerNotImported(f"the distributed optimizer's {sharding} format is not read")
+    try:
+        state, groups = read_dp_reshardable(folder, metadata, args)
+    except LayoutNotRecovered as e:
+        raise OptimizerNotImported(f"the distributed optimizer's dp_reshardable buffers: {e}") from None
+    if args.get("swiglu"):  # fc1 [gate; up] split as the weights are
+        for kind in ("main", *MOMENTS):
+            split = {name: kinds.pop(kind) for name, kinds in state.items() if ".mlp.fc1." in name}
+            llama.split_fc1(split, int(args["num_layers"]))
+            for name, tensor in split.items():
+                state.setdefault(name, {})[kind] = tensor
+        state = {name: kinds for name, kinds in state.items() if kinds}
+    return state, groups
+
+
+def read_optimizer_state(folder) -> MegatronOptimizerState | None:
+    """The optimizer state of a Megatron iteration folder; None where it holds none (a run saved with
+    ``--no-save-optim``, or the legacy format, whose import is not written yet). Raises
+    :class:`OptimizerNotImported` for a format gptrain does not import."""
+    folder = Path(folder)
+    if not is_torch_dist(folder):
+        return None
+    metadata = read_metadata_safely(folder, allow_bytes=True)
+    keys = metadata.state_dict_metadata
     common = common_state(folder, metadata)
     raw_args = common.get("args")
     args = dict(vars(raw_args)) if isinstance(raw_args, argparse.Namespace) else dict(raw_args or {})
-    steps = {float(s) for s in _common_steps(common.get("optimizer"))}
+    shardings = _sharding_types(common.get("optimizer"))
+    saved_steps = _steps(common.get("optimizer"))
+    if len(shardings) > 1:
+        raise OptimizerNotImported(f"the distributed optimizer's formats {sorted(shardings)} in one checkpoint")
+    sharding = shardings.pop() if shardings else None
+    if sharding not in (None, "fully_reshardable"):
+        per_param, groups = _distributed(folder, metadata, args, sharding)
+        saved_steps += _steps({"param_groups": groups})
+    elif any(_DISTRIBUTED.match(k) for k in keys):
+        raise OptimizerNotImported("the distributed optimizer's buffers (optimizer.distributed.*) in a format "
+                                   "not named in the common state")
+    else:
+        per_param = _per_parameter(folder, keys, args)
+    if not per_param:
+        return None
+    steps = {float(s) for s in saved_steps}
     if len(steps) != 1:
         raise ValueError(f"{folder}: the optimizer's common step is {sorted(steps) or 'missing'}, not one value")
-    moments: dict[str, dict[str, torch.Tensor]] = {}
-    for moment in MOMENTS:
-        named = entries.get(moment, {})
-        tensors = read_entries(folder, {key: entry for key, (_, entry) in named.items()})
-        by_model_key = {named[key][0]: tensor for key, tensor in tensors.items()}
-        state, _ = gptrain_tensors(by_model_key, args, folder)  # a tied output layer shares the embeddings' state
-        if args.get("swiglu"):
-            llama.split_fc1(state, int(args["num_layers"]))
-        for name, tensor in state.items():
-            moments.setdefault(name, {})[moment] = tensor
+    precision = "bf16" if args.get("bf16") else "fp16" if args.get("fp16") else "fp32"
+    has_main = [name for name, kinds in per_param.items() if "main" in kinds]
+    if has_main and len(has_main) != len(per_param):
+        raise OptimizerNotImported("fp32 main weights for some parameters only")
+    source = f"distributed optimizer, {sharding}" if sharding else \
+        "Float16OptimizerWithFloat16Params" if has_main else "FP32Optimizer"
     scheduler = common.get("opt_param_scheduler")
-    return MegatronOptimizerState(moments=moments, step=int(steps.pop()),
-                                  scheduler=dict(scheduler) if isinstance(scheduler, dict) else None)
+    return MegatronOptimizerState(
+        moments={name: {m: kinds[m] for m in MOMENTS} for name, kinds in per_param.items()},
+        main={name: kinds["main"] for name, kinds in per_param.items()} if has_main else None,
+        step=int(steps.pop()), scheduler=dict(scheduler) if isinstance(scheduler, dict) else None,
+        precision=precision, source=source)
 
 
 def schedule_differences(scheduler: dict, schedule) -> list[str]:

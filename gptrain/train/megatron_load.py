@@ -3,8 +3,9 @@ gptrain layout, its iteration and consumed samples into the trainer's state.
 
 The architecture comes from the checkpoint's ``args``: a flag that contradicts it is an error
 naming both values. Given the optimizer, Adam's state (moments, step) comes along where the checkpoint
-holds it (torch_dist, interop/megatron_optim.py), and with it the lr schedule's position; otherwise
-the run says the optimizer starts fresh.
+holds it (torch_dist, interop/megatron_optim.py), with a half-precision or distributed-optimizer run's
+fp32 main weights (the run continues from them, not from the rounded weights) and the lr schedule's
+position; otherwise the log line says the optimizer starts fresh, and why.
 """
 from __future__ import annotations
 
@@ -65,17 +66,46 @@ def _fit_vocab_rows(name: str, full: torch.Tensor, shape: tuple[int, ...], cfg: 
     return padded
 
 
+def _precision(cfg: RunConfig) -> str:
+    return "bf16" if cfg.precision.bf16 else "fp16" if cfg.precision.fp16 else "fp32"
+
+
+def _precision_note(saved, cfg: RunConfig) -> str:
+    """What became of the weights where the checkpoint's precision and the run's differ (gptrain's optimizer
+    always updates fp32 weights: a half-precision run's main copies, an fp32 run's parameters)."""
+    ours, theirs = _precision(cfg), saved.precision
+    notes = []
+    if theirs != ours:
+        notes.append(f"the checkpoint is {'a' if theirs == 'bf16' else 'an'} {theirs} run's: its {'fp32 main ' if saved.main else ''}weights "
+                     f"become this {ours} run's {'fp32 main weights' if ours != 'fp32' else 'weights'}")
+    if theirs == "fp16" and ours == "fp16":
+        notes.append("the loss scale starts at --initial-loss-scale")
+    return "".join(f"; {n}" for n in notes)
+
+
+def _copy_full(name: str, target: torch.Tensor, full: torch.Tensor, cfg: RunConfig, layout, what: str) -> None:
+    shape = _full_shape(name, target, layout)
+    full = _fit_vocab_rows(name, full.float(), shape, cfg)
+    if tuple(full.shape) != shape:
+        raise ValueError(f"{name}'s {what} is {tuple(full.shape)} in the checkpoint, {shape} here")
+    copy_full_into(target, full, _region(name, shape, layout))
+
+
 def _load_optimizer(root, params: dict[str, torch.Tensor], optimizer, cfg: RunConfig,
                     layout) -> tuple[dict | None, str]:
-    """Megatron's Adam state into ``optimizer`` (by parameter, as the weights); (its lr schedule state or
-    None, what the log line says)."""
+    """Megatron's Adam state into ``optimizer`` (by parameter, as the weights) and, where the checkpoint
+    keeps them, its fp32 main weights into ``params`` (over the half-precision weights already there);
+    (its lr schedule state or None, what the log line says)."""
     from gptrain.interop.megatron import find_megatron_iteration_dir
     from gptrain.interop.megatron_dist import is_torch_dist
-    from gptrain.interop.megatron_optim import MOMENTS, read_optimizer_state
+    from gptrain.interop.megatron_optim import MOMENTS, OptimizerNotImported, read_optimizer_state
     from gptrain.train.checkpoint import init_optimizer_state
 
     folder, _ = find_megatron_iteration_dir(root)
-    saved = read_optimizer_state(folder)
+    try:
+        saved = read_optimizer_state(folder)
+    except OptimizerNotImported as e:
+        return None, f"optimizer state not imported ({e}): the optimizer starts fresh"
     if saved is None:
         why = "saved with --no-save-optim" if is_torch_dist(folder) else "a --ckpt-format torch optimizer is not read"
         return None, f"the checkpoint holds no optimizer state gptrain reads ({why}): the optimizer starts fresh"
@@ -83,16 +113,19 @@ def _load_optimizer(root, params: dict[str, torch.Tensor], optimizer, cfg: RunCo
     if missing:
         raise ValueError(f"{folder}: the optimizer state lacks {missing[:3]} ({len(missing)} in all)")
     init_optimizer_state(params, optimizer)
-    for name, target in params.items():
-        shape = _full_shape(name, target, layout)
-        state = optimizer.state[target]
-        for moment in MOMENTS:
-            full = _fit_vocab_rows(name, saved.moments[name][moment].float(), shape, cfg)
-            if tuple(full.shape) != shape:
-                raise ValueError(f"{folder}: {name}'s {moment} is {tuple(full.shape)} in the checkpoint, {shape} here")
-            copy_full_into(state[moment], full, _region(name, shape, layout))
-        state["step"].fill_(float(saved.step))
-    return saved.scheduler, f"optimizer state imported (Adam's moments, step {saved.step})"
+    try:
+        for name, target in params.items():
+            if saved.main is not None:
+                _copy_full(name, target, saved.main[name], cfg, layout, "fp32 main weight")
+            state = optimizer.state[target]
+            for moment in MOMENTS:
+                _copy_full(name, state[moment], saved.moments[name][moment], cfg, layout, moment)
+            state["step"].fill_(float(saved.step))
+    except ValueError as e:
+        raise ValueError(f"{folder}: {e}") from None
+    what = "fp32 main weights, Adam's moments" if saved.main is not None else "Adam's moments"
+    return saved.scheduler, (f"optimizer state imported ({saved.source}: {what}, step {saved.step})"
+                             + _precision_note(saved, cfg))
 
 
 @torch.no_grad()

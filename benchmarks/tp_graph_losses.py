@@ -58,7 +58,9 @@ def main() -> int:
             "--tensor-model-parallel-size", str(args.nproc),
             *(["--sequence-parallel"] if args.sequence_parallel else []), *extra]
     graphs, t_graphs, err_graphs = losses(base)
+    print(f"with CUDA graphs: {len(graphs)} logged losses in {t_graphs:.0f} s", flush=True)
     plain, t_plain, err_plain = losses(base + ["--compile-mode", "default"])
+    print(f"--compile-mode default: {len(plain)} logged losses in {t_plain:.0f} s", flush=True)
     what = f"TP{args.nproc}{' + SP' if args.sequence_parallel else ''}"
     for name, err in (("CUDA graphs", err_graphs), ("--compile-mode default", err_plain)):
         if err:

@@ -167,8 +167,6 @@ def _train_main(argv: list[str], log=None) -> TrainResult:
         trainer = Trainer(cfg, parts, train_ds, valid_ds, test_ds, device, log)
         log(_precision_line(cfg, parts, device))
         log(f" > parameters: {parts.impls['parameters']}")
-        if "compile" in parts.impls:
-            log(f" > compile: {parts.impls['compile']}")
         if parts.pipeline is not None:
             log(f" > pipeline: {parts.impls['pipeline']}")
         if "gradient reduction" in parts.impls:

@@ -4,21 +4,26 @@ gloo process): the reference the optimizer import is tested against.
     python tests/megatron_core_optim.py OUT_ROOT SAMPLES.npy CONFIG.json
 
 CONFIG.json: the model (gptrain GPTConfig fields) and the run (lr, min_lr, warmup/decay iterations,
-decay style, weight decay, clip_grad, global batch, iterations to save after; optional "precision": fp32
-or bf16, "distributed": the distributed optimizer's sharding type, as Megatron-LM's
-_build_sharded_state_dict_metadata passes it, default none: no distributed optimizer). SAMPLES.npy: the
+decay style, weight decay, clip_grad, global batch, iterations to save after; optional "precision": fp32,
+bf16 or fp16 (then "loss_scale": {initial_loss_scale, loss_scale_window, hysteresis} for its
+DynamicGradScaler), "distributed": the distributed optimizer's sharding type, as Megatron-LM's
+_build_sharded_state_dict_metadata passes it, default none: no distributed optimizer; "format": torch_dist
+(default) or torch, Megatron-LM's legacy --ckpt-format). SAMPLES.npy: the
 [iterations + 1 x global batch, seq + 1] token ids training reads (gptrain's `data samples`).
 
 As Megatron-LM's pretrain_gpt.py runs a one-process job: megatron-core's GPTModel (local spec; bf16: inside
-Float16Module, gradients accumulated in fp32 as Megatron-LM's --bf16 forces) inside its
+Float16Module, gradients accumulated in fp32 as Megatron-LM's --bf16 forces; fp16: the same module,
+gradients in fp16 as Megatron-LM's default) inside its
 DistributedDataParallel, `get_megatron_optimizer` (a ChainedOptimizer holding one FP32Optimizer, or
-Float16OptimizerWithFloat16Params for bf16, or DistributedOptimizer, over torch's AdamW: no apex/TE
+Float16OptimizerWithFloat16Params for bf16/fp16, or DistributedOptimizer, over torch's AdamW: no apex/TE
 here), its OptimizerParamScheduler in samples; each
 iteration is one micro-batch of the global batch, loss = the mean of the per-token losses. After
 `iterations` it saves as megatron/training/checkpointing.py does (generate_state_dict's keys,
-dist_checkpointing.save, iter_XXXXXXX and the tracker). Then it runs one more iteration and writes
-OUT_ROOT/reference.pt: the optimizer state at the save (per parameter name), the lr that iteration
-used and the main (fp32) weights after it.
+dist_checkpointing.save, iter_XXXXXXX and the tracker; the torch format: the model's
+state_dict_for_save_checkpoint and the optimizer's state_dict in mp_rank_00/model_optim_rng.pt). Then it
+runs one more iteration and writes OUT_ROOT/reference.pt: the optimizer state at the save (per parameter
+name), the lr that iteration used, the main (fp32) weights after it and an fp16 run's grad scaler's state
+at the save and after the next iteration.
 """
 from __future__ import annotations
 
@@ -106,28 +111,32 @@ def main(out_root: str, samples_path: str, config_path: str) -> None:
     run = json.loads(Path(config_path).read_text())
     gcfg = GPTConfig(**run["model"])
     gbs, iterations = run["global_batch"], run["iterations"]
-    bf16, sharding = run.get("precision", "fp32") == "bf16", run.get("distributed")
+    bf16, fp16, sharding = run.get("precision") == "bf16", run.get("precision") == "fp16", run.get("distributed")
+    half = torch.bfloat16 if bf16 else torch.float16 if fp16 else None
+    legacy = run.get("format", "torch_dist") == "torch"
     samples = torch.from_numpy(np.load(samples_path))
     parallel_state.initialize_model_parallel(1, 1)
     cfg = TransformerConfig(
         num_layers=gcfg.num_layers, hidden_size=gcfg.hidden_size, num_attention_heads=gcfg.num_attention_heads,
         ffn_hidden_size=gcfg.ffn_hidden_size, layernorm_epsilon=gcfg.layernorm_epsilon, init_method_std=0.02,
-        use_cpu_initialization=True, hidden_dropout=0.0, attention_dropout=0.0, bf16=bf16,
-        params_dtype=torch.bfloat16 if bf16 else torch.float32,
+        use_cpu_initialization=True, hidden_dropout=0.0, attention_dropout=0.0, bf16=bf16, fp16=fp16,
+        params_dtype=half or torch.float32,
         bias_activation_fusion=True)  # Megatron-LM's default --bias-gelu-fusion: the tanh GELU
-    args = megatron_args(gcfg, 1, 1, iterations, "torch_dist")
-    args.bf16, args.params_dtype, args.use_distributed_optimizer = bf16, cfg.params_dtype, sharding is not None
+    args = megatron_args(gcfg, 1, 1, iterations, "torch" if legacy else "torch_dist")
+    args.bf16, args.fp16, args.params_dtype = bf16, fp16, cfg.params_dtype
+    args.use_distributed_optimizer = sharding is not None
     model = GPTModel(cfg, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=args.padded_vocab_size,
                      max_sequence_length=gcfg.max_position_embeddings, position_embedding_type="learned_absolute",
                      share_embeddings_and_output_weights=True, parallel_output=True)
     megatron_model = model
-    if bf16:
+    if half is not None:
         model = Float16Module(cfg, model)
     model = DistributedDataParallel(cfg, DistributedDataParallelConfig(
         grad_reduce_in_fp32=bf16, use_distributed_optimizer=sharding is not None), model)
     opt_cfg = OptimizerConfig(optimizer="adam", lr=run["lr"], min_lr=run["min_lr"], weight_decay=run["weight_decay"],
                               adam_beta1=0.9, adam_beta2=0.999, adam_eps=1e-8, clip_grad=run["clip_grad"],
-                              bf16=bf16, params_dtype=cfg.params_dtype, use_distributed_optimizer=sharding is not None)
+                              bf16=bf16, fp16=fp16, params_dtype=cfg.params_dtype,
+                              use_distributed_optimizer=sharding is not None, **run.get("loss_scale", {}))
     optimizer = get_megatron_optimizer(opt_cfg, [model])
     # Megatron-LM's get_optimizer_param_scheduler for iteration-based runs: steps are samples
     scheduler = OptimizerParamScheduler(
@@ -143,7 +152,7 @@ def main(out_root: str, samples_path: str, config_path: str) -> None:
         model.zero_grad_buffer()
         optimizer.zero_grad()
         losses = model(batch[:, :-1], positions, mask, labels=batch[:, 1:])  # [batch, seq] per-token losses
-        losses.float().mean().backward()
+        optimizer.scale_loss(losses.float().mean()).backward()  # fp16: times the loss scale (schedules.py)
         model.finish_grad_sync()
         lr = optimizer.param_groups[0]["lr"]
         ok, _, _ = optimizer.step()
@@ -160,22 +169,34 @@ def main(out_root: str, samples_path: str, config_path: str) -> None:
     if sharding is not None:
         metadata["distrib_optim_sharding_type"] = sharding
     model_sd = megatron_model.sharded_state_dict(metadata=metadata)  # save_checkpoint unwraps the model
-    state_dict["model"] = model_sd
-    state_dict["optimizer"] = optimizer.sharded_state_dict(state_dict, metadata=metadata)
+    if legacy:  # generate_state_dict without dist ckpt
+        state_dict["model"] = megatron_model.state_dict_for_save_checkpoint()
+        state_dict["optimizer"] = optimizer.state_dict()
+    else:
+        state_dict["model"] = model_sd
+        state_dict["optimizer"] = optimizer.sharded_state_dict(state_dict, metadata=metadata)
     state_dict["opt_param_scheduler"] = scheduler.state_dict()
     state_dict["num_floating_point_operations_so_far"] = 0
     root = Path(out_root)
     folder = root / f"iter_{iterations:07d}"
     folder.mkdir(parents=True)
-    dist_checkpointing.save(state_dict, str(folder), content_metadata={"singleton_local_shards": False,
-                                                                       "chained_optim_avoid_prefix": True})
+    if legacy:
+        (folder / "mp_rank_00").mkdir()
+        torch.save(state_dict, folder / "mp_rank_00" / "model_optim_rng.pt")
+    else:
+        dist_checkpointing.save(state_dict, str(folder), content_metadata={"singleton_local_shards": False,
+                                                                           "chained_optim_avoid_prefix": True})
     (root / "latest_checkpointed_iteration.txt").write_text(str(iterations))
 
     inner = optimizer.chained_optimizers[0]
     saved = {n: _main_state(inner, p) for n, p in megatron_model.named_parameters()}
+    scaler = getattr(inner, "grad_scaler", None)
+    scales = [dict(scaler.state_dict())] if scaler is not None else []
     lr = train_step(iterations)
     weights = {n: _main_state(inner, p)["fp32_param"] for n, p in megatron_model.named_parameters()}
-    torch.save({"optimizer_state": saved, "next_lr": lr, "weights_after_next": weights}, root / "reference.pt")
+    scales += [dict(scaler.state_dict())] if scaler is not None else []
+    torch.save({"optimizer_state": saved, "next_lr": lr, "weights_after_next": weights,
+                "grad_scaler": scales}, root / "reference.pt")
     dist.destroy_process_group()
 
 

@@ -14,7 +14,9 @@ mapping (:func:`gptrain.interop.megatron_dist.gptrain_tensors`), so it lands whe
 
 Not imported (:class:`OptimizerNotImported` names the format; the weights load and the optimizer starts
 fresh): the distributed optimizer's dp_zero_gather_scatter and fully_sharded_model_space formats,
-dp_reshardable buffers of TP/PP > 1 runs, another optimizer's state; an fp16 run's loss scale.
+dp_reshardable buffers of TP/PP > 1 runs, another optimizer's state. An fp16 run's DynamicGradScaler
+state (``grad_scaler`` in the common state) comes along as ``loss_scale``. The legacy ``--ckpt-format
+torch`` optimizer is read by :mod:`megatron_legacy_optim`.
 """
 from __future__ import annotations
 
@@ -51,6 +53,28 @@ class MegatronOptimizerState:
     scheduler: dict | None  # Megatron's opt_param_scheduler.state_dict()
     precision: str  # the saving run's parameters: fp32, bf16 or fp16
     source: str  # the optimizer and format, for the log line
+    loss_scale: dict | None = None  # an fp16 run's DynamicGradScaler state, as gptrain's LossScaler keeps it
+
+
+def loss_scale_state(scaler, materialize=lambda t: t) -> dict | None:
+    """Megatron's DynamicGradScaler.state_dict() as gptrain's LossScaler.state_dict() (None for a
+    ConstantGradScaler's, which saves nothing); ``materialize`` reads a lazily loaded tensor."""
+    if not isinstance(scaler, dict) or "scale" not in scaler:
+        return None
+    scale = scaler["scale"]
+    scale = float(materialize(scale).reshape(-1)[0]) if isinstance(scale, torch.Tensor) else float(scale)
+    return {"scale": scale, "growth_tracker": int(scaler.get("growth_tracker", 0)),
+            "hysteresis_tracker": int(scaler.get("hysteresis_tracker", 0))}
+
+
+def _grad_scalers(tree) -> list:
+    """Every ``grad_scaler`` entry in an optimizer's common state (one per chained optimizer)."""
+    if isinstance(tree, dict):
+        found = [tree["grad_scaler"]] if isinstance(tree.get("grad_scaler"), dict) else []
+        return found + [s for k, v in tree.items() if k != "grad_scaler" for s in _grad_scalers(v)]
+    if isinstance(tree, (list, tuple)):
+        return [s for v in tree for s in _grad_scalers(v)]
+    return []
 
 
 def _steps(tree) -> list:
@@ -123,11 +147,12 @@ def _distributed(folder: Path, metadata, args: dict, sharding: str) -> tuple[dic
 
 def read_optimizer_state(folder) -> MegatronOptimizerState | None:
     """The optimizer state of a Megatron iteration folder; None where it holds none (a run saved with
-    ``--no-save-optim``, or the legacy format, whose import is not written yet). Raises
-    :class:`OptimizerNotImported` for a format gptrain does not import."""
+    ``--no-save-optim``). Raises :class:`OptimizerNotImported` for a format gptrain does not import."""
     folder = Path(folder)
     if not is_torch_dist(folder):
-        return None
+        from gptrain.interop.megatron_legacy_optim import read_legacy_optimizer_state
+
+        return read_legacy_optimizer_state(folder)
     metadata = read_metadata_safely(folder, allow_bytes=True)
     keys = metadata.state_dict_metadata
     common = common_state(folder, metadata)
@@ -158,11 +183,12 @@ def read_optimizer_state(folder) -> MegatronOptimizerState | None:
     source = f"distributed optimizer, {sharding}" if sharding else \
         "Float16OptimizerWithFloat16Params" if has_main else "FP32Optimizer"
     scheduler = common.get("opt_param_scheduler")
+    scalers = _grad_scalers(common.get("optimizer"))
     return MegatronOptimizerState(
         moments={name: {m: kinds[m] for m in MOMENTS} for name, kinds in per_param.items()},
         main={name: kinds["main"] for name, kinds in per_param.items()} if has_main else None,
         step=int(steps.pop()), scheduler=dict(scheduler) if isinstance(scheduler, dict) else None,
-        precision=precision, source=source)
+        precision=precision, source=source, loss_scale=loss_scale_state(scalers[0]) if scalers else None)
 
 
 def schedule_differences(scheduler: dict, schedule) -> list[str]:

@@ -17,6 +17,7 @@ classes, which differ between Megatron versions (an older megatron-core lacks
 * any global of a ``megatron.*`` module (the enums in ``args``), and numpy's array/scalar
   reconstructors (``np.random.get_state()`` in Megatron's ``rng_state``), each as an *inert*
   placeholder (:class:`InertGlobal`) that records what it was built with and does nothing else.
+* tensors pickled with attributes, rebuilt plain (:mod:`gptrain.interop.safe_tensor_state`).
 
 Anything else raises :class:`UnsafeCheckpointError` naming ``module.name`` before it is called
 (``torch.storage._load_from_bytes`` is refused too: it runs an unrestricted ``torch.load``).
@@ -43,14 +44,13 @@ from typing import Any, Callable
 
 import torch
 
+from gptrain.interop.safe_tensor_state import TENSOR_STATE_GLOBALS
+
 __all__ = ["UnsafeCheckpointError", "InertGlobal", "LazyStorages", "load_pickle_safely", "load_pickle_lazily",
            "load_pickle_bytes"]
 
 class UnsafeCheckpointError(ValueError):
     """The pickle names a global outside the allow-list (it could run code when loaded)."""
-
-
-# inert placeholders
 
 
 class InertGlobal:
@@ -179,6 +179,7 @@ _SAFE_GLOBALS = {  # (module, name) -> what the pickle gets
     ("torch", "Size"): torch.Size,
     ("torch", "device"): torch.device,
     ("_codecs", "encode"): _latin1_encode,
+    **TENSOR_STATE_GLOBALS,  # tensors with attributes (megatron-core's fp32 main copies)
     **{("builtins", n): getattr(builtins, n)
        for n in ("set", "frozenset", "complex", "slice", "range", "bytes", "bytearray")},
 }
@@ -490,7 +491,6 @@ def load_pickle_lazily(path) -> tuple[Any, LazyStorages]:
     ``(object, lazy)``, where ``lazy.materialize(t)`` reads one tensor's bytes (a CPU tensor) and
     ``lazy.close()`` closes the file and drops what was read."""
     return _unpickle(path, lazy=True)
-
 
 
 def load_pickle_bytes(data: bytes, where) -> Any:

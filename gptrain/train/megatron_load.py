@@ -78,9 +78,25 @@ def _precision_note(saved, cfg: RunConfig) -> str:
     if theirs != ours:
         notes.append(f"the checkpoint is {'a' if theirs == 'bf16' else 'an'} {theirs} run's: its {'fp32 main ' if saved.main else ''}weights "
                      f"become this {ours} run's {'fp32 main weights' if ours != 'fp32' else 'weights'}")
-    if theirs == "fp16" and ours == "fp16":
-        notes.append("the loss scale starts at --initial-loss-scale")
+    if ours == "fp16":
+        notes += _loss_scale_note(saved, cfg)
     return "".join(f"; {n}" for n in notes)
+
+
+def _imported_loss_scale(saved, cfg: RunConfig) -> dict | None:
+    """The checkpoint's dynamic loss scale where this run is fp16 with a dynamic scale of its own."""
+    dynamic = cfg.precision.fp16 and cfg.precision.loss_scale is None
+    return saved.loss_scale if dynamic else None
+
+
+def _loss_scale_note(saved, cfg: RunConfig) -> list[str]:
+    if _imported_loss_scale(saved, cfg):
+        s = saved.loss_scale
+        return [f"loss scale {s['scale']:g} (growth tracker {s['growth_tracker']}, hysteresis tracker "
+                f"{s['hysteresis_tracker']}) from the checkpoint"]
+    if saved.loss_scale:
+        return ["the checkpoint's loss scale is not used (--loss-scale)"]
+    return ["the loss scale starts at --initial-loss-scale"] if saved.precision == "fp16" else []
 
 
 def _copy_full(name: str, target: torch.Tensor, full: torch.Tensor, cfg: RunConfig, layout, what: str) -> None:
@@ -92,12 +108,11 @@ def _copy_full(name: str, target: torch.Tensor, full: torch.Tensor, cfg: RunConf
 
 
 def _load_optimizer(root, params: dict[str, torch.Tensor], optimizer, cfg: RunConfig,
-                    layout) -> tuple[dict | None, str]:
+                    layout) -> tuple[dict | None, dict | None, str]:
     """Megatron's Adam state into ``optimizer`` (by parameter, as the weights) and, where the checkpoint
     keeps them, its fp32 main weights into ``params`` (over the half-precision weights already there);
-    (its lr schedule state or None, what the log line says)."""
+    (its lr schedule state or None, its loss scale for this run or None, what the log line says)."""
     from gptrain.interop.megatron import find_megatron_iteration_dir
-    from gptrain.interop.megatron_dist import is_torch_dist
     from gptrain.interop.megatron_optim import MOMENTS, OptimizerNotImported, read_optimizer_state
     from gptrain.train.checkpoint import init_optimizer_state
 
@@ -105,10 +120,10 @@ def _load_optimizer(root, params: dict[str, torch.Tensor], optimizer, cfg: RunCo
     try:
         saved = read_optimizer_state(folder)
     except OptimizerNotImported as e:
-        return None, f"optimizer state not imported ({e}): the optimizer starts fresh"
+        return None, None, f"optimizer state not imported ({e}): the optimizer starts fresh"
     if saved is None:
-        why = "saved with --no-save-optim" if is_torch_dist(folder) else "a --ckpt-format torch optimizer is not read"
-        return None, f"the checkpoint holds no optimizer state gptrain reads ({why}): the optimizer starts fresh"
+        return None, None, ("the checkpoint holds no optimizer state gptrain reads (saved with --no-save-optim): "
+                            "the optimizer starts fresh")
     missing = sorted(set(params) - set(saved.moments))
     if missing:
         raise ValueError(f"{folder}: the optimizer state lacks {missing[:3]} ({len(missing)} in all)")
@@ -124,7 +139,7 @@ def _load_optimizer(root, params: dict[str, torch.Tensor], optimizer, cfg: RunCo
     except ValueError as e:
         raise ValueError(f"{folder}: {e}") from None
     what = "fp32 main weights, Adam's moments" if saved.main is not None else "Adam's moments"
-    return saved.scheduler, (f"optimizer state imported ({saved.source}: {what}, step {saved.step})"
+    return saved.scheduler, _imported_loss_scale(saved, cfg), (f"optimizer state imported ({saved.source}: {what}, step {saved.step})"
                              + _precision_note(saved, cfg))
 
 
@@ -134,6 +149,7 @@ def load_megatron(root, params: dict[str, torch.Tensor], cfg: RunConfig, layout=
     """Copy a Megatron checkpoint's weights into ``params`` (plain or sharded: ``layout`` is the
     tensor-parallel ShardLayout) and, given ``optimizer``, its Adam state; returns the trainer state it
     implies (iteration, consumed samples, ``scheduler``: Megatron's lr-schedule state or None,
+    ``loss_scale``: its fp16 loss scaler's state for this fp16 run's dynamic scaler, or None,
     ``optimizer``: what became of the optimizer state and schedule, for the log line; the run's
     ``schedule`` (LRSchedule) is compared with the checkpoint's)."""
     from gptrain.interop.megatron import read_megatron_checkpoint
@@ -151,7 +167,7 @@ def load_megatron(root, params: dict[str, torch.Tensor], cfg: RunConfig, layout=
         if tuple(full.shape) != shape:
             raise ValueError(f"{root}: {name} is {tuple(full.shape)} in the checkpoint, {shape} here")
         copy_full_into(target, full, _region(name, shape, layout))
-    scheduler, note = (None, "optimizer state starts fresh") if optimizer is None else \
+    scheduler, loss_scale, note = (None, None, "optimizer state starts fresh") if optimizer is None else \
         _load_optimizer(root, params, optimizer, cfg, layout)
     if scheduler is not None:
         note += f"; lr schedule at {scheduler.get('num_steps')} samples"
@@ -159,7 +175,7 @@ def load_megatron(root, params: dict[str, torch.Tensor], cfg: RunConfig, layout=
         if differences:
             note += f" (the run's flags kept where the checkpoint's differ: {', '.join(differences)})"
     args = ckpt.args
-    return {"scheduler": scheduler, "optimizer": note, "iteration": ckpt.iteration,
+    return {"scheduler": scheduler, "loss_scale": loss_scale, "optimizer": note, "iteration": ckpt.iteration,
             "consumed_train_samples": int(args.get("consumed_train_samples") or 0),
             "consumed_valid_samples": int(args.get("consumed_valid_samples") or 0),
             "layout": f"TP{ckpt.tp} x PP{ckpt.pp}, {ckpt.layout} layout"}

@@ -77,3 +77,5 @@ class CheckpointLoading:
         self.progress.load_state_dict(state)
         self.loaded_iteration = self.iteration  # Megatron's schedule counts samples, as gptrain's does
         self.schedule.num_steps = int(state["scheduler"]["num_steps"]) if state["scheduler"] else self.consumed_train
+        if state["loss_scale"] and self.scaler is not None:  # Megatron's DynamicGradScaler, where it continues
+            self.scaler.load_state_dict(state["loss_scale"])

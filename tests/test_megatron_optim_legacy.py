@@ -3,7 +3,8 @@ itself (tests/megatron_core_optim.py) trains two iterations, fp32 (FP32Optimizer
 (Float16OptimizerWithFloat16Params with its DynamicGradScaler), and saves ``mp_rank_00/model_optim_rng.pt``
 as Megatron-LM's generate_state_dict does. gptrain rebuilds the integer-indexed Adam state's parameter
 order, imports moments, step, fp32 main weights, the lr schedule and the fp16 loss scale bit for bit, and
-its next iteration gives megatron-core's."""
+its next iteration gives megatron-core's. A torch_dist fp16 checkpoint's loss scale (its common state's
+grad_scaler) is imported too."""
 from __future__ import annotations
 
 import pytest
@@ -112,3 +113,22 @@ def test_a_parameter_order_not_rebuilt_loads_a_fresh_optimizer(legacy_run, tmp_p
     assert state["optimizer"].startswith("optimizer state not imported (a param group of 10 parameters, the "
                                          "model's has 18 (megatron-core's grouping not recognised))")
     assert state["optimizer"].endswith(": the optimizer starts fresh")
+
+
+@pytest.fixture(scope="module")
+def fp16_torch_dist_run(tmp_path_factory):
+    return _megatron_core_run(tmp_path_factory.mktemp("fp16_dist"), precision="fp16", loss_scale=LOSS_SCALE)
+
+
+def test_a_torch_dist_fp16_checkpoints_loss_scale_comes_along(fp16_torch_dist_run):
+    """megatron-core keeps Float16OptimizerWithFloat16Params' grad_scaler in torch_dist's common state."""
+    params, optimizer, state = _load(fp16_torch_dist_run, "--fp16")
+    reference = torch.load(fp16_torch_dist_run / "reference.pt")
+    scaler = reference["grad_scaler"][0]
+    assert state["loss_scale"] == {"scale": float(scaler["scale"]), "growth_tracker": scaler["growth_tracker"],
+                                   "hysteresis_tracker": scaler["hysteresis_tracker"]}
+    for megatron_name, theirs in reference["optimizer_state"].items():
+        assert torch.equal(params[_gptrain_name(megatron_name)], theirs["fp32_param"]), megatron_name
+    assert state["optimizer"] == (f"optimizer state imported (Float16OptimizerWithFloat16Params: fp32 main weights, "
+                                  f"Adam's moments, step {SAVED_AT}); loss scale 4096 (growth tracker 2, hysteresis "
+                                  f"tracker 2) from the checkpoint; lr schedule at {SAVED_AT * GLOBAL_BATCH} samples")

@@ -85,22 +85,20 @@ def test_training_continues_as_megatron_core_would(legacy_run, tmp_path):
                                    "hysteresis_tracker": after["hysteresis_tracker"]}
 
 
+@pytest.mark.parametrize("legacy_run", ["fp16"], indirect=True)
 def test_a_static_loss_scale_keeps_its_own(legacy_run):
     folder, precision, _ = legacy_run
-    if precision != "fp16":
-        pytest.skip("an fp16 checkpoint's loss scale")
     _, _, state = _load(folder, "--fp16", "--loss-scale", "128")
     assert state["loss_scale"] is None and "the checkpoint's loss scale is not used (--loss-scale)" in state["optimizer"]
 
 
+@pytest.mark.parametrize("legacy_run", ["fp32"], indirect=True)
 def test_a_parameter_order_not_rebuilt_loads_a_fresh_optimizer(legacy_run, tmp_path):
     """Groups that do not match megatron-core's grouping (here: the no-weight-decay group first, lengths
     swapped) are refused with the reason, and the weights still load."""
     import shutil
 
-    folder, precision, _ = legacy_run
-    if precision != "fp32":
-        pytest.skip("one layout is enough")
+    folder, _, _ = legacy_run
     copy = tmp_path / "copy"
     shutil.copytree(folder, copy)
     path = copy / f"iter_{SAVED_AT:07d}" / "mp_rank_00" / "model_optim_rng.pt"
@@ -132,3 +130,24 @@ def test_a_torch_dist_fp16_checkpoints_loss_scale_comes_along(fp16_torch_dist_ru
     assert state["optimizer"] == (f"optimizer state imported (Float16OptimizerWithFloat16Params: fp32 main weights, "
                                   f"Adam's moments, step {SAVED_AT}); loss scale 4096 (growth tracker 2, hysteresis "
                                   f"tracker 2) from the checkpoint; lr schedule at {SAVED_AT * GLOBAL_BATCH} samples")
+
+
+@pytest.mark.parametrize("legacy_run", ["fp32"], indirect=True)
+def test_apex_fused_adams_step_in_the_param_groups_is_read(legacy_run, tmp_path):
+    """2021-2022 Megatron-LM ran apex's FusedAdam, which keeps the step in each param group."""
+    import shutil
+
+    folder, _, _ = legacy_run
+    copy = tmp_path / "copy"
+    shutil.copytree(folder, copy)
+    path = copy / f"iter_{SAVED_AT:07d}" / "mp_rank_00" / "model_optim_rng.pt"
+    sd = torch.load(path, weights_only=False)  # the test's own file, written by megatron-core above
+    for state in sd["optimizer"]["state"].values():
+        del state["step"]
+    for group in sd["optimizer"]["param_groups"]:
+        group["step"] = SAVED_AT
+    torch.save(sd, path)
+    params, optimizer, state = _load(copy)
+    assert state["optimizer"].startswith(f"optimizer state imported (FP32Optimizer, --ckpt-format torch: Adam's "
+                                         f"moments, step {SAVED_AT})")
+    assert all(int(optimizer.state[p]["step"]) == SAVED_AT for p in params.values())

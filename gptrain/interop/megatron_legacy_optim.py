@@ -128,10 +128,12 @@ def _read_rank(path: Path, tp: int) -> _Rank | None:
         if mains is not None and [len(g) for g in mains] != [len(g["params"]) for g in groups]:
             raise OptimizerNotImported("fp32_from_fp16_params are not grouped as the param groups")
         main_of = {i: t for g, ts in zip(groups, mains or []) for i, t in zip(g["params"], ts)}
+        group_step = {i: g.get("step") for g in groups for i in g["params"]}  # apex FusedAdam keeps it there
         per_param, rules, steps = {}, {}, set()
         for index, (name, layer, weight, rule) in _ordered(groups, params):
             state = inner["state"].get(index)
-            if not isinstance(state, dict) or any(k not in state for k in ("exp_avg", "exp_avg_sq", "step")):
+            step = state.get("step", group_step[index]) if isinstance(state, dict) else None
+            if step is None or any(k not in state for k in ("exp_avg", "exp_avg_sq")):
                 raise OptimizerNotImported(f"no Adam state for parameter {index} ({name})")
             kinds = {k: state[k] for k in ("exp_avg", "exp_avg_sq")}
             if mains is not None:
@@ -148,7 +150,6 @@ def _read_rank(path: Path, tp: int) -> _Rank | None:
                 kinds = {k: legacy_qkv_to_per_head(t, float(version or 0.0), int(args["num_attention_heads"]) // tp)
                          for k, t in kinds.items()}
             per_param[(name, layer)], rules[name] = kinds, rule
-            step = state["step"]
             steps.add(float(lazy.materialize(step)) if isinstance(step, torch.Tensor) else float(step))
         if len(steps) != 1:
             raise OptimizerNotImported(f"Adam's steps differ between parameters ({sorted(steps)[:4]})")

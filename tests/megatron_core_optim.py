@@ -4,7 +4,8 @@ gloo process): the reference the optimizer import is tested against.
     python tests/megatron_core_optim.py OUT_ROOT SAMPLES.npy CONFIG.json
 
 CONFIG.json: the model (gptrain GPTConfig fields) and the run (lr, min_lr, warmup/decay iterations,
-decay style, weight decay, clip_grad, global batch, iterations to save after; optional "precision": fp32,
+decay style, weight decay, clip_grad, global batch, iterations to save after; optional "tp": the
+tensor-parallel size (that many gloo processes, spawned; default 1); optional "precision": fp32,
 bf16 or fp16 (then "loss_scale": {initial_loss_scale, loss_scale_window, hysteresis} for its
 DynamicGradScaler), "distributed": the distributed optimizer's sharding type, as Megatron-LM's
 _build_sharded_state_dict_metadata passes it, default none: no distributed optimizer; "format": torch_dist
@@ -23,7 +24,8 @@ dist_checkpointing.save, iter_XXXXXXX and the tracker; the torch format: the mod
 state_dict_for_save_checkpoint and the optimizer's state_dict in mp_rank_00/model_optim_rng.pt). Then it
 runs one more iteration and writes OUT_ROOT/reference.pt: the optimizer state at the save (per parameter
 name), the lr that iteration used, the main (fp32) weights after it and an fp16 run's grad scaler's state
-at the save and after the next iteration.
+at the save and after the next iteration. At TP > 1 each rank's per-parameter state is joined as
+megatron-core shards it (concatenated on the parameter's partition_dim, replicated ones from rank 0).
 """
 from __future__ import annotations
 
@@ -85,16 +87,50 @@ def _main_state(optimizer, param) -> dict:
     return out
 
 
+def _joined(dist, tp: int, model, state: dict) -> dict:
+    """Per parameter name, every rank's tensors joined as megatron-core shards the parameter (its own
+    tensor_model_parallel / partition_dim attributes), on rank 0; the rest of ``state`` is rank 0's."""
+    import torch
+
+    if tp == 1:
+        return state
+    ranks = [None] * tp
+    dist.all_gather_object(ranks, state)
+    params = dict(model.named_parameters())
+    out = {}
+    for name, value in ranks[0].items():
+        p = params[name]
+        split = getattr(p, "tensor_model_parallel", False)
+        join = (lambda parts: torch.cat(parts, dim=p.partition_dim)) if split else (lambda parts: parts[0])
+        if isinstance(value, dict):
+            out[name] = {k: join([r[name][k] for r in ranks]) if torch.is_tensor(v) and v.dim() else v
+                         for k, v in value.items()}
+        else:
+            out[name] = join([r[name] for r in ranks])
+    return out
+
+
 def main(out_root: str, samples_path: str, config_path: str) -> None:
     warnings.simplefilter("ignore")
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(_free_port())
+    tp = int(json.loads(Path(config_path).read_text()).get("tp", 1))
+    if tp == 1:
+        _rank(0, 1, out_root, samples_path, config_path)
+    else:
+        import torch.multiprocessing as mp
+
+        mp.spawn(_rank, args=(tp, out_root, samples_path, config_path), nprocs=tp)
+
+
+def _rank(rank: int, tp: int, out_root: str, samples_path: str, config_path: str) -> None:
+    warnings.simplefilter("ignore")
     import numpy as np
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     torch.manual_seed(1234)
-    dist.init_process_group("gloo", rank=0, world_size=1)
+    dist.init_process_group("gloo", rank=rank, world_size=tp)
     _cpu_only(torch)
     from megatron.core import dist_checkpointing, parallel_state
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -115,14 +151,14 @@ def main(out_root: str, samples_path: str, config_path: str) -> None:
     half = torch.bfloat16 if bf16 else torch.float16 if fp16 else None
     legacy = run.get("format", "torch_dist") == "torch"
     samples = torch.from_numpy(np.load(samples_path))
-    parallel_state.initialize_model_parallel(1, 1)
+    parallel_state.initialize_model_parallel(tp, 1)
     cfg = TransformerConfig(
         num_layers=gcfg.num_layers, hidden_size=gcfg.hidden_size, num_attention_heads=gcfg.num_attention_heads,
         ffn_hidden_size=gcfg.ffn_hidden_size, layernorm_epsilon=gcfg.layernorm_epsilon, init_method_std=0.02,
         use_cpu_initialization=True, hidden_dropout=0.0, attention_dropout=0.0, bf16=bf16, fp16=fp16,
         params_dtype=half or torch.float32,
         bias_activation_fusion=True)  # Megatron-LM's default --bias-gelu-fusion: the tanh GELU
-    args = megatron_args(gcfg, 1, 1, iterations, "torch" if legacy else "torch_dist")
+    args = megatron_args(gcfg, tp, 1, iterations, "torch" if legacy else "torch_dist")
     args.bf16, args.fp16, args.params_dtype = bf16, fp16, cfg.params_dtype
     args.use_distributed_optimizer = sharding is not None
     model = GPTModel(cfg, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=args.padded_vocab_size,
@@ -179,24 +215,30 @@ def main(out_root: str, samples_path: str, config_path: str) -> None:
     state_dict["num_floating_point_operations_so_far"] = 0
     root = Path(out_root)
     folder = root / f"iter_{iterations:07d}"
-    folder.mkdir(parents=True)
+    if rank == 0:
+        folder.mkdir(parents=True)
+    dist.barrier()
     if legacy:
+        assert tp == 1, "the legacy format is written at TP1 only"
         (folder / "mp_rank_00").mkdir()
         torch.save(state_dict, folder / "mp_rank_00" / "model_optim_rng.pt")
     else:
         dist_checkpointing.save(state_dict, str(folder), content_metadata={"singleton_local_shards": False,
                                                                            "chained_optim_avoid_prefix": True})
-    (root / "latest_checkpointed_iteration.txt").write_text(str(iterations))
+    if rank == 0:
+        (root / "latest_checkpointed_iteration.txt").write_text(str(iterations))
 
     inner = optimizer.chained_optimizers[0]
-    saved = {n: _main_state(inner, p) for n, p in megatron_model.named_parameters()}
+    saved = _joined(dist, tp, megatron_model, {n: _main_state(inner, p) for n, p in megatron_model.named_parameters()})
     scaler = getattr(inner, "grad_scaler", None)
     scales = [dict(scaler.state_dict())] if scaler is not None else []
     lr = train_step(iterations)
-    weights = {n: _main_state(inner, p)["fp32_param"] for n, p in megatron_model.named_parameters()}
+    weights = _joined(dist, tp, megatron_model,
+                      {n: _main_state(inner, p)["fp32_param"] for n, p in megatron_model.named_parameters()})
     scales += [dict(scaler.state_dict())] if scaler is not None else []
-    torch.save({"optimizer_state": saved, "next_lr": lr, "weights_after_next": weights,
-                "grad_scaler": scales}, root / "reference.pt")
+    if rank == 0:
+        torch.save({"optimizer_state": saved, "next_lr": lr, "weights_after_next": weights,
+                    "grad_scaler": scales}, root / "reference.pt")
     dist.destroy_process_group()
 
 

@@ -4,8 +4,9 @@ gloo process): the reference the optimizer import is tested against.
     python tests/megatron_core_optim.py OUT_ROOT SAMPLES.npy CONFIG.json
 
 CONFIG.json: the model (gptrain GPTConfig fields) and the run (lr, min_lr, warmup/decay iterations,
-decay style, weight decay, clip_grad, global batch, iterations to save after; optional "tp": the
-tensor-parallel size (that many gloo processes, spawned; default 1); optional "precision": fp32,
+decay style, weight decay, clip_grad, global batch, iterations to save after; optional "tp", "pp": the
+tensor- and pipeline-parallel sizes (tp x pp gloo processes, spawned; default 1; pp > 1 trains through
+megatron-core's 1F1B schedule as Megatron-LM's train_step does); optional "precision": fp32,
 bf16 or fp16 (then "loss_scale": {initial_loss_scale, loss_scale_window, hysteresis} for its
 DynamicGradScaler), "distributed": the distributed optimizer's sharding type, as Megatron-LM's
 _build_sharded_state_dict_metadata passes it, default none: no distributed optimizer; "format": torch_dist
@@ -24,8 +25,9 @@ dist_checkpointing.save, iter_XXXXXXX and the tracker; the torch format: the mod
 state_dict_for_save_checkpoint and the optimizer's state_dict in mp_rank_00/model_optim_rng.pt). Then it
 runs one more iteration and writes OUT_ROOT/reference.pt: the optimizer state at the save (per parameter
 name), the lr that iteration used, the main (fp32) weights after it and an fp16 run's grad scaler's state
-at the save and after the next iteration. At TP > 1 each rank's per-parameter state is joined as
-megatron-core shards it (concatenated on the parameter's partition_dim, replicated ones from rank 0).
+at the save and after the next iteration. At TP/PP > 1 each rank's per-parameter state is joined as
+megatron-core shards it (concatenated on the parameter's partition_dim, replicated ones from TP rank 0,
+stage-local layers numbered globally, the last stage's tied-embedding copy left out).
 """
 from __future__ import annotations
 
@@ -87,42 +89,71 @@ def _main_state(optimizer, param) -> dict:
     return out
 
 
-def _joined(dist, tp: int, model, state: dict) -> dict:
-    """Per parameter name, every rank's tensors joined as megatron-core shards the parameter (its own
-    tensor_model_parallel / partition_dim attributes), on rank 0; the rest of ``state`` is rank 0's."""
+def _global_name(name: str, offset: int) -> str:
+    parts = name.split(".")
+    if name.startswith("decoder.layers."):
+        parts[2] = str(int(parts[2]) + offset)
+    return ".".join(parts)
+
+
+def _joined(dist, world: int, model, state: dict, offset: int) -> dict:
+    """Per parameter (global layer numbers), every rank's tensors joined as megatron-core shards the
+    parameter (its own tensor_model_parallel / partition_dim attributes), on rank 0; the rest of ``state``
+    is the first holder's. The last stage's tied-embedding copy (output_layer.weight) is left out."""
     import torch
 
-    if tp == 1:
-        return state
-    ranks = [None] * tp
-    dist.all_gather_object(ranks, state)
     params = dict(model.named_parameters())
+    mine = {_global_name(n, offset): (params[n].partition_dim if getattr(params[n], "tensor_model_parallel", False)
+                                      else None, v) for n, v in state.items() if n != "output_layer.weight"}
+    if world == 1:
+        return {n: v for n, (_, v) in mine.items()}
+    ranks = [None] * world
+    dist.all_gather_object(ranks, mine)
     out = {}
-    for name, value in ranks[0].items():
-        p = params[name]
-        split = getattr(p, "tensor_model_parallel", False)
-        join = (lambda parts: torch.cat(parts, dim=p.partition_dim)) if split else (lambda parts: parts[0])
-        if isinstance(value, dict):
-            out[name] = {k: join([r[name][k] for r in ranks]) if torch.is_tensor(v) and v.dim() else v
-                         for k, v in value.items()}
-        else:
-            out[name] = join([r[name] for r in ranks])
+    for name in dict.fromkeys(n for r in ranks for n in r):
+        dim, first = next(r[name] for r in ranks if name in r)
+        parts = [r[name][1] for r in ranks if name in r]
+
+        def join(pieces):
+            return torch.cat(pieces, dim=dim) if dim is not None else pieces[0]
+        out[name] = {k: join([p[k] for p in parts]) if torch.is_tensor(v) and v.dim() else v
+                     for k, v in first.items()} if isinstance(first, dict) else join(parts)
     return out
+
+
+def _pipeline_step(model, optimizer, batch, positions, mask, seq: int) -> None:
+    """Megatron-LM's train_step at PP > 1: one micro-batch through megatron-core's 1F1B schedule (the
+    model's grads finalized there: DP sync and the tied embeddings' all-reduce between the end stages)."""
+    from megatron.core.distributed import finalize_model_grads
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    config = model.config
+    config.grad_scale_func, config.no_sync_func = optimizer.scale_loss, model.no_sync
+    config.finalize_model_grads_func = finalize_model_grads
+
+    def forward_step(data_iterator, m):
+        tokens = next(data_iterator)
+        losses = m(tokens[:, :-1], positions, mask, labels=tokens[:, 1:])
+        return losses, lambda out: (out.float().mean(), {"lm loss": out.float().mean().detach()})
+
+    get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter([batch]), model=[model],
+                                num_microbatches=1, seq_length=seq, micro_batch_size=batch.shape[0])
 
 
 def main(out_root: str, samples_path: str, config_path: str) -> None:
     warnings.simplefilter("ignore")
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(_free_port())
-    tp = int(json.loads(Path(config_path).read_text()).get("tp", 1))
-    if tp == 1:
-        _rank(0, 1, out_root, samples_path, config_path)
+    run = json.loads(Path(config_path).read_text())
+    tp, pp = int(run.get("tp", 1)), int(run.get("pp", 1))
+    if tp * pp == 1:
+        _rank(0, 1, 1, out_root, samples_path, config_path)
     else:
         import torch.multiprocessing as mp
 
-        mp.spawn(_rank, args=(tp, out_root, samples_path, config_path), nprocs=tp)
+        mp.spawn(_rank, args=(tp, pp, out_root, samples_path, config_path), nprocs=tp * pp)
 
 
-def _rank(rank: int, tp: int, out_root: str, samples_path: str, config_path: str) -> None:
+def _rank(rank: int, tp: int, pp: int, out_root: str, samples_path: str, config_path: str) -> None:
     warnings.simplefilter("ignore")
     import numpy as np
     import torch
@@ -130,7 +161,7 @@ def _rank(rank: int, tp: int, out_root: str, samples_path: str, config_path: str
 
     torch.set_num_threads(1)
     torch.manual_seed(1234)
-    dist.init_process_group("gloo", rank=rank, world_size=tp)
+    dist.init_process_group("gloo", rank=rank, world_size=tp * pp)
     _cpu_only(torch)
     from megatron.core import dist_checkpointing, parallel_state
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -151,19 +182,22 @@ def _rank(rank: int, tp: int, out_root: str, samples_path: str, config_path: str
     half = torch.bfloat16 if bf16 else torch.float16 if fp16 else None
     legacy = run.get("format", "torch_dist") == "torch"
     samples = torch.from_numpy(np.load(samples_path))
-    parallel_state.initialize_model_parallel(tp, 1)
+    parallel_state.initialize_model_parallel(tp, pp)
+    first, last = parallel_state.is_pipeline_first_stage(), parallel_state.is_pipeline_last_stage()
     cfg = TransformerConfig(
         num_layers=gcfg.num_layers, hidden_size=gcfg.hidden_size, num_attention_heads=gcfg.num_attention_heads,
         ffn_hidden_size=gcfg.ffn_hidden_size, layernorm_epsilon=gcfg.layernorm_epsilon, init_method_std=0.02,
         use_cpu_initialization=True, hidden_dropout=0.0, attention_dropout=0.0, bf16=bf16, fp16=fp16,
-        params_dtype=half or torch.float32,
+        params_dtype=half or torch.float32, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+        pipeline_dtype=half or torch.float32,
         bias_activation_fusion=True)  # Megatron-LM's default --bias-gelu-fusion: the tanh GELU
-    args = megatron_args(gcfg, tp, 1, iterations, "torch" if legacy else "torch_dist")
+    args = megatron_args(gcfg, tp, pp, iterations, "torch" if legacy else "torch_dist")
     args.bf16, args.fp16, args.params_dtype = bf16, fp16, cfg.params_dtype
     args.use_distributed_optimizer = sharding is not None
     model = GPTModel(cfg, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=args.padded_vocab_size,
                      max_sequence_length=gcfg.max_position_embeddings, position_embedding_type="learned_absolute",
-                     share_embeddings_and_output_weights=True, parallel_output=True)
+                     share_embeddings_and_output_weights=True, parallel_output=True,
+                     pre_process=first, post_process=last)
     megatron_model = model
     if half is not None:
         model = Float16Module(cfg, model)
@@ -187,9 +221,12 @@ def _rank(rank: int, tp: int, out_root: str, samples_path: str, config_path: str
         batch = samples[i * gbs:(i + 1) * gbs]
         model.zero_grad_buffer()
         optimizer.zero_grad()
-        losses = model(batch[:, :-1], positions, mask, labels=batch[:, 1:])  # [batch, seq] per-token losses
-        optimizer.scale_loss(losses.float().mean()).backward()  # fp16: times the loss scale (schedules.py)
-        model.finish_grad_sync()
+        if pp > 1:
+            _pipeline_step(model, optimizer, batch, positions, mask, seq)
+        else:
+            losses = model(batch[:, :-1], positions, mask, labels=batch[:, 1:])  # [batch, seq] per-token losses
+            optimizer.scale_loss(losses.float().mean()).backward()  # fp16: times the loss scale (schedules.py)
+            model.finish_grad_sync()
         lr = optimizer.param_groups[0]["lr"]
         ok, _, _ = optimizer.step()
         assert ok
@@ -229,12 +266,14 @@ def _rank(rank: int, tp: int, out_root: str, samples_path: str, config_path: str
         (root / "latest_checkpointed_iteration.txt").write_text(str(iterations))
 
     inner = optimizer.chained_optimizers[0]
-    saved = _joined(dist, tp, megatron_model, {n: _main_state(inner, p) for n, p in megatron_model.named_parameters()})
+    offset = parallel_state.get_pipeline_model_parallel_rank() * gcfg.num_layers // pp  # its first layer
+    saved = _joined(dist, tp * pp, megatron_model,
+                    {n: _main_state(inner, p) for n, p in megatron_model.named_parameters()}, offset)
     scaler = getattr(inner, "grad_scaler", None)
     scales = [dict(scaler.state_dict())] if scaler is not None else []
     lr = train_step(iterations)
-    weights = _joined(dist, tp, megatron_model,
-                      {n: _main_state(inner, p)["fp32_param"] for n, p in megatron_model.named_parameters()})
+    weights = _joined(dist, tp * pp, megatron_model,
+                      {n: _main_state(inner, p)["fp32_param"] for n, p in megatron_model.named_parameters()}, offset)
     scales += [dict(scaler.state_dict())] if scaler is not None else []
     if rank == 0:
         torch.save({"optimizer_state": saved, "next_lr": lr, "weights_after_next": weights,

@@ -19,7 +19,11 @@ megatron-core's model-parallel group: the TP rank at PP1), holding that rank's s
 (QKV/fc1 rows, proj/fc2 columns, the embeddings' vocabulary rows, LayerNorms and row-parallel biases
 whole): the slots are matched against each rank's slices of the saved (global) weights, and the shards'
 state joined by the weights' rules (:func:`megatron_keys.merge_shards`, SwiGLU's per-rank ``[gate; up]``).
-Pipeline-parallel runs (each stage's parameters in its own buffers) are not imported.
+A pipeline-parallel run's stages likewise (``dp_group_idx`` = stage x TP + TP rank), each matched against
+its own parameters only: its layers (Megatron's even split), the embeddings on the first stage, the final
+norm and output layer on the last, where a tied output layer is a copy of the word embeddings with a
+slot of its own (dropped after the match: the first stage's is the parameter). Uneven or virtual
+pipeline splits are not imported.
 """
 from __future__ import annotations
 
@@ -54,8 +58,22 @@ def _buckets(keys) -> dict[tuple, dict[str, str]]:
     return dict(sorted(found.items()))
 
 
-def _in_buffer_order(tensors: dict[str, torch.Tensor], args: dict) -> dict[str, tuple[torch.Tensor, str]]:
-    """The model's weights (gptrain names, fc1 whole) with their tensor-parallel rules, in the order
+# Megatron-LM's arguments for pipeline splits other than num_layers / PP layers per stage
+_UNEVEN = ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers", "pipeline_model_parallel_layout",
+           "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split",
+           "virtual_pipeline_model_parallel_size", "num_layers_per_virtual_pipeline_stage")
+TIED_COPY = "output_layer.weight"  # the last stage's copy of the tied word embeddings
+
+
+def _stage_of(group: int, layer: int, args: dict, pp: int) -> int:
+    """The pipeline stage holding a parameter: group 0 (embeddings) the first, 2 (final norm, output) the last."""
+    if group == 1:
+        return layer // (int(args["num_layers"]) // pp)
+    return 0 if group == 0 else pp - 1
+
+
+def _in_buffer_order(tensors: dict[str, torch.Tensor], args: dict, pp: int) -> dict[str, tuple]:
+    """The model's weights (gptrain names, fc1 whole) with their tensor-parallel rules and stages, in the order
     megatron-core's buffers most likely hold them: its module order reversed. The checkpoint's keys come in
     module order (embeddings, one layer's parameters, final norm, output layer), with the layers stacked,
     so a layer's index goes before the key's."""
@@ -76,8 +94,11 @@ def _in_buffer_order(tensors: dict[str, torch.Tensor], args: dict) -> dict[str, 
                 continue  # the tied copy: not a parameter at one pipeline stage
             if name.startswith("mlp.fc1.") and args.get("swiglu"):
                 rule = llama.GLU  # [gate_i; up_i] per rank
+            stage = _stage_of(group, layer, args, pp)
             name = f"layers.{layer}.{name}" if stacked else name
-            ranked.append(((group, layer, index), name, (value, rule)))
+            ranked.append(((group, layer, index), name, (value, rule, stage)))
+    if pp > 1 and not args.get("untie_embeddings_and_output_weights"):  # the last module of the last stage
+        ranked.append(((3, 0, 0), TIED_COPY, (tensors["embedding.word_embeddings.weight"], "cat0", pp - 1)))
     return {name: value for _, name, value in sorted(ranked, key=lambda r: r[0], reverse=True)}
 
 
@@ -138,19 +159,25 @@ def read_dp_reshardable(folder: Path, metadata, args: dict) -> tuple[dict[str, d
     buckets = _buckets(metadata.state_dict_metadata)
     groups = sorted({key[:2] for key in buckets})
     tp, pp = int(args.get("tensor_model_parallel_size") or 1), int(args.get("pipeline_model_parallel_size") or 1)
-    if pp != 1:
-        raise LayoutNotRecovered(f"a TP{tp} x PP{pp} run's buffers: read for one pipeline stage only")
-    if len({chain for chain, _ in groups}) != 1 or [g for _, g in groups] != list(range(tp)):
-        raise LayoutNotRecovered(f"buffers of data-parallel groups {groups} in a TP{tp} run (one per TP rank "
-                                 "expected)")
-    weights = _in_buffer_order(read_entries(folder, model_keys(folder, metadata)), args)
+    uneven = [a for a in _UNEVEN if args.get(a)] if pp > 1 else []
+    if uneven or int(args["num_layers"]) % pp:
+        raise LayoutNotRecovered(f"a PP{pp} split other than {args['num_layers']} / {pp} layers per stage "
+                                 f"({', '.join(uneven) or 'uneven'})")
+    if len({chain for chain, _ in groups}) != 1 or [g for _, g in groups] != list(range(tp * pp)):
+        raise LayoutNotRecovered(f"buffers of data-parallel groups {groups} in a TP{tp} x PP{pp} run (one per "
+                                 "model-parallel rank expected)")
+    weights = _in_buffer_order(read_entries(folder, model_keys(folder, metadata)), args, pp)
     ranks = []
-    for chain, group in groups:  # the group index is the TP rank at PP1
-        mine = {name: _shard(value, rule, tp, group) for name, (value, rule) in weights.items()}
+    for chain, group in groups:  # megatron-core's model-parallel rank: stage x TP + TP rank
+        stage, tp_rank = divmod(group, tp)
+        mine = {name: _shard(value, rule, tp, tp_rank) for name, (value, rule, s) in weights.items() if s == stage}
         ranks.append(_rank_state(folder, metadata, {k: v for k, v in buckets.items() if k[:2] == (chain, group)},
                                  mine))
-    out = {name: {kind: _join([r[name][kind] for r in ranks], rule, name, folder) for kind in ranks[0][name]}
-           for name, (_, rule) in weights.items()}
+    out = {}
+    for name, (_, rule, stage) in weights.items():
+        if name != TIED_COPY or args.get("untie_embeddings_and_output_weights"):
+            shards = ranks[stage * tp:(stage + 1) * tp]
+            out[name] = {kind: _join([r[name][kind] for r in shards], rule, name, folder) for kind in shards[0][name]}
     param_groups = []
     for chain, group in groups:
         prefix = f"chained_{chain}." if any(k[0] for k in buckets) else ""

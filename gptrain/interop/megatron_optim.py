@@ -14,7 +14,7 @@ mapping (:func:`gptrain.interop.megatron_dist.gptrain_tensors`), so it lands whe
 
 Not imported (:class:`OptimizerNotImported` names the format; the weights load and the optimizer starts
 fresh): the distributed optimizer's dp_zero_gather_scatter and fully_sharded_model_space formats,
-dp_reshardable buffers of PP > 1 runs, another optimizer's state. An fp16 run's DynamicGradScaler
+dp_reshardable buffers of uneven or virtual pipeline splits, another optimizer's state. An fp16 run's DynamicGradScaler
 state (``grad_scaler`` in the common state) comes along as ``loss_scale``. The legacy ``--ckpt-format
 torch`` optimizer is read by :mod:`megatron_legacy_optim`.
 """
@@ -180,8 +180,8 @@ def read_optimizer_state(folder) -> MegatronOptimizerState | None:
     has_main = [name for name, kinds in per_param.items() if "main" in kinds]
     if has_main and len(has_main) != len(per_param):
         raise OptimizerNotImported("fp32 main weights for some parameters only")
-    tp = int(args.get("tensor_model_parallel_size") or 1)
-    shards = f", TP{tp}" if sharding == "dp_reshardable" and tp > 1 else ""  # per-rank buffers, joined here
+    tp, pp = int(args.get("tensor_model_parallel_size") or 1), int(args.get("pipeline_model_parallel_size") or 1)
+    shards = f", TP{tp} x PP{pp}" if sharding == "dp_reshardable" and tp * pp > 1 else ""  # per-rank buffers, joined
     source = f"distributed optimizer, {sharding}{shards}" if sharding else \
         "Float16OptimizerWithFloat16Params" if has_main else "FP32Optimizer"
     scheduler = common.get("opt_param_scheduler")

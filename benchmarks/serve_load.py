@@ -2,7 +2,7 @@
 requests for T seconds; prints requests/s, tokens/s, p50/p99 latency and errors, then checks that
 each seed gives the same text under load as alone. Exits non-zero on any error or difference.
 
-    python3 benchmarks/serve_load.py --url http://127.0.0.1:5000 --clients 32 --seconds 60
+    python3 benchmarks/serve_load.py --url http://127.0.0.1:5000 --clients 32 --seconds 60 [--procs 4]
     python3 benchmarks/serve_load.py --tiny --clients 8 --seconds 10     # starts a tiny CPU model itself
 """
 from __future__ import annotations
@@ -38,17 +38,34 @@ def percentile(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(round(q / 100 * (len(values) - 1))))]
 
 
-def run_load(url: str, clients: int, seconds: float, tokens: int, check: int = 8) -> dict:
+def server_counters(url: str) -> dict[str, float] | None:
+    """The server's unlabelled counters from ``/metrics`` (None when it has none or no parser is here)."""
+    try:
+        from prometheus_client import parser
+
+        with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+            text = r.read().decode()
+    except (ImportError, OSError):
+        return None
+    return {s.name: s.value for family in parser.text_string_to_metric_families(text) for s in family.samples
+            if s.name.endswith("_total") and not s.labels}
+
+
+def _clients(url: str, first: int, count: int, stop: float, tokens: int) -> dict:
+    """Clients ``first .. first + count - 1`` as threads of this process until ``stop`` (monotonic)."""
     latencies, errors, texts = [], [], {}
     lock = threading.Lock()
-    stop = time.monotonic() + seconds
     generated = [0]
     from gptrain.tokenizer import GPT2Tokenizer
 
     tok = GPT2Tokenizer()
+    lengths: dict[int, int] = {}
 
     def prompt_length(seed: int) -> int:
-        return len(tok.encode(body_for(seed, tokens)["prompts"][0]))
+        key = seed % 97
+        if key not in lengths:
+            lengths[key] = len(tok.encode(body_for(seed, tokens)["prompts"][0]))
+        return lengths[key]
 
     def client(c: int) -> None:
         i = 0
@@ -62,24 +79,62 @@ def run_load(url: str, clients: int, seconds: float, tokens: int, check: int = 8
                 with lock:
                     errors.append(f"{type(err).__name__}: {getattr(err, 'reason', err)}")
                 continue
+            elapsed = time.perf_counter() - start
+            made = len(answer["tokens"][0]) - prompt_length(seed)
             with lock:
-                latencies.append(time.perf_counter() - start)
+                latencies.append(elapsed)
                 texts[seed] = answer["text"][0]
-                generated[0] += len(answer["tokens"][0]) - prompt_length(seed)
+                generated[0] += made
 
-    threads = [threading.Thread(target=client, args=(c,)) for c in range(clients)]
-    begin = time.perf_counter()
+    threads = [threading.Thread(target=client, args=(c,)) for c in range(first, first + count)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
+    return {"latencies": latencies, "errors": errors, "texts": texts, "generated": generated[0]}
+
+
+def _clients_star(args) -> dict:
+    return _clients(*args)
+
+
+def run_load(url: str, clients: int, seconds: float, tokens: int, check: int = 8, procs: int = 1) -> dict:
+    """``clients`` closed-loop clients (threads, spread over ``procs`` processes so that the load
+    generator's own interpreter is not the limit)."""
+    before = server_counters(url)
+    begin = time.perf_counter()
+    stop = time.monotonic() + seconds
+    procs = max(1, min(procs, clients))
+    if procs == 1:
+        parts = [_clients(url, 0, clients, stop, tokens)]
+    else:
+        import multiprocessing
+
+        shares = [clients // procs + (i < clients % procs) for i in range(procs)]
+        firsts = [sum(shares[:i]) for i in range(procs)]
+        with multiprocessing.get_context("spawn").Pool(procs) as pool:
+            parts = pool.map(_clients_star, [(url, f, n, stop, tokens) for f, n in zip(firsts, shares)])
     elapsed = time.perf_counter() - begin
+    after = server_counters(url)
+    latencies = [x for part in parts for x in part["latencies"]]
+    errors = [x for part in parts for x in part["errors"]]
+    texts = {k: v for part in parts for k, v in part["texts"].items()}
+    generated = sum(part["generated"] for part in parts)
     # the same seeds again, one at a time: the text must not depend on what ran beside it
     seeds = sorted(texts)[:: max(1, len(texts) // check)][:check]
     mismatches = [s for s in seeds if put(url, body_for(s, tokens))["text"][0] != texts[s]]
+    server = None
+    if before and after:
+        delta = {k: after[k] - before.get(k, 0.0) for k in after}
+        steps = delta.get("gptrain_decode_steps_total", 0.0)
+        if steps:
+            server = {"steps_per_s": steps / elapsed, "rows_per_step": delta["gptrain_decode_rows_total"] / steps,
+                      "joins_per_s": delta["gptrain_prompt_joins_total"] / elapsed,
+                      "device_wait": delta["gptrain_device_wait_seconds_total"] / elapsed}
     return {"requests": len(latencies), "seconds": elapsed, "requests_per_s": len(latencies) / elapsed,
-            "tokens_per_s": generated[0] / elapsed, "p50_s": percentile(latencies, 50),
-            "p99_s": percentile(latencies, 99), "errors": errors, "checked": len(seeds), "mismatches": mismatches}
+            "tokens_per_s": generated / elapsed, "p50_s": percentile(latencies, 50),
+            "p99_s": percentile(latencies, 99), "errors": errors, "checked": len(seeds), "mismatches": mismatches,
+            "server": server}
 
 
 def tiny_server(folder: Path, port: int):
@@ -111,6 +166,7 @@ def main() -> int:
     p.add_argument("--clients", type=int, default=8)
     p.add_argument("--seconds", type=float, default=10)
     p.add_argument("--tokens", type=int, default=32, help="tokens_to_generate per request")
+    p.add_argument("--procs", type=int, default=1, help="processes the clients are spread over")
     args = p.parse_args()
     if not args.url and not args.tiny:
         p.error("give --url or --tiny")
@@ -120,7 +176,7 @@ def main() -> int:
             url = args.url.rstrip("/") if args.url else None
             if url is None:
                 proc, url = tiny_server(Path(tmp) / "tiny-gpt2", args.port)
-            r = run_load(url, args.clients, args.seconds, args.tokens)
+            r = run_load(url, args.clients, args.seconds, args.tokens, procs=args.procs)
         finally:
             if proc is not None:
                 proc.terminate()
@@ -129,6 +185,10 @@ def main() -> int:
           f"{r['tokens_per_s']:.1f} generated tokens/s, latency p50 {r['p50_s'] * 1000:.0f} ms, "
           f"p99 {r['p99_s'] * 1000:.0f} ms, errors {len(r['errors'])}, "
           f"same text alone as under load: {r['checked'] - len(r['mismatches'])}/{r['checked']}")
+    if r["server"]:
+        v = r["server"]
+        print(f"  server: {v['steps_per_s']:.0f} decode steps/s, {v['rows_per_step']:.1f} rows a step, "
+              f"{v['joins_per_s']:.0f} joins/s, host waiting on the device {v['device_wait'] * 100:.0f}% of the time")
     for e in sorted(set(r["errors"]))[:5]:
         print(f"  error: {e}")
     return 1 if r["errors"] or r["mismatches"] or not r["requests"] else 0

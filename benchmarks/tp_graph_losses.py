@@ -8,7 +8,9 @@ compared line by line.
 from __future__ import annotations
 
 import argparse
+import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -20,17 +22,57 @@ MODEL = ("--num-layers 12 --hidden-size 768 --num-attention-heads 12 --seq-lengt
 LOSS = re.compile(r"(iteration\s+(\d+)/.*?lm loss: ([0-9.E+-]+))|(validation loss at iteration (\d+).*?lm loss value: ([0-9.E+-]+))")
 
 
-def losses(argv: list[str]) -> tuple[dict[str, float], float, str]:
+def descendants(pid: int) -> list[int]:
+    """The processes below ``pid`` (from /proc), children first."""
+    parents = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        parents.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in parents.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def signal_quietly(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def losses(argv: list[str], log: Path, timeout: float) -> tuple[dict[str, float], float, str]:
+    """Runs ``argv`` with its output in ``log`` (read even when it runs past ``timeout`` and is killed)."""
     start = time.perf_counter()
-    out = subprocess.run(argv, capture_output=True, text=True)
+    with log.open("w") as f:
+        # PYTHONFAULTHANDLER: a run past its time gets SIGABRT first, so each process prints where it is
+        proc = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, start_new_session=True,
+                                env={**os.environ, "PYTHONFAULTHANDLER": "1"})
+        try:
+            code = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            tree = descendants(proc.pid)  # torchrun's workers may sit in sessions of their own
+            for pid in tree:
+                signal_quietly(pid, signal.SIGABRT)
+            time.sleep(5)
+            for pid in [proc.pid, *tree]:
+                signal_quietly(pid, signal.SIGKILL)
+            proc.wait()
+            code = f"stopped after {timeout:.0f} s (stacks in {log})"
     seconds = time.perf_counter() - start
+    text = log.read_text(errors="replace")
     found = {}
-    for m in LOSS.finditer(out.stdout + out.stderr):
+    for m in LOSS.finditer(text):
         if m.group(1):
             found[f"train {m.group(2)}"] = float(m.group(3))
         else:
             found[f"valid {m.group(5)}"] = float(m.group(6))
-    tail = "" if out.returncode == 0 else f"exit {out.returncode}: {(out.stdout + out.stderr)[-2000:]}"
+    tail = "" if code == 0 else f"exit {code}: {text[-2000:]}"
     return found, seconds, tail
 
 
@@ -51,16 +93,22 @@ def main() -> int:
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--sequence-parallel", action="store_true")
     p.add_argument("--workdir", default="/tmp/gptrain_tp_graph_losses")
+    p.add_argument("--logdir", default=None, help="each run's output (default: --workdir)")
+    p.add_argument("--timeout", type=float, default=300, help="seconds a run may take before it is killed")
     args, extra = p.parse_known_args()
     extra = [a for a in extra if a != "--"]
     base = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.nproc),
             "-m", "gptrain", "train", *MODEL, "--data-path", builtin_data(Path(args.workdir)),
             "--tensor-model-parallel-size", str(args.nproc),
             *(["--sequence-parallel"] if args.sequence_parallel else []), *extra]
-    graphs, t_graphs, err_graphs = losses(base + ["--compile-mode", "reduce-overhead"])
-    print(f"with CUDA graphs: {len(graphs)} logged losses in {t_graphs:.0f} s", flush=True)
-    plain, t_plain, err_plain = losses(base + ["--compile-mode", "default"])
+    logs = Path(args.logdir or args.workdir)
+    logs.mkdir(parents=True, exist_ok=True)
+    # without graphs first: a hang there is the TP training CLI's, not the graphs'
+    plain, t_plain, err_plain = losses(base + ["--compile-mode", "default"], logs / "tp_default.log", args.timeout)
     print(f"--compile-mode default: {len(plain)} logged losses in {t_plain:.0f} s", flush=True)
+    graphs, t_graphs, err_graphs = losses(base + ["--compile-mode", "reduce-overhead"], logs / "tp_graphs.log",
+                                          args.timeout)
+    print(f"with CUDA graphs: {len(graphs)} logged losses in {t_graphs:.0f} s", flush=True)
     what = f"TP{args.nproc}{' + SP' if args.sequence_parallel else ''}"
     for name, err in (("CUDA graphs", err_graphs), ("--compile-mode default", err_plain)):
         if err:

@@ -32,8 +32,19 @@ RUN = {"model": dict(num_layers=2, hidden_size=32, num_attention_heads=4, seq_le
        "clip_grad": 1.0, "global_batch": GLOBAL_BATCH, "iterations": SAVED_AT}
 
 
+_RUNS: dict[str, Path] = {}  # one generator run per configuration a session (the tests only read them)
+
+
 def _megatron_core_run(root: Path, **run) -> Path:
-    """megatron-core's checkpoint at iteration 2 (ROOT/megatron/iter_0000002) and ROOT/megatron/reference.pt."""
+    """megatron-core's checkpoint at iteration 2 (ROOT/megatron/iter_0000002) and ROOT/megatron/reference.pt;
+    a configuration already generated this session gives that run's folder instead."""
+    key = json.dumps(run, sort_keys=True)
+    if key not in _RUNS:
+        _RUNS[key] = _generate(root, **run)
+    return _RUNS[key]
+
+
+def _generate(root: Path, **run) -> Path:
     from gptrain.data.samples import samples_main
 
     # the samples gptrain's training reads in its first three iterations, for megatron-core to train on

@@ -119,6 +119,11 @@ def test_timeout_is_504_counted_and_frees_the_slot(model):
     count = lambda outcome: samples.get(("gptrain_requests_total", (("endpoint", "/api"), ("outcome", outcome))), 0)
     assert count("timeout") == 1 and count("ok") == 1
     assert samples[("gptrain_generated_tokens_total", ())] >= 3
+    # two prompts joined; every step ran the one live row; the host waited on the device (time > 0)
+    assert samples[("gptrain_prompt_joins_total", ())] == 2
+    steps = samples[("gptrain_decode_steps_total", ())]
+    assert steps >= samples[("gptrain_generated_tokens_total", ())] and samples[("gptrain_decode_rows_total", ())] == steps
+    assert samples[("gptrain_device_wait_seconds_total", ())] >= 0
 
 
 def test_a_full_queue_is_503_with_retry_after(model):

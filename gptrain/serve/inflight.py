@@ -134,6 +134,7 @@ class InflightEngine(Engine):
             row.filled = self.decoder.prefill(row.slot, prompt, row.filled, row.params, colon)
             spent += piece
             if row.filled == len(prompt):
+                self.metrics.prompt_joins.inc()
                 row.first = self.decoder.issued
                 self._waiting_rows.popleft()
                 self._release(1)
@@ -150,9 +151,13 @@ class InflightEngine(Engine):
             mode = Mode.of([r.params for r in rows], (self.eol.colon, self.eol.eol) if colon else None)
             used = 1 + max(s for s, r in enumerate(self._slot_rows) if r is not None)
             decoder.step(mode, used)
+            self.metrics.decode_steps.inc()
+            self.metrics.decode_rows.inc(len(rows))
         if decoder.issued == self._read:
             return
+        begin = time.perf_counter()
         t, ids = self._read, decoder.read(self._read)
+        self.metrics.device_wait.inc(time.perf_counter() - begin)
         self._read += 1
         for row in rows:
             if 0 <= row.first <= t and row.slot >= 0 and self._slot_rows[row.slot] is row:

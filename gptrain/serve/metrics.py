@@ -29,6 +29,15 @@ class Metrics:
                               buckets=TTFT_BUCKETS, registry=r)
         self.itl = Histogram("gptrain_inter_token_latency_seconds", "Between two generated tokens of one row",
                              buckets=ITL_BUCKETS, registry=r)
+        # where a server's time goes under load (in-flight batching): steps and the rows they ran, the
+        # prompts that joined, and the host's time blocked on the device (close to the elapsed time: the
+        # device is the limit; far below it: the host is)
+        self.decode_steps = Counter("gptrain_decode_steps", "Decode steps issued to the device", registry=r)
+        self.decode_rows = Counter("gptrain_decode_rows", "Rows decoding, summed over the decode steps",
+                                   registry=r)
+        self.prompt_joins = Counter("gptrain_prompt_joins", "Prompts that joined the running batch", registry=r)
+        self.device_wait = Counter("gptrain_device_wait_seconds",
+                                   "Host time spent waiting for a decode step's ids", registry=r)
 
     def outcome(self, endpoint: str, status: int) -> None:
         self.requests.labels(endpoint=endpoint, outcome=OUTCOMES.get(status, str(status))).inc()

@@ -32,6 +32,7 @@ G27 = ("--num-layers 32 --hidden-size 2560 --num-attention-heads 32 --seq-length
        "--hidden-dropout 0 --attention-dropout 0 --bf16 --compile")
 MODELS = {"345M": M345, "175B": G175, "2.7B": G27}
 GRAPHS = "--compile-mode reduce-overhead"
+NO_GRAPHS = "--compile-mode default"  # tensor parallelism measured before CUDA graphs became its default (s19)
 
 
 @dataclass(frozen=True)
@@ -93,15 +94,15 @@ ROWS = [
     Row("PP2 1F1B 12+12, mbs 16", "h200", 2, f"{mb(16, 128)} {PP2}", 170_840, 15.8, "s8 2xH200"),
     Row("PP2 1F1B 14+10, mbs 16", "h200", 2, f"{mb(16, 128)} {PP2} --decoder-last-pipeline-num-layers 10",
         179_573, 18.2, "s8 2xH200"),
-    Row("TP2, mbs 32, DTensor", "h200", 2, f"{mb(32, 32)} {TP2}", 76_362, 22.2, "s8 2xH200",
+    Row("TP2, mbs 32, DTensor", "h200", 2, f"{mb(32, 32)} {TP2} {NO_GRAPHS}", 76_362, 22.2, "s8 2xH200",
         excluded="DTensor TP, replaced by plain tensors (s14)"),
-    Row("TP2+SP, mbs 32, DTensor", "h200", 2, f"{mb(32, 32)} {TP2} {SP}", 122_096, 20.6, "s8 2xH200",
+    Row("TP2+SP, mbs 32, DTensor", "h200", 2, f"{mb(32, 32)} {TP2} {NO_GRAPHS} {SP}", 122_096, 20.6, "s8 2xH200",
         excluded="DTensor TP, replaced by plain tensors (s14)"),
-    Row("TP2, mbs 32, DTensor", "h200", 2, f"{mb(32, 32)} {TP2}", 150_301, 22.2, "s7 H200x4",
+    Row("TP2, mbs 32, DTensor", "h200", 2, f"{mb(32, 32)} {TP2} {NO_GRAPHS}", 150_301, 22.2, "s7 H200x4",
         excluded="DTensor TP, replaced by plain tensors (s14)"),
-    Row("TP2, mbs 16, DTensor", "h200", 2, f"{mb(16, 16)} {TP2}", 104_232, None, "s7 H200x4",
+    Row("TP2, mbs 16, DTensor", "h200", 2, f"{mb(16, 16)} {TP2} {NO_GRAPHS}", 104_232, None, "s7 H200x4",
         excluded="DTensor TP, replaced by plain tensors (s14)"),
-    Row("TP2, mbs 8, DTensor", "h200", 2, f"{mb(8, 8)} {TP2}", 53_946, None, "s7 H200x4",
+    Row("TP2, mbs 8, DTensor", "h200", 2, f"{mb(8, 8)} {TP2} {NO_GRAPHS}", 53_946, None, "s7 H200x4",
         excluded="DTensor TP, replaced by plain tensors (s14)"),
     Row("DP2, mbs 32", "h200", 2, mb(32, 64), 201_197, 32.01, "s5 2xH200"),
     Row("ZeRO-3 DP2, mbs 32", "h200", 2, f"{mb(32, 64)} --zero-stage 3", 193_309, 29.55, "s5 2xH200"),
@@ -114,20 +115,20 @@ ROWS = [
     Row("PP2 1F1B 12+12, mbs 8, global 64", "h200", 2, f"{mb(8, 64)} {PP2}", 146_412, None, "s6 H200x4"),
     Row("PP2 1F1B 12+12, mbs 8, global 128", "h200", 2, f"{mb(8, 128)} {PP2}", 156_885, None, "s6 H200x4"),
     # the rank simulator (one rank alone, no communication)
-    Row("sim TP2 rank, mbs 16", "h100", 2, f"{mb(16, 16)} {TP2}", 167_109, 12.29, "s14 H100", simulated=True),
-    Row("sim TP2 rank, mbs 16, cuBLASLt linears", "h100", 2, f"{mb(16, 16)} {TP2}", 129_781, 13.03, "s14 H100",
+    Row("sim TP2 rank, mbs 16", "h100", 2, f"{mb(16, 16)} {TP2} {NO_GRAPHS}", 167_109, 12.29, "s14 H100", simulated=True),
+    Row("sim TP2 rank, mbs 16, cuBLASLt linears", "h100", 2, f"{mb(16, 16)} {TP2} {NO_GRAPHS}", 129_781, 13.03, "s14 H100",
         simulated=True, excluded="cuBLASLt linears, which the auto rule no longer picks at 8,192 tokens a rank "
         "(host calls)"),
-    Row("sim TP2+SP rank, mbs 16", "h100", 2, f"{mb(16, 16)} {TP2} {SP}", 130_424, 11.53, "s14 H100",
+    Row("sim TP2+SP rank, mbs 16", "h100", 2, f"{mb(16, 16)} {TP2} {NO_GRAPHS} {SP}", 130_424, 11.53, "s14 H100",
         simulated=True),
-    Row("sim TP2+SP rank, mbs 16, a later call", "h100", 2, f"{mb(16, 16)} {TP2} {SP}", ms(55.6, 16, 2), None,
+    Row("sim TP2+SP rank, mbs 16, a later call", "h100", 2, f"{mb(16, 16)} {TP2} {NO_GRAPHS} {SP}", ms(55.6, 16, 2), None,
         "s14 H100", simulated=True, excluded="host-bound: the same code ran 55.6, 62.8 and 71.7 ms in three calls; "
         "held to the two table rows"),
-    Row("sim TP2 rank, mbs 16", "h100", 2, f"{mb(16, 16)} {TP2}", ms(57.0, 16, 2), None, "s15 H100",
+    Row("sim TP2 rank, mbs 16", "h100", 2, f"{mb(16, 16)} {TP2} {NO_GRAPHS}", ms(57.0, 16, 2), None, "s15 H100",
         simulated=True),
     Row("sim TP2 rank, mbs 16, CUDA graphs", "h100", 2, f"{mb(16, 16)} {TP2} {GRAPHS}", ms(49.1, 16, 2), None,
         "s15 H100", simulated=True),
-    Row("sim TP2+SP rank, mbs 16", "h100", 2, f"{mb(16, 16)} {TP2} {SP}", ms(71.7, 16, 2), None, "s15 H100",
+    Row("sim TP2+SP rank, mbs 16", "h100", 2, f"{mb(16, 16)} {TP2} {NO_GRAPHS} {SP}", ms(71.7, 16, 2), None, "s15 H100",
         simulated=True),
     Row("sim TP2+SP rank, mbs 16, CUDA graphs", "h100", 2, f"{mb(16, 16)} {TP2} {SP} {GRAPHS}", ms(45.2, 16, 2),
         None, "s15 H100", simulated=True),
@@ -135,7 +136,7 @@ ROWS = [
     Row("sim DP2 rank, mbs 16, overlap", "h100", 2, f"{mb(16, 32)} --overlap-grad-reduce", 171_045, 19.74,
         "s14 H100", simulated=True),
     Row("sim TP8+SP rank, 175B stage, 12 layers", "h100", 8,
-        f"--num-layers 12 {mb(1, 8)} --tensor-model-parallel-size 8 {SP} --recompute-activations",
+        f"--num-layers 12 {mb(1, 8)} --tensor-model-parallel-size 8 {SP} --recompute-activations {NO_GRAPHS}",
         ms(490.7, 8, 8, 2048), 53.0, "s14 H100", model="175B", simulated=True),
     Row("sim TP8+SP rank of the 175B TP8 x PP8 plan, first stage (12 of 96 layers), 8 micro-batches", "h100", 64,
         f"--num-layers 96 {mb(1, 8)} --tensor-model-parallel-size 8 --pipeline-model-parallel-size 8 {SP} "
@@ -150,9 +151,9 @@ ROWS = [
     Row("ZeRO-1 DP2, mbs 16", "h200", 2, f"{mb(16, 32)} --zero-stage 1", 136_058, 16.45, "s17 2xH200"),
     Row("ZeRO-2 DP2, mbs 16", "h200", 2, f"{mb(16, 32)} --zero-stage 2", 117_943, 16.45, "s17 2xH200"),
     Row("ZeRO-3 DP2, mbs 16", "h200", 2, f"{mb(16, 32)} --zero-stage 3", 129_942, 15.89, "s17 2xH200"),
-    Row("TP2, mbs 16", "h200", 2, f"{mb(16, 16)} {TP2}", 136_320, 12.29, "s17 2xH200"),
+    Row("TP2, mbs 16", "h200", 2, f"{mb(16, 16)} {TP2} {NO_GRAPHS}", 136_320, 12.29, "s17 2xH200"),
     Row("TP2, mbs 16, CUDA graphs", "h200", 2, f"{mb(16, 16)} {TP2} {GRAPHS}", 137_831, None, "s17 2xH200"),
-    Row("TP2+SP, mbs 16", "h200", 2, f"{mb(16, 16)} {TP2} {SP}", 108_612, 11.53, "s17 2xH200"),
+    Row("TP2+SP, mbs 16", "h200", 2, f"{mb(16, 16)} {TP2} {NO_GRAPHS} {SP}", 108_612, 11.53, "s17 2xH200"),
     Row("TP2+SP, mbs 16, CUDA graphs", "h200", 2, f"{mb(16, 16)} {TP2} {SP} {GRAPHS}", 129_199, None, "s17 2xH200"),
     Row("PP2 1F1B 14+10, mbs 16", "h200", 2, f"{mb(16, 128)} {PP2} --decoder-last-pipeline-num-layers 10",
         176_737, 18.23, "s17 2xH200"),

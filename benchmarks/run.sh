@@ -11,7 +11,7 @@
 #               same run (nccl_bench.py first); 2-GPU layouts from 2 GPUs, 4-GPU layouts from 4; with
 #               one GPU it says so and exits 0; ONLY="1gpu dp2 ..." picks layouts (and nccl)
 #   ranks       the rank simulator on one GPU: one rank of TP2 / TP2+SP (345M, micro-batch 16; each also
-#               with CUDA graphs, --compile-mode reduce-overhead) beside the 1-GPU step, a TP8+SP rank of a 175B pipeline stage (12 layers, 8 micro-batches), and the
+#               with and without CUDA graphs, their default under TP) beside the 1-GPU step, a TP8+SP rank of a 175B pipeline stage (12 layers, 8 micro-batches), and the
 #               start-up of a rank of the 175B TP8 x PP8 plan (world 64)
 #   decode      decode_speed.py: the 345M (bf16, random init) at batch 1 and 32, 32-token prompts,
 #               256 new tokens, greedy: fused loop, CUDA-graph loop, eager and HF generate (if
@@ -112,20 +112,20 @@ suite_train() {
 
 # LAYOUT list: "GPUS:MICRO_BATCH:GLOBAL_BATCH:NAME:FLAGS"; the baseline (nanoGPT, under DDP at DP) runs
 # beside the 1-GPU and plain data-parallel rows only. Names ending _mbN are the layout at another micro-batch.
-GRAPHS="--compile-mode reduce-overhead"
+NO_GRAPHS="--compile-mode default"  # tensor parallelism runs CUDA graphs by default (train/build.py)
 LAYOUTS2=("1:16:16:1gpu:" "2:16:32:dp2:" "2:16:32:dp2_overlap:--overlap-grad-reduce --no-baseline"
           "2:16:32:zero1_dp2:--zero-stage 1 --no-baseline" "2:16:32:zero2_dp2:--zero-stage 2 --no-baseline"
           "2:16:32:zero3_dp2:--zero-stage 3 --no-baseline"
           "2:16:16:tp2:--tensor-model-parallel-size 2 --no-baseline"
-          "2:16:16:tp2_graphs:--tensor-model-parallel-size 2 $GRAPHS --no-baseline"
+          "2:16:16:tp2_no_graphs:--tensor-model-parallel-size 2 $NO_GRAPHS --no-baseline"
           "2:16:16:tp2_sp:--tensor-model-parallel-size 2 --sequence-parallel --no-baseline"
-          "2:16:16:tp2_sp_graphs:--tensor-model-parallel-size 2 --sequence-parallel $GRAPHS --no-baseline"
+          "2:16:16:tp2_sp_no_graphs:--tensor-model-parallel-size 2 --sequence-parallel $NO_GRAPHS --no-baseline"
           "2:16:16:tp2_sp_async:--tensor-model-parallel-size 2 --sequence-parallel --tp-comm-overlap --no-baseline"
           "2:16:128:pp2:--pipeline-model-parallel-size 2 --decoder-last-pipeline-num-layers 10 --no-baseline"
           "2:16:128:pp2_interleaved:--pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 6 --no-baseline"
           "1:32:32:1gpu_mb32:" "2:32:64:dp2_mb32:" "2:32:64:zero3_dp2_mb32:--zero-stage 3 --no-baseline"
-          "2:32:32:tp2_graphs_mb32:--tensor-model-parallel-size 2 $GRAPHS --no-baseline"
-          "2:32:32:tp2_sp_graphs_mb32:--tensor-model-parallel-size 2 --sequence-parallel $GRAPHS --no-baseline")
+          "2:32:32:tp2_mb32:--tensor-model-parallel-size 2 --no-baseline"
+          "2:32:32:tp2_sp_mb32:--tensor-model-parallel-size 2 --sequence-parallel --no-baseline")
 LAYOUTS4=("4:16:128:dp4:--no-baseline" "4:32:64:tp2_dp2:--tensor-model-parallel-size 2 --no-baseline"
           "4:16:128:tp2_pp2:--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 --no-baseline"
           "4:32:32:tp4:--tensor-model-parallel-size 4 --no-baseline"
@@ -194,10 +194,10 @@ suite_ranks() {
   local rc=0
   run ranks/1gpu_mb16.txt "$PY" benchmarks/train_throughput.py "${BENCH[@]}" --warmup 4 --iters 10 \
     --micro-batch-size 16 --global-batch-size 16 "$@" || rc=1
-  # each TP rank also with CUDA graphs over the compiled step (--compile-mode reduce-overhead), which
-  # takes the host's launches off the critical path
-  for v in "tp2::" "tp2_sp::--sequence-parallel" "tp2_graphs::--compile-mode reduce-overhead" \
-           "tp2_sp_graphs::--sequence-parallel --compile-mode reduce-overhead"; do
+  # each TP rank with CUDA graphs over the compiled step (the default for TP on GPUs, which takes the
+  # host's launches off the critical path) and without them (--compile-mode default)
+  for v in "tp2::" "tp2_sp::--sequence-parallel" "tp2_no_graphs::--compile-mode default" \
+           "tp2_sp_no_graphs::--sequence-parallel --compile-mode default"; do
     IFS=: read -r name _ flags <<< "$v"
     # shellcheck disable=SC2086
     run ranks/sim_${name}_mb16.txt "$PY" benchmarks/train_throughput.py "${BENCH[@]}" --warmup 4 --iters 10 \

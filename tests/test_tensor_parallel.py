@@ -220,3 +220,27 @@ def test_async_tensor_parallelism_rewrites_the_sequence_parallel_matmuls():
     finally:
         dist.destroy_process_group()
         torch._dynamo.reset()
+
+
+def test_cuda_graphs_are_the_default_for_tensor_parallelism_on_gpus():
+    """Where the whole step compiles as one graph, a TP rank on GPUs runs CUDA graphs unless told
+    otherwise; one GPU, the CPU, pipelines, ZeRO, overlapped reduction and async TP keep torch's default."""
+    from gptrain.train.build import parallel_dims, step_compile_mode
+
+    base = "--mock-data --train-iters 1 --num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 " \
+           "--max-position-embeddings 32 --micro-batch-size 2 --bf16"
+
+    def mode(flags: str, world: int, cuda: bool = True):
+        cfg, _ = parse_megatron_args(f"{base} {flags}".split(), world_size=world)
+        return step_compile_mode(cfg, parallel_dims(cfg, world), cuda)
+
+    tp2 = "--compile --tensor-model-parallel-size 2"
+    assert mode(tp2, 2) == "reduce-overhead"
+    assert mode(f"{tp2} --sequence-parallel", 2) == "reduce-overhead"
+    assert mode(f"{tp2} --compile-mode default", 2) == "default"
+    assert mode(tp2, 2, cuda=False) is None
+    assert mode("--compile", 1) is None and mode("--tensor-model-parallel-size 2", 2) is None  # not compiled
+    assert mode(f"{tp2} --pipeline-model-parallel-size 2 --global-batch-size 4", 4) is None
+    assert mode(f"{tp2} --zero-stage 3", 4) is None
+    assert mode(f"{tp2} --overlap-grad-reduce", 4) is None
+    assert mode(f"{tp2} --sequence-parallel --tp-comm-overlap", 2) is None

@@ -63,7 +63,9 @@ def close_distributed(model=None) -> None:
             from gptrain.inference.host_loop import release_model_caches
 
             release_model_caches(model)
-        dist.destroy_process_group()
+        from gptrain.parallel.teardown import end_process_group
+
+        end_process_group()
 
 
 def is_rank0() -> bool:

@@ -35,7 +35,7 @@ from gptrain.config import RunConfig
 from gptrain.parallel.dims import ParallelDims
 from gptrain.plan.hardware import Gpu
 from gptrain.plan.memory import block_params
-from gptrain.train.build import overlap_grad_reduce
+from gptrain.train.build import overlap_grad_reduce, step_compile_mode
 
 ELEMENTWISE_BYTES = 80.0  # per token, per hidden unit, per block: fitted to the 345M step's element-wise time
 LOSS_BYTES = 8.0  # per token per vocabulary entry: the loss's passes over the half-precision logits
@@ -118,7 +118,7 @@ def gather_s(nbytes: float, ranks: int, gbps: float) -> float:
 def host_kind(cfg: RunConfig, dims: ParallelDims, sp: bool) -> str | None:
     """Which measured host cost per block and micro-batch applies (calibration's host_ms_per_layer):
     graphs replayed by CUDA graphs never wait on the host."""
-    if cfg.train.compile_mode == "reduce-overhead":
+    if step_compile_mode(cfg, dims, cuda=True) == "reduce-overhead":
         return None
     if not cfg.train.compile:
         return "eager"

@@ -144,9 +144,13 @@ def build_training(cfg: RunConfig, device: torch.device, dims: ParallelDims, mes
                           cfg.train.micro_batch_size * cfg.model.seq_length, fp8=bool(p.fp8),
                           compiled=cfg.train.compile, zero3=dims.sharded and dims.zero_stage == 3,
                           tensor_parallel=dims.tp)
+    mode = step_compile_mode(cfg, dims, device.type == "cuda")
     forward, layout = parallelize(train_module, model, dims, mesh, cfg.kernels.recompute, param_dtype,
-                                  cfg.train.compile, cfg.train.compile_mode, cfg.parallel.sequence_parallel, chunks,
+                                  cfg.train.compile, mode, cfg.parallel.sequence_parallel, chunks,
                                   per_block=overlap_grad_reduce(cfg, dims), comm_overlap=cfg.parallel.tp_comm_overlap)
+    if mode != cfg.train.compile_mode:
+        impls["compile"] = ("CUDA graphs over the compiled step (--compile-mode reduce-overhead, the default for "
+                            "tensor parallelism on GPUs; --compile-mode default leaves them out)")
     impls["parameters"] = describe_sharding(dims, overlap_grad_reduce(cfg, dims), cfg.parallel.grad_reduce_in_bf16)
     init_device = torch.device("cpu") if dims.cpu_offload else device
     train_module.to_empty(device=init_device)
@@ -185,6 +189,19 @@ def build_training(cfg: RunConfig, device: torch.device, dims: ParallelDims, mes
         impls["pipeline"] = pipeline.describe()
     return TrainingParts(model, train_module, forward, main, opt_params, optimizer, dims, mesh, impls, fp8_layers,
                          pipeline, layout, buckets)
+
+
+def step_compile_mode(cfg: RunConfig, dims: ParallelDims, cuda: bool) -> str | None:
+    """torch.compile's mode for the step: the flag's; by default CUDA graphs (reduce-overhead) for tensor
+    parallelism on GPUs where the whole step compiles as one graph, since a TP rank's smaller kernels and
+    its collectives otherwise leave the GPU waiting on the host's launches (benchmarks/RESULTS.md, the
+    rank simulator); ``--compile-mode default`` leaves them out."""
+    mode = cfg.train.compile_mode
+    if mode is not None or not cfg.train.compile or dims.tp == 1 or not cuda:
+        return mode
+    if dims.sharded or dims.pp > 1 or overlap_grad_reduce(cfg, dims) or cfg.parallel.tp_comm_overlap:
+        return None  # blocks compiled one by one, or async TP (which graphs do not take)
+    return "reduce-overhead"
 
 
 def overlap_grad_reduce(cfg: RunConfig, dims: ParallelDims) -> bool:

@@ -15,6 +15,7 @@ from gptrain.device import pick_device
 from gptrain.parallel import simulate
 from gptrain.parallel.dims import init_distributed, is_logging_rank, world_from_env
 from gptrain.parallel.layout import parameter_counts
+from gptrain.parallel.teardown import end_process_group
 from gptrain.parallel.parallelize import describe_sharding
 from gptrain.train.build import build_training, parallel_dims, parameter_count
 from gptrain.train import heartbeat, signals
@@ -167,6 +168,8 @@ def _train_main(argv: list[str], log=None) -> TrainResult:
         trainer = Trainer(cfg, parts, train_ds, valid_ds, test_ds, device, log)
         log(_precision_line(cfg, parts, device))
         log(f" > parameters: {parts.impls['parameters']}")
+        if "compile" in parts.impls:
+            log(f" > compile: {parts.impls['compile']}")
         if parts.pipeline is not None:
             log(f" > pipeline: {parts.impls['pipeline']}")
         if "gradient reduction" in parts.impls:
@@ -212,5 +215,5 @@ def _train_main(argv: list[str], log=None) -> TrainResult:
         signals.uninstall()
         heartbeat.stop()
         if torch.distributed.is_initialized() and torch.distributed.get_backend() != "fake":
-            torch.distributed.destroy_process_group()  # a simulated world ends with its context
+            end_process_group()  # a simulated world ends with its context
     return TrainResult.of(0, trainer)

@@ -29,7 +29,7 @@ def drive(decoder: SlotDecoder, requests: list[tuple[list[int], SamplingParams]]
                 filled = 0
                 while filled < len(prompt):
                     filled = decoder.prefill(slots[i], prompt, filled, params, False)
-                first[i] = decoder.first_step(len(prompt))  # a fed prompt's own steps come first
+                first[i] = decoder.issued
         live = [i for i in range(n) if first[i] is not None and not done[i]]
         mode = Mode.of([requests[i][1] for i in live] or [SamplingParams(temperature=0.0)])
         while decoder.issued - read < AHEAD:
@@ -74,25 +74,6 @@ def test_joins_keep_their_tokens_on_cpu():
     assert not decoder.join.use_graph
 
 
-def test_a_fed_prompt_gives_the_prefilled_prompts_tokens():
-    """A short prompt fed through the decode steps (``PromptFeed``) against the same prompt prefilled
-    (``feed=0``), in fp32: the same tokens, sampled with Megatron's top-p decay too (the decay starts
-    at the first new token, not during the prompt), also when it joins a running batch."""
-    model = tiny_model(seed=4)
-    gen = torch.Generator().manual_seed(5)
-    prompts = [torch.randint(0, 300, (n,), generator=gen).tolist() for n in (3, 16, 9)]
-    params = [SamplingParams(max_new_tokens=14, seed=7, top_p=0.9, top_p_decay=0.9, top_p_bound=0.3),
-              SamplingParams(max_new_tokens=10, temperature=0.0),
-              SamplingParams(max_new_tokens=12, seed=8, top_k=20, temperature=1.3)]
-    requests = list(zip(prompts, params))
-    fed, prefilled = SlotDecoder(model, 4, chunk=32, padded=True), SlotDecoder(model, 4, chunk=32, padded=True, feed=0)
-    assert all(fed.fed(len(p)) for p in prompts) and not any(prefilled.fed(len(p)) for p in prompts)
-    for decoder in (fed, prefilled):
-        decoder.outcome = drive(decoder, requests, [0, 1, 2], [0, 2, 5])
-    assert fed.outcome == prefilled.outcome
-    assert fed.outcome[0] == drive(fed, [requests[0]], [3], [0])[0]  # alone, in another slot
-
-
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the GPU lane)")
 
 
@@ -105,6 +86,6 @@ def test_joins_through_graphs_keep_their_tokens(dtype, no_tf32):
     fp32 = dtype == torch.float32
     decoder = check_joins(model, SlotDecoder(model, 4, chunk=32), greedy_is_generate=fp32)
     assert decoder.join is not None and decoder.join.use_graph
-    assert sorted(decoder.join.graphs) == [32]  # one graph per padded length (prompts of 16 or less are fed)
+    assert sorted(decoder.join.graphs) == [16, 32]  # one graph per padded length
     decoder.warm_up()  # the step graphs of every bucket; joins after it keep their tokens
     check_joins(model, decoder, greedy_is_generate=fp32)

@@ -98,10 +98,7 @@ class RowDecoder(RowSampling):
     faster for one row; its numbers differ from the batched kernels' in the last bits, so a seeded
     text can differ from the same request's in a batch)."""
 
-    def __init__(self, model: GPT, batch: int, use_graph: bool = True, single_stream: bool = False, feed: int = 0):
-        """``feed``: rows may take prompts of up to this many tokens through their steps (slots.py):
-        a row whose position is before its ``prompt_end`` feeds its prompt's token there instead of
-        choosing one."""
+    def __init__(self, model: GPT, batch: int, use_graph: bool = True, single_stream: bool = False):
         if not plain_model(model):
             raise ValueError("the fused decode step needs the model's plain modules (no kernel swap, "
                              "no tensor parallelism)")
@@ -129,9 +126,6 @@ class RowDecoder(RowSampling):
         self.chosen, self.positions = zeros(batch), zeros(batch)  # a step's ids, and where each row feeds them
         self.x = zeros(batch, cfg.hidden_size, dtype=dtype)  # the residual stream of a step
         self._init_sampling(batch, window, dev)
-        self.feed = feed
-        if feed:
-            self.prompt_ids, self.prompt_end = zeros(batch, feed), zeros(batch)
         self.graphs: dict[Mode, torch.cuda.CUDAGraph] = {}
         self.pool = None
         self.prefill_graphs = prefill_graphs_for(model) if self.use_graph else None
@@ -161,17 +155,10 @@ class RowDecoder(RowSampling):
         else:
             chosen = sample(logits, self.temperature[:b], self.top_k[:b], self.top_p[:b], self.seeds[:b],
                             self.start[:b] + self.step_index)
-        sampled = None  # rows that chose their token (not inside a prompt they feed)
-        if self.feed:
-            position = self.start[:b] + self.step_index
-            sampled = position >= self.prompt_end[:b]
-            fed = self.prompt_ids[:b].gather(1, position.clamp(0, self.feed - 1)[:, None])[:, 0]
-            chosen = torch.where(sampled, chosen, fed)
         if mode.decay:
             top_p, decay = self.top_p[:b], self.decay[:b]
             decayed = torch.maximum(top_p * decay, self.bound[:b])
-            decays = (decay > 0) & (top_p > 0) if sampled is None else (decay > 0) & (top_p > 0) & sampled
-            top_p.copy_(torch.where(decays, decayed, top_p))
+            top_p.copy_(torch.where((decay > 0) & (top_p > 0), decayed, top_p))
         if mode.logprobs or mode.top_n:
             self._record_logprobs(logits, chosen, at, mode.top_n)
         return chosen

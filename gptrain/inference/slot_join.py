@@ -25,50 +25,6 @@ from gptrain.inference.rows import PrefillGraphs, prefill_bucket
 FLOATS, SLOT, LAST, CURRENT, START, TOP_K, SEED, COLON, TOKENS = 0, 2, 3, 4, 5, 6, 7, 8, 9
 
 
-def pack(slot: int, prompt: list[int], start: int, params: SamplingParams, colon: bool, length: int) -> torch.Tensor:
-    """A join's numbers on the host (pinned where CUDA is present: its copy then queues behind the
-    running steps without waiting for them), the prompt padded with zeros to ``length``."""
-    host = torch.zeros(TOKENS + length, dtype=torch.long)
-    host[FLOATS:SLOT].view(torch.float32).copy_(torch.tensor(
-        [params.temperature, params.top_p, params.top_p_decay, params.top_p_bound]))
-    host[SLOT:TOKENS] = torch.tensor([slot, len(prompt) - 1, prompt[-1], start, params.top_k, params.seed, int(colon)])
-    host[TOKENS:TOKENS + len(prompt)] = torch.tensor(prompt)
-    return host.pin_memory() if torch.cuda.is_available() else host
-
-
-def load_settings(rows, packed: torch.Tensor) -> None:
-    """The row's start, current token and sampling settings from ``packed`` into its slot (device
-    indices only)."""
-    slot = packed[SLOT:SLOT + 1]
-    for buf, at in ((rows.current, CURRENT), (rows.start, START), (rows.top_k, TOP_K), (rows.seeds, SEED)):
-        buf.index_copy_(0, slot, packed[at:at + 1])
-    rows.colon_rows.index_copy_(0, slot, packed[COLON:COLON + 1] != 0)
-    floats = packed[FLOATS:SLOT].view(torch.float32)
-    for i, buf in enumerate((rows.temperature, rows.top_p, rows.decay, rows.bound)):
-        buf.index_copy_(0, slot, floats[i:i + 1])
-
-
-class PromptFeed:
-    """A short prompt (at most ``rows.feed`` tokens) joining without a prefill: its tokens and settings
-    written into the slot (one copy, a few small kernels), and the row's steps feed it from position
-    0 (rows.py's ``choose``), so a join costs the device no forward of its own, only the running
-    steps' rows it occupies. Its numbers are those of the decode steps, alone or under load."""
-
-    def __init__(self, rows):
-        self.rows = rows
-        self.packed = torch.zeros(TOKENS + rows.feed, dtype=torch.long, device=rows.logits.device)
-
-    @torch.no_grad()
-    def run(self, slot: int, prompt: list[int], start: int, params: SamplingParams, colon: bool) -> None:
-        """``prompt`` into ``slot``, whose position ``start + step`` is 0 at the next step."""
-        n, rows = len(prompt), self.rows
-        self.packed[:TOKENS + n].copy_(pack(slot, prompt, start, params, colon, n), non_blocking=True)
-        index = self.packed[SLOT:SLOT + 1]
-        rows.prompt_ids[:, :n].index_copy_(0, index, self.packed[None, TOKENS:TOKENS + n])
-        rows.prompt_end.index_copy_(0, index, self.packed[LAST:LAST + 1] + 1)
-        load_settings(rows, self.packed)
-
-
 class SlotJoin:
     def __init__(self, decoder, stage: PrefillGraphs):
         """``decoder``: the ``SlotDecoder`` (its rows, and its graphs' memory pool, shared)."""
@@ -81,7 +37,15 @@ class SlotJoin:
     def run(self, slot: int, prompt: list[int], start: int, params: SamplingParams, colon: bool) -> None:
         """``prompt`` into ``slot``, which decodes from position ``start + step`` from the next step."""
         length = prefill_bucket(len(prompt), self.rows.window)
-        self.packed[:TOKENS + length].copy_(pack(slot, prompt, start, params, colon, length), non_blocking=True)
+        host = torch.zeros(TOKENS + length, dtype=torch.long)
+        host[FLOATS:SLOT].view(torch.float32).copy_(torch.tensor(
+            [params.temperature, params.top_p, params.top_p_decay, params.top_p_bound]))
+        host[SLOT:TOKENS] = torch.tensor([slot, len(prompt) - 1, prompt[-1], start, params.top_k, params.seed,
+                                          int(colon)])
+        host[TOKENS:TOKENS + len(prompt)] = torch.tensor(prompt)
+        if self.packed.is_cuda:  # pinned: the copy is queued behind the running steps, no wait
+            host = host.pin_memory()
+        self.packed[:TOKENS + length].copy_(host, non_blocking=True)
         if not self.use_graph:
             self._join(length)
             return
@@ -104,4 +68,9 @@ class SlotJoin:
         stage._forward(length)
         rows.kv[:, :, :, :, :length].index_copy_(2, slot, stage.cache.kv[:, :, :, :, :length])
         rows.logits.index_copy_(0, slot, stage.logits)
-        load_settings(rows, packed)
+        for buf, at in ((rows.current, CURRENT), (rows.start, START), (rows.top_k, TOP_K), (rows.seeds, SEED)):
+            buf.index_copy_(0, slot, packed[at:at + 1])
+        rows.colon_rows.index_copy_(0, slot, packed[COLON:COLON + 1] != 0)
+        floats = packed[FLOATS:SLOT].view(torch.float32)
+        for i, buf in enumerate((rows.temperature, rows.top_p, rows.decay, rows.bound)):
+            buf.index_copy_(0, slot, floats[i:i + 1])

@@ -34,23 +34,20 @@ from gptrain.inference.generate import SamplingParams
 from gptrain.inference.host_loop import StepReader, capture
 from gptrain.inference.kv_cache import forward_cached
 from gptrain.inference.rows import PrefillGraphs, RowCache, RowDecoder, prefill_bucket
-from gptrain.inference.slot_join import PromptFeed, SlotJoin
+from gptrain.inference.slot_join import SlotJoin
 from gptrain.kernels.ln_fold import refresh_ln_constants
 
 PREFILL_CHUNK = 256  # prompt tokens prefilled between two decode steps (at most, piece boundaries fixed)
-FEED_PROMPT = 16  # prompts of at most this many tokens go in through the decode steps (PromptFeed)
 
 
 class SlotDecoder:
     def __init__(self, model, slots: int, use_graph: bool = True, chunk: int = PREFILL_CHUNK,
-                 padded: bool | None = None, feed: int = FEED_PROMPT):
+                 padded: bool | None = None):
         """``padded``: prompts of one piece join through ``SlotJoin`` (default: on CUDA with graphs;
-        True elsewhere runs it eagerly, for tests). ``feed``: prompts of at most this many tokens go
-        in through the decode steps instead (0: none)."""
+        True elsewhere runs it eagerly, for tests)."""
         # its own RowDecoder, not the model's cached one: the server's batch path may run that one
         # between two of this decoder's steps
-        self.rows = RowDecoder(model, bucket(slots), use_graph=use_graph, feed=feed)
-        self.feed = PromptFeed(self.rows) if feed else None
+        self.rows = RowDecoder(model, bucket(slots), use_graph=use_graph)
         self.model, self.slots, self.chunk = model, slots, chunk
         self.window = self.rows.window
         self.use_graph = self.rows.use_graph
@@ -77,8 +74,6 @@ class SlotDecoder:
         """``slot`` decodes nothing from the next step: position 0 onwards, its ids never read."""
         self.parked.add(slot)
         self.rows.start[slot] = -self._device_step()
-        if self.feed is not None:
-            self.rows.prompt_end[slot] = 0
 
     @torch.no_grad()
     def prefill(self, slot: int, prompt: list[int], begin: int, params: SamplingParams, colon: bool) -> int:
@@ -88,9 +83,6 @@ class SlotDecoder:
         if begin == 0:
             self.parked.discard(slot)
             refresh_ln_constants()  # weights changed in place since the last request (cheap if not)
-            if self.fed(len(prompt)):
-                self.feed.run(slot, prompt, -self._device_step(), params, colon)
-                return len(prompt)
             if self.join is not None and len(prompt) <= self.chunk:
                 self.join.run(slot, prompt, len(prompt) - self._device_step(), params, colon)
                 return len(prompt)
@@ -106,15 +98,6 @@ class SlotDecoder:
             rows._load_row(slot, params, colon)
             rows.start[slot] = len(prompt) - self._device_step()
         return end
-
-    def fed(self, length: int) -> bool:
-        """Whether a prompt of ``length`` tokens goes in through the decode steps."""
-        return self.feed is not None and length <= self.rows.feed
-
-    def first_step(self, length: int) -> int:
-        """The host number of the step giving the first new token of a prompt of ``length`` tokens
-        that went in just now (a fed prompt's own tokens come first)."""
-        return self.issued + (length if self.fed(length) else 0)
 
     # ---- steps
     @torch.no_grad()

@@ -135,7 +135,7 @@ class InflightEngine(Engine):
             spent += piece
             if row.filled == len(prompt):
                 self.metrics.prompt_joins.inc()
-                row.first = self.decoder.first_step(len(prompt))
+                row.first = self.decoder.issued
                 self._waiting_rows.popleft()
                 self._release(1)
 

@@ -220,6 +220,12 @@ def main() -> None:
                   f"prefill included; first call with Triton compiles and capture {first:.1f} s); greedy tokens "
                   f"identical to eager gptrain for the first {min(agree)} (mean {sum(agree) / len(agree):.0f}) of {n}",
                   flush=True)
+        # the same rows sampled as serve_load.py's requests (temperature 0.8, top-p 0.9, a seed each): the
+        # engine figure a server under that load is held against (the choice adds a sort and the noise)
+        sampled = [SamplingParams(max_new_tokens=n, temperature=0.8, top_p=0.9, seed=i) for i in range(b)]
+        t_sampled, _ = timed(lambda: fused_generate(model, rows, sampled), args.repeats)
+        print(f"batch {b:3d}: gptrain (fused, sampled: temperature 0.8, top-p 0.9) {b * n / t_sampled:10.1f} tokens/s "
+              f"({1e3 * t_sampled / n:.3f} ms/step, prefill included)", flush=True)
         if b == 1:
             single = row_decoder_for(model, 1, batch_invariant=False)
             print(f"  single-stream step graph: {replay_ms(single.graphs[Mode()]):.3f} ms per replay", flush=True)

@@ -113,7 +113,9 @@ suite_train() {
 # LAYOUT list: "GPUS:MICRO_BATCH:GLOBAL_BATCH:NAME:FLAGS"; the baseline (nanoGPT, under DDP at DP) runs
 # beside the 1-GPU and plain data-parallel rows only. Names ending _mbN are the layout at another micro-batch.
 NO_GRAPHS="--compile-mode default"  # tensor parallelism runs CUDA graphs by default (train/build.py)
+GRAPHS="--compile-mode reduce-overhead"
 LAYOUTS2=("1:16:16:1gpu:" "2:16:32:dp2:" "2:16:32:dp2_overlap:--overlap-grad-reduce --no-baseline"
+          "2:16:32:dp2_overlap_graphs:--overlap-grad-reduce $GRAPHS --no-baseline"
           "2:16:32:zero1_dp2:--zero-stage 1 --no-baseline" "2:16:32:zero2_dp2:--zero-stage 2 --no-baseline"
           "2:16:32:zero3_dp2:--zero-stage 3 --no-baseline"
           "2:16:16:tp2:--tensor-model-parallel-size 2 --no-baseline"

@@ -39,7 +39,8 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def server_counters(url: str) -> dict[str, float] | None:
-    """The server's unlabelled counters from ``/metrics`` (None when it has none or no parser is here)."""
+    """The server's counters from ``/metrics`` (unlabelled ones, and the loop's phases as
+    ``phase:NAME``; None when it has none or no parser is here)."""
     try:
         from prometheus_client import parser
 
@@ -47,12 +48,19 @@ def server_counters(url: str) -> dict[str, float] | None:
             text = r.read().decode()
     except (ImportError, OSError):
         return None
-    return {s.name: s.value for family in parser.text_string_to_metric_families(text) for s in family.samples
-            if s.name.endswith("_total") and not s.labels}
+    found = {}
+    for family in parser.text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "gptrain_loop_seconds_total":
+                found[f"phase:{sample.labels['phase']}"] = sample.value
+            elif sample.name.endswith("_total") and not sample.labels:
+                found[sample.name] = sample.value
+    return found
 
 
-def _clients(url: str, first: int, count: int, stop: float, tokens: int) -> dict:
-    """Clients ``first .. first + count - 1`` as threads of this process until ``stop`` (monotonic)."""
+def _clients(url: str, first: int, count: int, start: float, stop: float, tokens: int) -> dict:
+    """Clients ``first .. first + count - 1`` as threads of this process from ``start`` to ``stop``
+    (wall-clock times, the same in every process)."""
     latencies, errors, texts = [], [], {}
     lock = threading.Lock()
     generated = [0]
@@ -69,7 +77,7 @@ def _clients(url: str, first: int, count: int, stop: float, tokens: int) -> dict
 
     def client(c: int) -> None:
         i = 0
-        while time.monotonic() < stop:
+        while time.time() < stop:
             seed = c * 100000 + i
             i += 1
             start = time.perf_counter()
@@ -87,6 +95,7 @@ def _clients(url: str, first: int, count: int, stop: float, tokens: int) -> dict
                 generated[0] += made
 
     threads = [threading.Thread(target=client, args=(c,)) for c in range(first, first + count)]
+    time.sleep(max(0.0, start - time.time()))
     for t in threads:
         t.start()
     for t in threads:
@@ -102,19 +111,20 @@ def run_load(url: str, clients: int, seconds: float, tokens: int, check: int = 8
     """``clients`` closed-loop clients (threads, spread over ``procs`` processes so that the load
     generator's own interpreter is not the limit)."""
     before = server_counters(url)
-    begin = time.perf_counter()
-    stop = time.monotonic() + seconds
     procs = max(1, min(procs, clients))
+    # every process starts its clients at the same moment, once all are up (spawning takes a while)
+    start = time.time() + (0.0 if procs == 1 else 5.0)
+    stop = start + seconds
     if procs == 1:
-        parts = [_clients(url, 0, clients, stop, tokens)]
+        parts = [_clients(url, 0, clients, start, stop, tokens)]
     else:
         import multiprocessing
 
         shares = [clients // procs + (i < clients % procs) for i in range(procs)]
         firsts = [sum(shares[:i]) for i in range(procs)]
         with multiprocessing.get_context("spawn").Pool(procs) as pool:
-            parts = pool.map(_clients_star, [(url, f, n, stop, tokens) for f, n in zip(firsts, shares)])
-    elapsed = time.perf_counter() - begin
+            parts = pool.map(_clients_star, [(url, f, n, start, stop, tokens) for f, n in zip(firsts, shares)])
+    elapsed = time.time() - start  # to the last answer (clients finish the request they are in)
     after = server_counters(url)
     latencies = [x for part in parts for x in part["latencies"]]
     errors = [x for part in parts for x in part["errors"]]
@@ -130,7 +140,9 @@ def run_load(url: str, clients: int, seconds: float, tokens: int, check: int = 8
         if steps:
             server = {"steps_per_s": steps / elapsed, "rows_per_step": delta["gptrain_decode_rows_total"] / steps,
                       "joins_per_s": delta["gptrain_prompt_joins_total"] / elapsed,
-                      "device_wait": delta["gptrain_device_wait_seconds_total"] / elapsed}
+                      "device_wait": delta["gptrain_device_wait_seconds_total"] / elapsed,
+                      "phases_us": {k[6:]: 1e6 * v / steps for k, v in delta.items()
+                                    if k.startswith("phase:") and k != "phase:idle"}}
     return {"requests": len(latencies), "seconds": elapsed, "requests_per_s": len(latencies) / elapsed,
             "tokens_per_s": generated / elapsed, "p50_s": percentile(latencies, 50),
             "p99_s": percentile(latencies, 99), "errors": errors, "checked": len(seeds), "mismatches": mismatches,
@@ -189,6 +201,8 @@ def main() -> int:
         v = r["server"]
         print(f"  server: {v['steps_per_s']:.0f} decode steps/s, {v['rows_per_step']:.1f} rows a step, "
               f"{v['joins_per_s']:.0f} joins/s, host waiting on the device {v['device_wait'] * 100:.0f}% of the time")
+        if v["phases_us"]:
+            print("  decode loop per step (us): " + ", ".join(f"{k} {x:.0f}" for k, x in v["phases_us"].items()))
     for e in sorted(set(r["errors"]))[:5]:
         print(f"  error: {e}")
     return 1 if r["errors"] or r["mismatches"] or not r["requests"] else 0

@@ -95,6 +95,10 @@ class HuggingFaceTokenizer:
     def decode(self, ids) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
 
+    def token_texts(self, ids) -> list[str]:
+        """Each id's own text (``decode([id])`` of each)."""
+        return [self.decode([i]) for i in ids]
+
     def token_byte_lengths(self) -> np.ndarray:
         """UTF-8 bytes of text each id stands for (0 for special tokens): bits per byte in evaluate."""
         from gptrain.tokenizer import _byte_decoder

@@ -129,6 +129,10 @@ class GPT2Tokenizer:
     def decode(self, ids) -> str:
         return self._enc.decode([int(i) for i in ids], errors="replace")
 
+    def token_texts(self, ids) -> list[str]:
+        """Each id's own text (``decode([id])`` of each, in one call)."""
+        return [b.decode("utf-8", errors="replace") for b in self._enc.decode_tokens_bytes([int(i) for i in ids])]
+
     def describe(self) -> dict:
         return {
             "type": "GPT2BPETokenizer",
@@ -165,6 +169,9 @@ class NullTokenizer:
 
     def decode(self, ids) -> str:
         return " ".join(str(int(i)) for i in ids)
+
+    def token_texts(self, ids) -> list[str]:
+        return [str(int(i)) for i in ids]
 
     def describe(self) -> dict:
         return {"type": "NullTokenizer", "sha256": self.fingerprint, "vocab_size": self.vocab_size,

@@ -15,7 +15,7 @@ import time
 import uuid
 
 from fastapi import FastAPI, Request
-from fastapi.responses import HTMLResponse, Response, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 
 from gptrain.serve import megatron_api, openai_api
 from gptrain.serve.engine import Engine, Job, QueueFull, Timeout, TooLarge
@@ -65,6 +65,10 @@ def build_app(engine: Engine, model_name: str, max_body_bytes: int = 1 << 20, lo
     def guarded(endpoint: str, handler):
         async def wrapper(request: Request):
             response = await answer(request)
+            if isinstance(response, dict):
+                # the answers are plain JSON types already: FastAPI's jsonable_encoder would walk every
+                # token id and log-probability of them again (the largest host cost of a request)
+                response = JSONResponse(response)
             if not isinstance(response, StreamingResponse):  # a stream counts its outcome when it ends
                 metrics.outcome(endpoint, getattr(response, "status_code", 200))
             return response

@@ -28,6 +28,19 @@ from gptrain.inference.slots import PREFILL_CHUNK, SlotDecoder
 from gptrain.serve.engine import Cancelled, Engine, Job, _settle
 
 
+END_CHECK_S = 0.005  # how often running jobs are checked for a client gone or a time-out
+
+
+def _guarded(on_token):
+    """A job's stream hook whose exception ends only its own row."""
+    def hook(index: int, token: int):
+        try:
+            return on_token(index, token)
+        except Exception:  # noqa: BLE001 - a broken stream must not end the other rows
+            return True
+    return hook
+
+
 @dataclass
 class _Row:
     task: "_Task"
@@ -57,6 +70,9 @@ class InflightEngine(Engine):
         self._waiting_rows: deque[_Row] = deque()  # taken from the queue, no slot yet
         self._slot_rows: list[_Row | None] = [None] * max_batch
         self._read = 0  # the next step to read
+        self._live: tuple | None = None  # (decoding rows, their Mode, slots used), None: to recompute
+        self._checked = 0.0  # when jobs were last checked for cancellation and time-outs
+        self._occupied = 0  # slots holding a row
         super().__init__(model, tokenizer, max_batch=max_batch, max_queue=max_queue, generate_fn=generate_fn,
                          request_timeout=request_timeout)
 
@@ -65,12 +81,21 @@ class InflightEngine(Engine):
 
     # ---- the worker thread
     def _run(self) -> None:
+        clock = self.metrics.loop
         while not self._stop.is_set() or self._tasks:
             try:
+                begin = time.perf_counter()
+                idle = not self._tasks
                 self._take()
-                self._end_tasks()
+                if begin - self._checked >= END_CHECK_S:
+                    self._end_tasks()
+                    self._checked = begin
+                taken = time.perf_counter()
+                clock.add("idle" if idle else "take", taken - begin)
                 self._admit()
-                self._advance()
+                admitted = time.perf_counter()
+                clock.add("admit", admitted - taken)
+                self._advance(clock, admitted)
             except Exception as err:  # noqa: BLE001 - reported to every running request
                 self._fail_all(err)
             self.busy = bool(self._tasks)
@@ -105,7 +130,7 @@ class InflightEngine(Engine):
     def _admit(self) -> None:
         """Waiting rows into free slots: prompts in pieces, at most ``chunk`` tokens of them while
         rows decode (the first piece always)."""
-        budget = self.decoder.chunk if self._decoding() else float("inf")
+        budget = self.decoder.chunk if self._live_rows()[0] else float("inf")
         spent = 0
         while self._waiting_rows:
             row = self._waiting_rows[0]
@@ -126,6 +151,8 @@ class InflightEngine(Engine):
                     return
                 row.slot = free[0]
                 self._slot_rows[row.slot] = row
+                self._live = None
+                self._occupied += 1
                 self._occupancy()
             piece = min(len(prompt), (row.filled // self.decoder.chunk + 1) * self.decoder.chunk) - row.filled
             if spent and spent + piece > budget:
@@ -136,51 +163,65 @@ class InflightEngine(Engine):
             if row.filled == len(prompt):
                 self.metrics.prompt_joins.inc()
                 row.first = self.decoder.issued
+                self._live = None
                 self._waiting_rows.popleft()
                 self._release(1)
 
     def _decoding(self) -> list[_Row]:
         return [r for r in self._slot_rows if r is not None and r.first >= 0]
 
-    def _advance(self) -> None:
-        """Issues steps up to ``AHEAD`` ahead of the oldest unread, then reads that one."""
-        decoder = self.decoder
-        rows = self._decoding()
-        while rows and decoder.issued - self._read < AHEAD:
+    def _live_rows(self) -> tuple[list[_Row], Mode, int]:
+        """The decoding rows, the Mode of their steps and the slots a step covers (recomputed only when a
+        row joins, starts decoding or leaves)."""
+        if self._live is None:
+            rows = self._decoding()
             colon = any(r.task.job.no_newline_after_colon for r in rows)
             mode = Mode.of([r.params for r in rows], (self.eol.colon, self.eol.eol) if colon else None)
-            used = 1 + max(s for s, r in enumerate(self._slot_rows) if r is not None)
+            used = 1 + max((s for s, r in enumerate(self._slot_rows) if r is not None), default=0)
+            self._live = (rows, mode, used)
+        return self._live
+
+    def _advance(self, clock, begin: float) -> None:
+        """Issues steps up to ``AHEAD`` ahead of the oldest unread, then reads that one."""
+        decoder = self.decoder
+        rows, mode, used = self._live_rows()
+        issued = 0
+        while rows and decoder.issued - self._read < AHEAD:
             decoder.step(mode, used)
-            self.metrics.decode_steps.inc()
-            self.metrics.decode_rows.inc(len(rows))
+            issued += 1
+        if issued:
+            self.metrics.decode_steps.inc(issued)
+            self.metrics.decode_rows.inc(issued * len(rows))
         if decoder.issued == self._read:
+            clock.add("issue", time.perf_counter() - begin)
             return
-        begin = time.perf_counter()
+        asked = time.perf_counter()
+        clock.add("issue", asked - begin)
         t, ids = self._read, decoder.read(self._read)
-        self.metrics.device_wait.inc(time.perf_counter() - begin)
+        now = time.perf_counter()
+        clock.add("wait", now - asked)
+        self.metrics.device_wait.inc(now - asked)
         self._read += 1
+        delivered = 0
         for row in rows:
             if 0 <= row.first <= t and row.slot >= 0 and self._slot_rows[row.slot] is row:
-                self._token(row, ids[row.slot])
+                self._token(row, ids[row.slot], now)
+                delivered += 1
+        if delivered:
+            self.metrics.generated_tokens.inc(delivered)
+        clock.add("tokens", time.perf_counter() - now)
 
-    def _token(self, row: _Row, token: int) -> None:
-        now = time.perf_counter()
+    def _token(self, row: _Row, token: int, now: float) -> None:
         job = row.task.job
-        (self.metrics.ttft.observe(now - job.submitted) if row.last is None else self.metrics.itl.observe(now - row.last))
+        if row.last is None:
+            self.metrics.ttft.observe(now - job.submitted)
+        else:
+            self.metrics.itl.observe(now - row.last)
         row.last = now
         row.gen.tokens.append(token)
         row.count += 1
-        self.metrics.generated_tokens.inc()
-
-        def hook(index: int, tok: int):
-            if job.on_token is None:
-                return None
-            try:
-                return job.on_token(index, tok)
-            except Exception:  # noqa: BLE001 - a broken stream must not end the other rows
-                return True
-
-        if row_done(row.gen, row.index, token, row.count, row.params, self.eol, hook):
+        if row_done(row.gen, row.index, token, row.count, row.params, self.eol,
+                    None if job.on_token is None else _guarded(job.on_token)):
             self._row_ended(row)
 
     def _row_ended(self, row: _Row) -> None:
@@ -195,12 +236,14 @@ class InflightEngine(Engine):
 
     def _free(self, row: _Row) -> None:
         self._slot_rows[row.slot] = None
+        self._live = None
+        self._occupied -= 1
         self.decoder.park(row.slot)
         row.slot = -1
         self._occupancy()  # before its job's answer goes out
 
     def _occupancy(self) -> None:
-        self.metrics.batch(sum(r is not None for r in self._slot_rows))
+        self.metrics.batch(self._occupied)
 
     def _end(self, task: _Task, error: BaseException) -> None:
         for row in task.rows:

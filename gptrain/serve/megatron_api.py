@@ -123,7 +123,7 @@ def response(results: list[Generation], tokenizer, logprobs: bool) -> dict:
     of tokens 1.. (given the ones before), and the token ids."""
     return {
         "text": [tokenizer.decode(g.tokens) for g in results],
-        "segments": [[tokenizer.decode([t]) for t in g.tokens] for g in results],
+        "segments": [tokenizer.token_texts(g.tokens) for g in results],
         "logprobs": [g.logprobs[1:] for g in results] if logprobs else None,
         "tokens": [g.tokens for g in results],
     }

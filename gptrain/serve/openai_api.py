@@ -160,7 +160,7 @@ def completion_text(g: Generation, tokenizer, stops: list[str]) -> tuple[str, li
 def logprobs_block(g: Generation, tokens_from: int, upto: int, tokenizer, top_n: int) -> dict:
     """OpenAI's logprobs object for positions [tokens_from, upto) of ``g``."""
     ids = g.tokens[tokens_from:upto]
-    texts = [tokenizer.decode([t]) for t in ids]
+    texts = tokenizer.token_texts(ids)
     offsets, pos = [], 0
     for t in texts:
         offsets.append(pos)

@@ -57,7 +57,7 @@ def load_for_inference(path: str | Path, device: torch.device | str = "cpu", dty
 
         ckpt = read_megatron_checkpoint(path)
         cfg = _inference_config(ckpt.gpt_config(tokenizer.vocab_size if tokenizer else None))
-        full = GPT(cfg)
+        full = GPT.unset(cfg)
         full.load_state_dict({k: v.float() for k, v in ckpt.model_state_dict().items()}, strict=True)
     else:
         cfg, data, root = _gptrain_config(path)
@@ -75,13 +75,11 @@ def load_for_inference(path: str | Path, device: torch.device | str = "cpu", dty
         if model is None:
             from gptrain.train.checkpoint import load_checkpoint
 
-            model = GPT(cfg)
+            model = GPT.unset(cfg)
             load_checkpoint(path, dict(model.named_parameters()), None, cfg.vocab_size, load_rng=False, path=root)
     model = model.to(device=device, dtype=dtype).eval()
     if tp_mesh is not None:
-        from gptrain.inference.tensor_parallel import retie
-
-        retie(model)
+        model.tie_output_layer()
     return Loaded(model, tokenizer, kind, path.resolve().name, None if tp_mesh is None else tp_mesh.get_group())
 
 
@@ -96,7 +94,7 @@ def check_layout(cfg: GPTConfig, tp: int) -> None:
 
 
 def _load_sharded(cfg: GPTConfig, mesh, device: torch.device, full: GPT | None, root: Path | None) -> GPT:
-    from gptrain.inference.tensor_parallel import localize, retie
+    from gptrain.inference.tensor_parallel import localize
     from gptrain.parallel.shards import copy_full_into
     from gptrain.parallel.tensor_parallel import apply_tensor_parallel
 
@@ -107,7 +105,7 @@ def _load_sharded(cfg: GPTConfig, mesh, device: torch.device, full: GPT | None, 
         model = GPT(cfg)
     layout = apply_tensor_parallel(model, mesh)
     model.to_empty(device=device)
-    retie(model)
+    model.tie_output_layer()
     with torch.no_grad():
         if full is None:
             from gptrain.train.checkpoint import load_checkpoint

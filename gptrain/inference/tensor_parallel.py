@@ -103,12 +103,6 @@ def localize(model: GPT, group) -> GPT:
     return model
 
 
-def retie(model: GPT) -> None:
-    """The output layer's weight is the embedding's again (after ``to`` or ``to_empty``), where tied."""
-    if not model.cfg.untie_embeddings_and_output_weights:
-        model.output_layer.weight = model.word_embeddings.weight
-
-
 class StepSync:
     """``generate``'s per-step hook: one broadcast from rank 0 of (batch + 1) int64 on the model's
     device, the chosen ids and the go-on flag. The other ranks feed rank 0's ids, so a row's text

@@ -79,7 +79,7 @@ def from_hf_state_dict(hf_sd: dict[str, torch.Tensor], cfg: GPTConfig, where: st
     if "lm_head.weight" in sd and not torch.equal(sd["lm_head.weight"].to(wte.dtype), wte):
         raise ValueError(f"{where}: lm_head.weight differs from transformer.wte.weight (an untied output layer); "
                          "gptrain's output layer is the word embeddings")
-    model = GPT(cfg)
+    model = GPT.unset(cfg)  # every weight loaded below (strict)
     word = torch.zeros(cfg.padded_vocab_size, cfg.hidden_size, dtype=wte.dtype)
     word[: cfg.vocab_size] = wte
     ours = {"word_embeddings.weight": word, "position_embeddings.weight": sd["transformer.wpe.weight"],

@@ -269,6 +269,28 @@ class GPT(nn.Module):
             self.final_layernorm = None
             self.output_layer = None
 
+    @classmethod
+    def unset(cls, cfg: GPTConfig) -> "GPT":
+        """The model on the CPU with its weights' memory unset, for a strict load that writes every one
+        of them: PyTorch's default init of every layer costs seconds at the 345M."""
+        with torch.device("meta"):
+            model = cls(cfg)
+        model.to_empty(device="cpu")
+        model.tie_output_layer()
+        model.reset_buffers()
+        return model
+
+    def tie_output_layer(self) -> None:
+        """The output layer's weight is the word embeddings' again where they are tied (``to_empty``
+        and a sharding ``to`` make new tensors)."""
+        if self.output_layer is not None and not self.cfg.untie_embeddings_and_output_weights:
+            self.output_layer.weight = self.word_embeddings.weight
+
+    def reset_buffers(self) -> None:
+        """The buffers' starting values (none is saved in a checkpoint): after ``to_empty`` of a model
+        built on the meta device, before its weights are loaded or drawn."""
+        self.dropout_step.zero_()
+
     @torch.no_grad()
     def init_weights(self, seed: int, tp_region=None) -> None:
         """Megatron's init: N(0, std) weights, output projections N(0, std / sqrt(2 L)), zero biases.
@@ -283,7 +305,7 @@ class GPT(nn.Module):
         from gptrain.model.init_draw import normal_region, uniform_stream
         from gptrain.parallel.shards import local, local_region
 
-        self.dropout_step.zero_()
+        self.reset_buffers()
         scaled_std = self.cfg.init_method_std / math.sqrt(2.0 * self.cfg.num_layers)
         held = dict(self.named_parameters())
         for name, shape in full_parameter_shapes(self.cfg):

@@ -154,8 +154,7 @@ def build_training(cfg: RunConfig, device: torch.device, dims: ParallelDims, mes
     impls["parameters"] = describe_sharding(dims, overlap_grad_reduce(cfg, dims), cfg.parallel.grad_reduce_in_bf16)
     init_device = torch.device("cpu") if dims.cpu_offload else device
     train_module.to_empty(device=init_device)
-    if model.output_layer is not None and not cfg.model.untie_embeddings_and_output_weights:
-        model.output_layer.weight = model.word_embeddings.weight  # to_empty makes new tensors: tie again
+    model.tie_output_layer()  # to_empty made new tensors
     model.init_weights(cfg.data.seed, layout.region if dims.tp > 1 else None)
     main = None
     if p.half_params and not dims.sharded:

@@ -169,6 +169,11 @@ ROWS = [
     Row("TP2+SP, mbs 16, async TP", "h200", 2, f"{mb(16, 16)} {TP2} {SP} --tp-comm-overlap", 51_408, 11.60,
         "s19 2xH200", excluded="async TP (--tp-comm-overlap): the planner has no model of inductor's "
         "symmetric-memory rewrite (2.5x slower here, host-bound)"),
+    # two H200s, another machine of the kind, one call (s20): TP runs CUDA graphs by default now
+    Row("1 GPU, mbs 16", "h200", 1, mb(16, 16), 212_859, 18.38, "s20 2xH200"),
+    Row("TP2, mbs 16 (CUDA graphs by default)", "h200", 2, f"{mb(16, 16)} {TP2}", 137_492, None, "s20 2xH200"),
+    Row("DP2 overlap, mbs 16, CUDA graphs", "h200", 2, f"{mb(16, 32)} --overlap-grad-reduce {GRAPHS}", 187_976, None,
+        "s20 2xH200"),
     # one H200, one call (s17)
     Row("1 GPU, mbs 64", "h200", 1, mb(64, 64), 217_298, 59.27, "s17 H200"),
     Row("2.7B, 1 GPU, mbs 16, full recompute", "h200", 1, f"{mb(16, 16)} --recompute-granularity full "

@@ -67,37 +67,38 @@ def loss_scale_state(scaler, materialize=lambda t: t) -> dict | None:
             "hysteresis_tracker": int(scaler.get("hysteresis_tracker", 0))}
 
 
+def _dicts(tree):
+    """Every dict of a nested structure of dicts, lists and tuples (an optimizer's common state), in
+    pre-order."""
+    if isinstance(tree, dict):
+        yield tree
+        for value in tree.values():
+            yield from _dicts(value)
+    elif isinstance(tree, (list, tuple)):
+        for value in tree:
+            yield from _dicts(value)
+
+
 def _grad_scalers(tree) -> list:
     """Every ``grad_scaler`` entry in an optimizer's common state (one per chained optimizer)."""
-    if isinstance(tree, dict):
-        found = [tree["grad_scaler"]] if isinstance(tree.get("grad_scaler"), dict) else []
-        return found + [s for k, v in tree.items() if k != "grad_scaler" for s in _grad_scalers(v)]
-    if isinstance(tree, (list, tuple)):
-        return [s for v in tree for s in _grad_scalers(v)]
-    return []
+    return [d["grad_scaler"] for d in _dicts(tree) if isinstance(d.get("grad_scaler"), dict)]
 
 
 def _steps(tree) -> list:
     """Every step in an optimizer's saved state: ``common_step`` (one per chained optimizer), or the
     param_groups' ``step`` (the distributed optimizer's)."""
-    if isinstance(tree, dict):
-        found = [tree["common_step"]] if "common_step" in tree else []
-        if isinstance(tree.get("param_groups"), list):
-            found += [g["step"] for g in tree["param_groups"] if isinstance(g, dict) and "step" in g]
-        return found + [s for k, v in tree.items() if k != "param_groups" for s in _steps(v)]
-    if isinstance(tree, (list, tuple)):
-        return [s for v in tree for s in _steps(v)]
-    return []
+    found = []
+    for d in _dicts(tree):
+        if "common_step" in d:
+            found.append(d["common_step"])
+        if isinstance(d.get("param_groups"), list):
+            found += [g["step"] for g in d["param_groups"] if isinstance(g, dict) and "step" in g]
+    return found
 
 
 def _sharding_types(tree) -> set:
     """The distributed optimizer's ``param_state_sharding_type`` values in the common state."""
-    if isinstance(tree, dict):
-        found = {tree["param_state_sharding_type"]} if "param_state_sharding_type" in tree else set()
-        return found.union(*(_sharding_types(v) for v in tree.values()))
-    if isinstance(tree, (list, tuple)):
-        return set().union(*(_sharding_types(v) for v in tree))
-    return set()
+    return {d["param_state_sharding_type"] for d in _dicts(tree) if "param_state_sharding_type" in d}
 
 
 def _gptrain_names(tensors: dict[str, torch.Tensor], args: dict, folder: Path) -> dict[str, torch.Tensor]:

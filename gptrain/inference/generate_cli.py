@@ -103,8 +103,12 @@ def _generate(args) -> int:
     from gptrain.inference.fast import plain_model
     from gptrain.inference.generate import SamplingParams, generate
     from gptrain.inference.text import TextStream
+    from gptrain.start_clock import StartClock
 
+    clock = StartClock()
+    clock.mark("imports")
     loaded = load_from_flags(args)
+    clock.mark("load")
     tok = loaded.tokenizer
     prompt = tok.encode(args.prompt) or [tok.eod]  # an empty prompt starts at <|endoftext|>
     params = SamplingParams(max_new_tokens=args.tokens, temperature=0.0 if args.greedy else args.temperature,
@@ -143,6 +147,9 @@ def _generate(args) -> int:
         generate(model, [prompt], params, on_token=show)
     if out:
         out.write(stream.flush() + "\n")
+        out.flush()
+        clock.mark("generation, first-call compiles and capture included")
+        print(f"gptrain generate: done in {clock.line()}", file=sys.stderr, flush=True)
     return 0
 
 

@@ -43,20 +43,25 @@ def serve_main(argv: list[str]) -> int:
         from gptrain.serve.app import build_app
     except ImportError as err:
         return _fail(_missing(err))
+    from gptrain.start_clock import StartClock
+
+    clock = StartClock()
+    clock.mark("imports")
     loaded = None
     try:
         try:
             loaded = load_from_flags(args)
         except (OSError, ValueError) as err:
             return _fail(str(err))
+        clock.mark("load")
         if loaded.group is None:
-            return _serve(args, loaded, uvicorn, build_app)
+            return _serve(args, loaded, uvicorn, build_app, clock=clock)
         # tensor parallelism: rank 0 serves, the others follow it (serve/tensor_parallel.py)
         from gptrain.serve.tensor_parallel import WorkChannel, follow
 
         channel = WorkChannel()
         if channel.rank == 0:
-            return _serve(args, loaded, uvicorn, build_app, channel)
+            return _serve(args, loaded, uvicorn, build_app, channel, clock=clock)
         _hold_signals()  # rank 0 decides when to stop (torchrun signals every rank)
         batches = follow(loaded.model, channel, loaded.group, use_graph=not args.no_cuda_graph)
         print(f"gptrain serve: rank {channel.rank}: stopped after {batches} batches", flush=True)
@@ -65,7 +70,7 @@ def serve_main(argv: list[str]) -> int:
         close_distributed(loaded.model if loaded is not None else None)  # its captured graphs first
 
 
-def _serve(args, loaded, uvicorn, build_app, channel=None) -> int:
+def _serve(args, loaded, uvicorn, build_app, channel=None, clock=None) -> int:
     from gptrain.inference.fast import plain_model
     from gptrain.serve.engine import Engine
 
@@ -112,6 +117,9 @@ def _serve(args, loaded, uvicorn, build_app, channel=None) -> int:
     print(f"gptrain serve: {loaded.kind} model {loaded.name} ({model.cfg.num_layers} layers, "
           f"{model.cfg.max_position_embeddings} positions) on {model.word_embeddings.weight.device}, {how}, "
           f"http://{args.host}:{args.port}/", flush=True)
+    if clock is not None:
+        clock.mark("warm-up")
+        print(f"gptrain serve: ready in {clock.line()}", flush=True)
     _hold_signals()  # uvicorn shuts down on SIGINT/SIGTERM, then re-raises it: end normally instead
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level="warning")

@@ -17,7 +17,8 @@
 #               256 new tokens, greedy: fused loop, CUDA-graph loop, eager and HF generate (if
 #               transformers is installed), --profile
 #   serve       a 345M checkpoint (2 training iterations on synthetic data), `gptrain serve` on it,
-#               serve_load.py with 32 clients then 1, the server stopped; with 2 GPUs serve_tp.py too
+#               serve_load.py with 32 clients then 1, the server stopped; serve_host_profile.py (the same load
+#               with a stack sampler in the server's process); with 2 GPUs serve_tp.py too
 #   checkpoint  ckpt_save.py: the 345M training state saved (sync, async) and loaded, 3 times each
 #   preprocess  preprocess.py: `gptrain preprocess` against raw tiktoken on 100 MB of text (CPU)
 #   lane        the GPU test lane (pytest -m gpu on the kernel and decode tests), then `gptrain demo`
@@ -273,6 +274,8 @@ suite_serve() {
   run serve/load32.txt "$PY" benchmarks/serve_load.py --url "http://127.0.0.1:$port" --clients 32 --seconds 30 --tokens 64 "$@" || rc=1
   run serve/load1.txt "$PY" benchmarks/serve_load.py --url "http://127.0.0.1:$port" --clients 1 --seconds 15 --tokens 64 "$@" || rc=1
   stop_server
+  # the same load against the server built in one process with a stack sampler: where the host threads wait
+  run serve/host_profile.txt "$PY" benchmarks/serve_host_profile.py --load "$ck" --clients 32 --seconds 15 --procs 2 || rc=1
   if [ "$(gpu_count)" -ge 2 ]; then
     run serve/serve_tp.txt "$PY" benchmarks/serve_tp.py --nproc 2 --new-tokens 128 --batch-sizes 1 32 \
       --workdir "$WORK/serve_tp" || rc=1

@@ -124,6 +124,8 @@ def test_timeout_is_504_counted_and_frees_the_slot(model):
     steps = samples[("gptrain_decode_steps_total", ())]
     assert steps >= samples[("gptrain_generated_tokens_total", ())] and samples[("gptrain_decode_rows_total", ())] == steps
     assert samples[("gptrain_device_wait_seconds_total", ())] >= 0
+    phases = {dict(labels)["phase"]: v for (name, labels), v in samples.items() if name == "gptrain_loop_seconds_total"}
+    assert set(phases) == {"idle", "take", "admit", "issue", "wait", "tokens"} and phases["tokens"] > 0, phases
 
 
 def test_a_full_queue_is_503_with_retry_after(model):

@@ -17,6 +17,8 @@ gradient share one buffer, and the backward is two matmuls of that gradient scal
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -47,8 +49,11 @@ def _chunk_loss_and_grads(h_chunk, w, y, vocab_size: int, inv_tokens: float):
     return loss, g @ w, g.T @ h_chunk
 
 
-# torch.compile wraps lazily: nothing compiles until the first fused loss under --compile
-_compiled_chunk = torch.compile(_chunk_loss_and_grads, dynamic=False)
+@functools.cache
+def _compiled_chunk():
+    """The chunk kernel through torch.compile, wrapped on first use: the wrapping imports inductor, about a
+    second of every process that imports the training stack (dry runs, each torchrun worker)."""
+    return torch.compile(_chunk_loss_and_grads, dynamic=False)
 
 
 def _compute_dtype(t: torch.Tensor) -> torch.dtype:
@@ -64,7 +69,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         n_tokens = h.shape[0]
         # a power of two tokens per chunk keeps every chunk but perhaps the last one shape (one compile)
         chunk = 1 << max(0, (CHUNK_ELEMENTS // weight.shape[0]).bit_length() - 1)
-        fn = _compiled_chunk if compiled else _chunk_loss_and_grads
+        fn = _compiled_chunk() if compiled else _chunk_loss_and_grads
         with torch.autocast(h.device.type, enabled=False):
             w = weight.to(dtype)
             hc = h.to(dtype)

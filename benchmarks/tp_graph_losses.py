@@ -8,6 +8,7 @@ compared line by line.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import re
 import signal
@@ -40,10 +41,8 @@ def descendants(pid: int) -> list[int]:
 
 
 def signal_quietly(pid: int, sig: int) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError):  # it ended meanwhile
         os.kill(pid, sig)
-    except ProcessLookupError:
-        pass
 
 
 def losses(argv: list[str], log: Path, timeout: float) -> tuple[dict[str, float], float, str]:

@@ -200,7 +200,6 @@ class InflightEngine(Engine):
         t, ids = self._read, decoder.read(self._read)
         now = time.perf_counter()
         clock.add("wait", now - asked)
-        self.metrics.device_wait.inc(now - asked)
         self._read += 1
         delivered = 0
         for row in rows:

@@ -41,9 +41,7 @@ class Metrics:
         self.decode_rows = Counter("gptrain_decode_rows", "Rows decoding, summed over the decode steps",
                                    registry=r)
         self.prompt_joins = Counter("gptrain_prompt_joins", "Prompts that joined the running batch", registry=r)
-        self.device_wait = Counter("gptrain_device_wait_seconds",
-                                   "Host time spent waiting for a decode step's ids", registry=r)
-        self.loop = LoopClock(r)
+        self.loop = LoopClock(r)  # also gptrain_device_wait_seconds: its "wait" phase
 
     def outcome(self, endpoint: str, status: int) -> None:
         self.requests.labels(endpoint=endpoint, outcome=OUTCOMES.get(status, str(status))).inc()
@@ -102,9 +100,10 @@ class BatchedHistogram:
 
 class LoopClock:
     """Where the in-flight decode loop's wall time goes, by phase (``gptrain_loop_seconds``): ``idle``
-    (nothing running: waiting for a request), ``take`` (the queue, ended and expired jobs), ``admit`` (prompts into slots), ``issue`` (steps queued to the
-    device), ``wait`` (blocked on a step's ids: the device is behind), ``tokens`` (each row's new token:
-    stop rules, streams, answers). Plain floats on the loop's thread, read at ``/metrics``."""
+    (nothing running: waiting for a request), ``take`` (the queue, ended and expired jobs), ``admit``
+    (prompts into slots), ``issue`` (steps queued to the device), ``wait`` (blocked on a step's ids: the
+    device is behind; also exposed alone as ``gptrain_device_wait_seconds``), ``tokens`` (each row's new
+    token: stop rules, streams, answers). Plain floats on the loop's thread, read at ``/metrics``."""
 
     PHASES = ("idle", "take", "admit", "issue", "wait", "tokens")
 
@@ -115,13 +114,20 @@ class LoopClock:
     def add(self, phase: str, seconds: float) -> None:
         self.seconds[phase] += seconds
 
+    @staticmethod
+    def _families() -> tuple[CounterMetricFamily, CounterMetricFamily]:
+        return (CounterMetricFamily("gptrain_loop_seconds", "The in-flight decode loop's wall time by phase",
+                                    labels=["phase"]),
+                CounterMetricFamily("gptrain_device_wait_seconds", "Host time spent waiting for a decode step's ids"))
+
     def collect(self):
-        family = CounterMetricFamily("gptrain_loop_seconds", "The in-flight decode loop's wall time by phase",
-                                     labels=["phase"])
-        for phase, value in list(self.seconds.items()):
-            family.add_metric([phase], value)
-        yield family
+        phases, wait = self._families()
+        seconds = dict(self.seconds)
+        for phase, value in seconds.items():
+            phases.add_metric([phase], value)
+        wait.add_metric([], seconds["wait"])
+        yield phases
+        yield wait
 
     def describe(self):
-        return [CounterMetricFamily("gptrain_loop_seconds", "The in-flight decode loop's wall time by phase",
-                                    labels=["phase"])]
+        return list(self._families())

@@ -19,6 +19,8 @@
 #   serve       a 345M checkpoint (2 training iterations on synthetic data), `gptrain serve` on it,
 #               serve_load.py with 32 clients then 1, the server stopped; serve_host_profile.py (the same load
 #               with a stack sampler in the server's process); with 2 GPUs serve_tp.py too
+#   startup     start_up.py: `gptrain generate` and `gptrain serve` start-up from a new process, cold then
+#               warm caches (bytecode cached as a pip install leaves it), where the seconds go
 #   checkpoint  ckpt_save.py: the 345M training state saved (sync, async) and loaded, 3 times each
 #   preprocess  preprocess.py: `gptrain preprocess` against raw tiktoken on 100 MB of text (CPU)
 #   lane        the GPU test lane (pytest -m gpu on the kernel and decode tests), then `gptrain demo`
@@ -56,7 +58,7 @@ BENCH=("${M345[@]}" --hidden-dropout 0 --attention-dropout 0 --bf16 --compile)
 TORCHRUN=("$PY" -m torch.distributed.run --standalone --nproc-per-node)
 SERVER_PID=
 
-usage() { sed -n '2,45p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,48p' "$0" | sed 's/^# \{0,1\}//'; }
 
 # run LOG CMD...: print the command, run it, its output to the screen and to $OUT/LOG
 run() {
@@ -247,17 +249,31 @@ stop_server() {
 trap stop_server EXIT
 trap 'stop_server; exit 130' INT TERM
 
+# a 345M checkpoint in $WORK/ck345: 2 iterations on synthetic data (random-looking weights; the numbers
+# are the serving path's, not a trained model's)
+serve_checkpoint() {
+  local ck=$WORK/ck345
+  [ -s "$ck/latest_checkpointed_iteration.txt" ] && return 0
+  rm -rf "$ck"
+  run serve/checkpoint.txt "$PY" -m gptrain train "${M345[@]}" --mock-data --micro-batch-size 4 --global-batch-size 4 \
+    --train-iters 2 --lr 1e-4 --bf16 --eval-iters 2 --save "$ck" --save-interval 2
+}
+
+suite_startup() {
+  # `gptrain generate` (256 tokens) and `gptrain serve` (to /health) from a new process, three times:
+  # cold caches, then warm; Python's bytecode cached as a pip install leaves it (some images set
+  # PYTHONDONTWRITEBYTECODE and ship no .pyc, which adds seconds of compiling to every start)
+  need_gpu startup || return
+  serve_checkpoint || return 1
+  PYTHONDONTWRITEBYTECODE= PYTHONPYCACHEPREFIX=${PYTHONPYCACHEPREFIX:-$WORK/pycache} \
+    run startup/start_up.txt "$PY" benchmarks/start_up.py --load "$WORK/ck345" --repeats 3 "$@"
+}
+
 suite_serve() {
   need_gpu serve || return
   local ck=$WORK/ck345 port=${PORT:-5055} rc=0 i
   mkdir -p "$OUT/serve"
-  # a 345M checkpoint: 2 iterations on synthetic data (random-looking weights; the numbers are the
-  # serving path's, not a trained model's)
-  if [ ! -s "$ck/latest_checkpointed_iteration.txt" ]; then
-    rm -rf "$ck"
-    run serve/checkpoint.txt "$PY" -m gptrain train "${M345[@]}" --mock-data --micro-batch-size 4 --global-batch-size 4 \
-      --train-iters 2 --lr 1e-4 --bf16 --eval-iters 2 --save "$ck" --save-interval 2 || return 1
-  fi
+  serve_checkpoint || return 1
   echo "+ $PY -m gptrain serve --load $ck --port $port > $OUT/serve/server.txt 2>&1 &"
   "$PY" -m gptrain serve --load "$ck" --port "$port" > "$OUT/serve/server.txt" 2>&1 &
   SERVER_PID=$!
@@ -393,7 +409,7 @@ suite_calibrate() {
 suite=${1:-}
 [ $# -gt 0 ] && shift
 case $suite in
-  train|scaling|ranks|decode|serve|checkpoint|preprocess|lane|kernels|profile|restart|offload|llama|calibrate|memory)
+  train|scaling|ranks|decode|serve|startup|checkpoint|preprocess|lane|kernels|profile|restart|offload|llama|calibrate|memory)
     device_info
     "suite_$suite" "$@"
     exit $? ;;

@@ -107,9 +107,24 @@ def _clients_star(args) -> dict:
     return _clients(*args)
 
 
+def wait_warm(url: str, limit_s: float = 600) -> float:
+    """Seconds spent waiting for the server's background warm-up (``/health``'s ``warming``: decode graphs
+    left to capture) to end: the load measures the warm server."""
+    begin = time.perf_counter()
+    while time.perf_counter() - begin < limit_s:
+        with urllib.request.urlopen(url + "/health", timeout=10) as r:
+            if not json.loads(r.read()).get("warming"):
+                break
+        time.sleep(0.1)
+    return time.perf_counter() - begin
+
+
 def run_load(url: str, clients: int, seconds: float, tokens: int, check: int = 8, procs: int = 1) -> dict:
     """``clients`` closed-loop clients (threads, spread over ``procs`` processes so that the load
-    generator's own interpreter is not the limit)."""
+    generator's own interpreter is not the limit), once the server is warm."""
+    waited = wait_warm(url)
+    if waited > 0.5:
+        print(f"waited {waited:.1f} s for the server's warm-up", flush=True)
     before = server_counters(url)
     procs = max(1, min(procs, clients))
     # every process starts its clients at the same moment, once all are up (spawning takes a while)

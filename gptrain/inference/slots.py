@@ -27,6 +27,9 @@ parallelism).
 """
 from __future__ import annotations
 
+import functools
+from typing import Callable
+
 import torch
 
 from gptrain.inference.fast import Mode, bucket
@@ -153,19 +156,30 @@ class SlotDecoder:
             rows.stats["graphs"] += 1
         return graph
 
-    def warm_up(self) -> None:
-        """The greedy and the sampled step of every bucket, and the join of every padded length
-        (idle: nothing is decoding)."""
-        if self.join is not None and self.join.use_graph:
-            longest = min(self.chunk, self.window - 1)
-            lengths = {min(prefill_bucket(n, self.window), longest) for n in range(1, longest + 1)}
-            for n in sorted(lengths):  # a prompt of each padded length, into a free slot and out
-                self.prefill(0, [0] * n, 0, SamplingParams(temperature=0.0), False)
-                self.park(0)
+    def warm_up_steps(self) -> list[Callable[[], None]]:
+        """What ``warm_up`` does, one graph each (the server runs them while idle): the greedy and the
+        sampled step of every bucket and the join of every padded length, small before large."""
+        steps: list[Callable[[], None]] = []
         if self.use_graph:
             b = 1
             while b <= self.rows.batch:
-                for greedy in (True, False):
-                    self._graph(Mode(greedy=greedy), b, self._out(b))
+                steps += [functools.partial(self._warm_step, Mode(greedy=greedy), b) for greedy in (True, False)]
                 b *= 2
+        if self.join is not None and self.join.use_graph:
+            longest = min(self.chunk, self.window - 1)
+            lengths = {min(prefill_bucket(n, self.window), longest) for n in range(1, longest + 1)}
+            steps += [functools.partial(self._warm_join, n) for n in sorted(lengths)]
+        return steps
 
+    def warm_up(self) -> None:
+        """Every graph a request can need, captured now (idle: nothing is decoding)."""
+        for step in self.warm_up_steps():
+            step()
+
+    def _warm_step(self, mode: Mode, b: int) -> None:
+        self._graph(mode, b, self._out(b))
+
+    def _warm_join(self, length: int) -> None:
+        """A prompt of ``length`` tokens into a free slot and out (idle only)."""
+        self.prefill(0, [0] * length, 0, SamplingParams(temperature=0.0), False)
+        self.park(0)

@@ -226,13 +226,21 @@ class OutputLayer(nn.Module):
         return F.linear(h, self.weight[: self.vocab_size])
 
 
+def _embedding(rows: int, dim: int) -> nn.Embedding:
+    """``nn.Embedding(rows, dim)``; on the meta device without its default init, whose ``normal_``
+    runs there through a decomposition that imports torch._dynamo (a second of every inference load)."""
+    if torch.get_default_device().type == "meta":
+        return nn.Embedding(rows, dim, _weight=torch.empty(rows, dim))
+    return nn.Embedding(rows, dim)
+
+
 class GPT(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.cfg = cfg
-        self.word_embeddings = nn.Embedding(cfg.padded_vocab_size, cfg.hidden_size)
+        self.word_embeddings = _embedding(cfg.padded_vocab_size, cfg.hidden_size)
         # RoPE (in attention) or no positions: no table
-        self.position_embeddings = (nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size)
+        self.position_embeddings = (_embedding(cfg.max_position_embeddings, cfg.hidden_size)
                                     if cfg.position_embedding_type == "learned_absolute" else None)
         # keyed by index so names stay stable when pipeline stages drop layers
         self.layers = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.num_layers)})

@@ -2,10 +2,18 @@
 from __future__ import annotations
 
 import math
+import sys
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
+
+
+def is_dtensor(t) -> bool:
+    """Whether ``t`` is a DTensor. None exists before ``torch.distributed.tensor`` is imported, and
+    that import (about a second) is left to the layouts that use DTensors: loading a checkpoint for
+    inference imports this module."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(t, module.DTensor)
 
 
 def distributed() -> bool:
@@ -14,7 +22,7 @@ def distributed() -> bool:
 
 def local(t: torch.Tensor) -> torch.Tensor:
     """The tensor this process holds (a DTensor's shard)."""
-    return t.to_local() if isinstance(t, DTensor) else t
+    return t.to_local() if is_dtensor(t) else t
 
 
 def _replicas(t: torch.Tensor, pp: int, tp_split: bool, tp: int) -> int:
@@ -23,7 +31,7 @@ def _replicas(t: torch.Tensor, pp: int, tp_split: bool, tp: int) -> int:
     them, a tensor-parallel shard (``tp_split``) on 1/tp of them; a DTensor (an FSDP2 shard) on its
     own mesh's Replicate dimensions and on the stage's ranks outside that mesh."""
     stage_ranks = (dist.get_world_size() if distributed() else 1) // pp
-    if isinstance(t, DTensor):
+    if is_dtensor(t):
         outside = stage_ranks // t.device_mesh.size()
         stage_ranks = outside * math.prod(t.device_mesh.size(i) for i, p in enumerate(t.placements)
                                           if p.is_replicate())

@@ -5,7 +5,6 @@ from __future__ import annotations
 import bisect
 import json
 import math
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,8 +14,9 @@ SHIPPED = Path(__file__).with_name("calibration.json")
 
 def cache_path(gpu: str) -> Path:
     """Where ``--calibrate`` writes the table of this GPU (read before the shipped one)."""
-    root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return root / "gptrain" / f"calibration-{gpu}.json"
+    from gptrain.user_cache import cache_dir
+
+    return cache_dir() / f"calibration-{gpu}.json"
 
 
 def _interpolate(table: list[list[float]], x: float) -> float:

@@ -226,7 +226,8 @@ def build_app(engine: Engine, model_name: str, max_body_bytes: int = 1 << 20, lo
 
     @app.get("/health")
     async def health():
-        return {"status": "ok", "model": model_name, "busy": engine.busy, "batches": engine.batches}
+        return JSONResponse({"status": "ok", "model": model_name, "busy": engine.busy, "batches": engine.batches,
+                             "warming": getattr(engine, "warming", 0)})
 
     @app.get("/tokenizer_info")
     async def tokenizer_info():

@@ -73,6 +73,9 @@ class InflightEngine(Engine):
         self._live: tuple | None = None  # (decoding rows, their Mode, slots used), None: to recompute
         self._checked = 0.0  # when jobs were last checked for cancellation and time-outs
         self._occupied = 0  # slots holding a row
+        self._warming: deque = deque()  # graphs still to capture while idle (warm_up_in_background)
+        self._warm_report = None
+        self._warm_began = 0.0
         super().__init__(model, tokenizer, max_batch=max_batch, max_queue=max_queue, generate_fn=generate_fn,
                          request_timeout=request_timeout)
 
@@ -84,6 +87,9 @@ class InflightEngine(Engine):
         clock = self.metrics.loop
         while not self._stop.is_set() or self._tasks:
             try:
+                if self._warming and not self._tasks and self._queue.empty():
+                    self._warm_next()
+                    continue
                 begin = time.perf_counter()
                 idle = not self._tasks
                 self._take()
@@ -264,3 +270,35 @@ class InflightEngine(Engine):
 
     def warm_up(self) -> None:
         self.decoder.warm_up()
+
+    def warm_up_in_background(self, report=None) -> int:
+        """The graphs ``warm_up`` captures, captured one at a time by the worker thread while no
+        request is running (a request that comes first captures what it needs, as without a warm-up);
+        ``report(line)`` is called once they are all in. Returns how many there are."""
+        steps = self.decoder.warm_up_steps()
+        self._warm_report, self._warm_began = report, time.perf_counter()
+        self._warming.extend(steps)
+        return len(steps)
+
+    @property
+    def warming(self) -> int:
+        """Graphs of the background warm-up not captured yet."""
+        return len(self._warming)
+
+    def _warm_next(self) -> None:
+        step = self._warming.popleft()
+        try:
+            step()
+        except Exception as err:  # noqa: BLE001 - out of memory at a large bucket: those are left to first use
+            left = len(self._warming) + 1
+            self._warming.clear()
+            if isinstance(err, torch.cuda.OutOfMemoryError):
+                torch.cuda.empty_cache()
+            if self._warm_report:
+                self._warm_report(f"decode graphs: warm-up stopped with {left} left to capture on first use "
+                                  f"({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})")
+            return
+        if not self._warming and self._warm_report:
+            graphs = self.decoder.rows.stats["graphs"]
+            self._warm_report(f"decode graphs: {graphs} captured in the background in "
+                              f"{time.perf_counter() - self._warm_began:.1f} s")

@@ -29,7 +29,8 @@ def serve_main(argv: list[str]) -> int:
     p.add_argument("--model-name", default=None, help="the id /v1/models reports (default: the folder's name)")
     p.add_argument("--no-cuda-graph", action="store_true", help="eager decode steps on a GPU")
     p.add_argument("--no-warmup", action="store_true",
-                   help="skip compiling and capturing the decode graphs before serving (first requests wait)")
+                   help="capture no decode graphs ahead (they are captured in the background after start-up by "
+                        "default); first requests capture what they need")
     args = p.parse_args(argv)
     if not 0 <= args.port < 65536:
         return _fail(f"--port {args.port}: not a port")
@@ -108,8 +109,9 @@ def _serve(args, loaded, uvicorn, build_app, channel=None, clock=None) -> int:
         how = ("fused CUDA-graph" if engine.decoder.use_graph else "fused eager") + " decode, in-flight batching " \
             "(batch invariant; log-probability requests in static batches)"
         if engine.decoder.use_graph and not args.no_warmup:
-            print("gptrain serve: capturing the in-flight decode graphs ...", flush=True)
-            engine.warm_up()
+            count = engine.warm_up_in_background(lambda line: print(f"gptrain serve: {line}", flush=True))
+            print(f"gptrain serve: capturing {count} decode graphs in the background (requests are served "
+                  "meanwhile; GET /health says how many are left)", flush=True)
     else:
         engine = Engine(model, loaded.tokenizer, **engine_kw)
     app = build_app(engine, args.model_name or loaded.name, max_body_bytes=args.max_body_bytes, host=args.host,

@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from gptrain.checkpoint_kind import TRACKER
-from gptrain.file_hash import file_sha256
+from gptrain.file_hash import file_sha256, known_sha256
 from gptrain.parallel.collectives import barrier, distributed
 from gptrain.train.durable import crash_point, fsync_tree, replace_durable, write_durable
 from gptrain.train.save_lock import cleaning
@@ -219,7 +219,7 @@ def _first_bad_file(path: Path) -> str | None:
     bad = len(names)
     for i in range(rank, len(names), world):
         f = path / names[i]
-        if not f.is_file() or file_sha256(f) != sums[names[i]]:
+        if not f.is_file() or known_sha256(f) != sums[names[i]]:
             bad = i
             break
     if distributed():

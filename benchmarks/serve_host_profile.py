@@ -72,6 +72,50 @@ class StackSampler(threading.Thread):
         return "\n".join(lines)
 
 
+def direct_load(engine, tokenizer, clients: int, seconds: float, tokens: int) -> int:
+    """serve_load.py's closed-loop clients without the HTTP front end: threads submitting its requests
+    (seeded, temperature 0.8, top-p 0.9) straight to the engine; what the decode loop gives alone."""
+    from gptrain.inference.generate import SamplingParams
+    from gptrain.serve.engine import Job
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from serve_load import body_for
+
+    made, stop = [0] * clients, time.perf_counter() + seconds
+    clock = engine.metrics.loop
+
+    def client(i: int) -> None:
+        seed = i
+        while time.perf_counter() < stop:
+            body = body_for(seed, tokens)
+            job = Job(prompts=[tokenizer.encode(body["prompts"][0])],
+                      params=[SamplingParams(max_new_tokens=tokens, seed=seed, top_p=body["top_p"],
+                                             temperature=body["temperature"])])
+            made[i] += len(engine.submit(job).result(120)[0].tokens) - len(job.prompts[0])
+            seed += clients
+
+    sampler = StackSampler()
+    sampler.start()
+    before, steps0 = dict(clock.seconds), engine.metrics.decode_steps._value.get()
+    begin = time.perf_counter()
+    threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    elapsed = time.perf_counter() - begin
+    sampler.stop.set()
+    steps = engine.metrics.decode_steps._value.get() - steps0
+    engine.close()
+    print(f"{clients} direct clients (no HTTP), {elapsed:.1f} s: {sum(made) / elapsed:.1f} generated tokens/s, "
+          f"{steps / elapsed:.0f} steps/s")
+    if steps:
+        print("per step (us): " + ", ".join(f"{k} {1e6 * (clock.seconds[k] - before[k]) / steps:.0f}"
+                                             for k in clock.PHASES if k != "idle"))
+    print(sampler.report("gptrain-generate"))
+    return 0
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--load", help="a checkpoint folder (as gptrain serve --load)")
@@ -81,6 +125,8 @@ def main() -> int:
     p.add_argument("--procs", type=int, default=2)
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--max-batch", type=int, default=64)
+    p.add_argument("--direct", action="store_true",
+                   help="no HTTP: client threads of this process submit serve_load.py's requests to the engine")
     args = p.parse_args()
     if not args.load and not args.tiny:
         p.error("give --load or --tiny")
@@ -105,6 +151,8 @@ def main() -> int:
     engine = InflightEngine(loaded.model, loaded.tokenizer, max_batch=args.max_batch, max_queue=512)
     if engine.decoder.use_graph:
         engine.warm_up()
+    if args.direct:
+        return direct_load(engine, loaded.tokenizer, args.clients, args.seconds, args.tokens)
     app = build_app(engine, loaded.name, log=lambda line: None)
     import socket
 

@@ -123,6 +123,9 @@ def _serve(args, loaded, uvicorn, build_app, channel=None, clock=None) -> int:
         clock.mark("warm-up")
         print(f"gptrain serve: ready in {clock.line()}", flush=True)
     _hold_signals()  # uvicorn shuts down on SIGINT/SIGTERM, then re-raises it: end normally instead
+    # the decode loop gives the interpreter lock up in every CUDA call; a thread asking for it back waits
+    # up to the switch interval (5 ms by default) while the HTTP thread runs Python (RESULTS.md, Serving)
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     finally:
@@ -152,6 +155,8 @@ def _hold_signals() -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: None)
 
+
+SWITCH_INTERVAL_S = 5e-5
 
 # the pip package of a module `gptrain serve` imports, where the names differ
 PACKAGES = {"prometheus_client": "prometheus-client", "starlette": "fastapi", "pydantic": "fastapi",

@@ -48,6 +48,13 @@ def release_model_caches(model: torch.nn.Module) -> None:
     gc.collect()
 
 
+def set_item(buf: torch.Tensor, index: int, value) -> None:
+    """``buf[index] = value`` for a Python number, without waiting for the device: an assignment copies
+    the number from pageable host memory, which on CUDA waits for every step queued ahead; ``fill_``
+    hands it to a kernel launch instead."""
+    buf[index].fill_(value)
+
+
 def capture(step: Callable[[], None], reset: Callable[[], None], pool=None,
             warmups: int = 2) -> torch.cuda.CUDAGraph:
     """``step`` captured as a CUDA graph in ``pool``, after ``warmups`` eager runs on a side stream

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from gptrain.inference.generate import EolIds, Generation, SamplingParams, check_request
+from gptrain.inference.host_loop import set_item
 
 
 class RowSampling:
@@ -54,7 +55,7 @@ class RowSampling:
         for buf, value in ((self.temperature, params.temperature), (self.top_k, params.top_k),
                            (self.top_p, params.top_p), (self.seeds, params.seed), (self.decay, params.top_p_decay),
                            (self.bound, params.top_p_bound), (self.colon_rows, colon)):
-            buf[row] = value
+            set_item(buf, row, value)  # not an assignment: that waits for the steps queued ahead
 
     def _top_buffers(self, top_n: int) -> None:
         """Buffers for the ``top_n`` most likely tokens of every step (made once per ``top_n``)."""

@@ -34,7 +34,7 @@ import torch
 
 from gptrain.inference.fast import Mode, bucket
 from gptrain.inference.generate import SamplingParams
-from gptrain.inference.host_loop import StepReader, capture
+from gptrain.inference.host_loop import StepReader, capture, set_item
 from gptrain.inference.kv_cache import forward_cached
 from gptrain.inference.rows import PrefillGraphs, RowCache, RowDecoder, prefill_bucket
 from gptrain.inference.slot_join import SlotJoin
@@ -76,7 +76,7 @@ class SlotDecoder:
     def park(self, slot: int) -> None:
         """``slot`` decodes nothing from the next step: position 0 onwards, its ids never read."""
         self.parked.add(slot)
-        self.rows.start[slot] = -self._device_step()
+        set_item(self.rows.start, slot, -self._device_step())
 
     @torch.no_grad()
     def prefill(self, slot: int, prompt: list[int], begin: int, params: SamplingParams, colon: bool) -> int:
@@ -89,7 +89,7 @@ class SlotDecoder:
             if self.join is not None and len(prompt) <= self.chunk:
                 self.join.run(slot, prompt, len(prompt) - self._device_step(), params, colon)
                 return len(prompt)
-            rows.start[slot] = self.window  # the last position while its prompt goes in
+            set_item(rows.start, slot, self.window)  # the last position while its prompt goes in
         end = min(len(prompt), (begin // self.chunk + 1) * self.chunk)
         tokens = torch.tensor([prompt[begin:end]])
         if dev.type == "cuda":  # a pageable copy would wait for the steps queued ahead
@@ -97,9 +97,9 @@ class SlotDecoder:
         hidden = forward_cached(self.model, tokens, begin, RowCache(rows.kv, slot))
         if end == len(prompt):
             rows.logits[slot] = self.model.output_layer(hidden[0, -1]).float()
-            rows.current[slot] = prompt[-1]
+            set_item(rows.current, slot, prompt[-1])
             rows._load_row(slot, params, colon)
-            rows.start[slot] = len(prompt) - self._device_step()
+            set_item(rows.start, slot, len(prompt) - self._device_step())
         return end
 
     # ---- steps
@@ -137,7 +137,7 @@ class SlotDecoder:
         rows.step_index.zero_()
         self.base = self.issued
         for slot in self.parked:
-            rows.start[slot] = 0
+            set_item(rows.start, slot, 0)
 
     def _graph(self, mode: Mode, b: int, out: torch.Tensor) -> torch.cuda.CUDAGraph:
         graph = self.graphs.get((mode, b))

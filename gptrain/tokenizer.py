@@ -14,6 +14,8 @@ from pathlib import Path
 
 import numpy as np
 
+from gptrain import bpe_cache
+
 EOD_TEXT = "<|endoftext|>"
 # OpenAI's GPT-2 split pattern (encoder.py, and Megatron's gpt2_tokenization.py), in tiktoken's form.
 GPT2_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
@@ -112,14 +114,19 @@ class GPT2Tokenizer:
         # read once: the ranks and the fingerprint come from the same bytes (tiktoken's own loader
         # caches by path, so a file changed in place would be encoded with its old contents)
         vocab_bytes, merge_bytes = self.files.vocab_file.read_bytes(), self.files.merge_file.read_bytes()
-        encoder, ranks = _load_bpe(self.files, vocab_bytes, merge_bytes)
-        if EOD_TEXT not in encoder:
-            raise ValueError(f"{self.files.vocab_file}: the vocabulary has no {EOD_TEXT} token")
-        self.eod = int(encoder[EOD_TEXT])
-        self.vocab_size = len(encoder)
-        # the largest id decides the token dtype (an eod id may lie beyond the vocabulary's length)
-        self.max_id = max(max(int(v) for v in encoder.values()), self.eod)
         self.fingerprint = _fingerprint(vocab_bytes, merge_bytes)
+        kept = bpe_cache.load(self.fingerprint)  # these exact files were read (and checked) before
+        if kept is not None:
+            ranks, (self.eod, self.vocab_size, self.max_id) = kept
+        else:
+            encoder, ranks = _load_bpe(self.files, vocab_bytes, merge_bytes)
+            if EOD_TEXT not in encoder:
+                raise ValueError(f"{self.files.vocab_file}: the vocabulary has no {EOD_TEXT} token")
+            self.eod = int(encoder[EOD_TEXT])
+            self.vocab_size = len(encoder)
+            # the largest id decides the token dtype (an eod id may lie beyond the vocabulary's length)
+            self.max_id = max(max(int(v) for v in encoder.values()), self.eod)
+            bpe_cache.store(self.fingerprint, ranks, (self.eod, self.vocab_size, self.max_id))
         self._enc = tiktoken.Encoding(
             name=f"gpt2bpe-{self.fingerprint[:12]}",
             pat_str=GPT2_PATTERN,

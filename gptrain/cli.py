@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from typing import Callable
 
@@ -192,5 +193,20 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
+# commands whose process has nothing left to do once they return: they leave without the interpreter's
+# teardown (freeing every module and torch's state), which takes longer than a short generation
+QUICK_EXIT = ("generate",)
+
+
+def console_main() -> None:
+    """The ``gptrain`` command (and ``python -m gptrain``): ``main``, then the process's exit."""
+    code = main()
+    if len(sys.argv) > 1 and sys.argv[1] in QUICK_EXIT:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    raise SystemExit(code)
+
+
 if __name__ == "__main__":
-    raise SystemExit(main())
+    console_main()

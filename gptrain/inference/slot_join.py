@@ -14,6 +14,7 @@ the same function runs eagerly (tests).
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from gptrain.inference.generate import SamplingParams
@@ -37,12 +38,14 @@ class SlotJoin:
     def run(self, slot: int, prompt: list[int], start: int, params: SamplingParams, colon: bool) -> None:
         """``prompt`` into ``slot``, which decodes from position ``start + step`` from the next step."""
         length = prefill_bucket(len(prompt), self.rows.window)
-        host = torch.zeros(TOKENS + length, dtype=torch.long)
-        host[FLOATS:SLOT].view(torch.float32).copy_(torch.tensor(
-            [params.temperature, params.top_p, params.top_p_decay, params.top_p_bound]))
-        host[SLOT:TOKENS] = torch.tensor([slot, len(prompt) - 1, prompt[-1], start, params.top_k, params.seed,
-                                          int(colon)])
-        host[TOKENS:TOKENS + len(prompt)] = torch.tensor(prompt)
+        # packed in numpy: every torch call gives the interpreter lock up and may wait to get it back
+        # (the server's HTTP thread runs meanwhile), so the join makes as few as it can
+        packed = np.zeros(TOKENS + length, dtype=np.int64)
+        packed[FLOATS:SLOT].view(np.float32)[:] = (params.temperature, params.top_p, params.top_p_decay,
+                                                   params.top_p_bound)
+        packed[SLOT:TOKENS] = (slot, len(prompt) - 1, prompt[-1], start, params.top_k, params.seed, int(colon))
+        packed[TOKENS:TOKENS + len(prompt)] = prompt
+        host = torch.from_numpy(packed)
         if self.packed.is_cuda:  # pinned: the copy is queued behind the running steps, no wait
             host = host.pin_memory()
         self.packed[:TOKENS + length].copy_(host, non_blocking=True)

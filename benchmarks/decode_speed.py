@@ -1,13 +1,13 @@
-"""Decode tokens/s of the 345M GPT (random init, no download) in bf16: gptrain's generation (CUDA-graph
-decode loop, static cache) next to its eager ``generate`` and Hugging Face transformers' ``generate`` on
-the same weights, at each batch size, greedy, in one process. Also counts how many greedy tokens agree.
+"""Decode tokens/s of the 345M GPT (random init, no download) in bf16: gptrain's fused CUDA-graph decode
+loop (inference/rows.py, the one `gptrain generate` and `gptrain serve` run) next to its eager ``generate``
+and Hugging Face transformers' ``generate`` on the same weights, at each batch size, greedy, in one
+process; also the loop's variants (prompts prefilled together; a lone stream's decoder; rows sampled as
+serve_load.py's requests). Counts how many greedy tokens agree.
 
-    python3 benchmarks/decode_speed.py [--batch-sizes 1 32] [--prompt-tokens 32] [--new-tokens 256] [--profile] [--compile]
+    python3 benchmarks/decode_speed.py [--batch-sizes 1 32] [--prompt-tokens 32] [--new-tokens 256] [--profile]
 
-``--profile`` explains the time at each batch size: the decode loop's host counters (prefill, host
-work and waits per step, graph replays and host syncs per step), CUDA-event timings of one step's
-graph at each attention bucket and of the token choice alone (argmax, and sampling with top-p), and
-the top CUDA kernels of a torch.profiler trace of a short request.
+``--profile``: the fused step's graph alone (one replay) and the top CUDA kernels of a torch.profiler trace
+of a short request, at each batch size.
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from gptrain.inference.fast import AHEAD, Mode, decoder_for, graph_generate, length_bucket
+from gptrain.inference.steps import Mode
 from gptrain.inference.generate import SamplingParams, generate
 from gptrain.inference.rows import fused_generate, row_decoder_for
 from gptrain.model.gpt import GPT, GPTConfig
@@ -50,69 +50,6 @@ def replay_ms(graph: torch.cuda.CUDAGraph, before=None, reps: int = 50) -> float
     end.record()
     torch.cuda.synchronize()
     return begin.elapsed_time(end) / reps
-
-
-def explain(model: GPT, rows: list[list[int]], new_tokens: int) -> None:
-    """Where one batch's decode time goes (see the module's docstring)."""
-    b = len(rows)
-    params = SamplingParams(max_new_tokens=new_tokens, temperature=0.0)
-    graph_generate(model, rows, params)  # captures what this request needs
-    decoder = decoder_for(model, b)
-    before = dict(decoder.stats)
-    torch.cuda.synchronize()
-    begin = time.perf_counter()
-    graph_generate(model, rows, params)
-    torch.cuda.synchronize()
-    wall = time.perf_counter() - begin
-    d = {k: decoder.stats[k] - before[k] for k in before}
-    steps = d["steps"]
-    ms = lambda seconds: 1e3 * seconds / steps  # noqa: E731
-    print(f"  profile, batch {b}, {new_tokens} new tokens after a {len(rows[0])}-token prompt: "
-          f"{1e3 * wall:.2f} ms in all, prefill launches {1e3 * d['prefill_s']:.2f} ms, {steps} steps: "
-          f"{ms(wall - d['prefill_s']):.3f} ms/step ({ms(wall - d['prefill_s']) / b:.4f} ms/token); "
-          f"per step on the host: {ms(d['loop_s'] - d['wait_s']):.3f} ms of work, {ms(d['wait_s']):.3f} ms "
-          f"waiting for the GPU ({AHEAD} steps ahead); {d['replays'] / steps:.2f} graph replays and "
-          f"{d['host_waits'] / steps:.2f} host syncs (an event wait before reading a step's ids) per step; "
-          f"{len(decoder.graphs)} graphs captured so far", flush=True)
-    # one step's graph alone at each attention bucket the request used (the state is scratch now)
-    start, total = len(rows[0]), len(rows[0]) + new_tokens
-    mode = Mode()
-    times = []
-    for length in sorted({length_bucket(t + 1, decoder.window) for t in range(start, total)}):
-        graph = decoder.graphs[(mode, length)]
-        first = max(1, length // 2 - 25)
-        times.append(f"L={length}: {replay_ms(graph, lambda: decoder.position.fill_(first)):.3f}")
-    # the token choice alone: argmax, and sampling (temperature 1, top-p 0.9: sort, cumsum, noise)
-    decoder.temperature.fill_(1.0)
-    decoder.top_p.fill_(0.9)
-    decoder.position.fill_(start)
-    choice = {}
-    for name, m in (("argmax", Mode()), ("sampling", Mode(greedy=False))):
-        decoder.choose(m)  # warm-up (sort's workspace)
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            decoder.choose(m)
-        choice[name] = replay_ms(graph)
-    print(f"  one step's graph (ms per replay, by attention bucket): {', '.join(times)}; of which the choice: "
-          f"argmax {choice['argmax']:.3f} ms, sampling {choice['sampling']:.3f} ms (greedy runs argmax only)",
-          flush=True)
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        graph_generate(model, rows, params)
-        torch.cuda.synchronize()
-    kernels: dict[str, list[float]] = {}
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            kernels.setdefault(e.name, []).append(e.time_range.elapsed_us())
-    busy = sum(sum(v) for v in kernels.values())
-    count = sum(len(v) for v in kernels.values())
-    print(f"  trace: {count / steps:.0f} CUDA kernels/copies per step, {busy / 1e3 / steps:.3f} ms of them per step "
-          f"(prefill included); top by time:")
-    for name, us in sorted(kernels.items(), key=lambda kv: -sum(kv[1]))[:12]:
-        print(f"    {sum(us) / 1e3 / steps:7.3f} ms/step {len(us) / steps:6.1f}/step {sum(us) / len(us):8.2f} us each  "
-              f"{name[:100]}", flush=True)
 
 
 def explain_fused(model: GPT, rows: list[list[int]], new_tokens: int) -> None:
@@ -151,8 +88,6 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--skip-hf", action="store_true")
     p.add_argument("--profile", action="store_true", help="explain where the time goes at each batch size")
-    p.add_argument("--compile", action="store_true",
-                   help="also time the decode loop with each block's step through torch.compile (graph_generate(compile=True))")
     p.add_argument("--profile-tokens", type=int, default=32, help="new tokens of the profiled request")
     p.add_argument("--tiles", help="the fused kernels' tiles from decode_kernels.py --json")
     args = p.parse_args()
@@ -190,12 +125,16 @@ def main() -> None:
     for b in args.batch_sizes:
         prompts = torch.randint(0, cfg.vocab_size, (b, args.prompt_tokens), generator=gen)
         rows = prompts.tolist()
-        t_graph, ours = timed(lambda: graph_generate(model, rows, params), args.repeats)
+        begin = time.perf_counter()
+        fused_generate(model, rows, params)
+        first = time.perf_counter() - begin
+        t_fused, ours = timed(lambda: fused_generate(model, rows, params), args.repeats)
         t_eager, eager = timed(lambda: generate(model, rows, params), 1)
         agree = [first_difference(g.generated, e.generated, n) for g, e in zip(ours, eager)]
-        line = (f"batch {b:3d}: gptrain (CUDA graph) {b * n / t_graph:10.1f} tokens/s "
-                f"({1e3 * t_graph / n:.3f} ms/step), gptrain eager {b * n / t_eager:9.1f} tokens/s "
-                f"(greedy tokens identical for the first {min(agree)} (mean {sum(agree) / len(agree):.0f}) of {n})")
+        line = (f"batch {b:3d}: gptrain (fused) {b * n / t_fused:10.1f} tokens/s ({1e3 * t_fused / n:.3f} ms/step, "
+                f"prefill included; first call with Triton compiles and capture {first:.1f} s), gptrain eager "
+                f"{b * n / t_eager:9.1f} tokens/s (greedy tokens identical for the first {min(agree)} "
+                f"(mean {sum(agree) / len(agree):.0f}) of {n})")
         if hf is not None:
             ids = prompts.cuda()
             mask = torch.ones_like(ids)
@@ -205,21 +144,17 @@ def main() -> None:
             theirs = theirs[:, args.prompt_tokens:].tolist()
             # bf16 rounding differs between the two implementations: count the tokens before the first difference
             same = [first_difference(g.generated, h, n) for g, h in zip(ours, theirs)]
-            line += (f", HF generate {b * n / t_hf:9.1f} tokens/s ({t_hf / t_graph:.1f}x slower); "
+            line += (f", HF generate {b * n / t_hf:9.1f} tokens/s ({t_hf / t_fused:.1f}x slower); "
                      f"greedy tokens identical to HF for the first {min(same)} (mean {sum(same) / len(same):.0f}) of {n}")
         print(line, flush=True)
-        begin = time.perf_counter()
-        fused_generate(model, rows, params)
-        first = time.perf_counter() - begin
-        variants = [("fused", {})] + ([("fused, prompts prefilled together", {"together": True})] if b > 1 else
-                                      [("fused, single stream: products on the CUDA cores", {"batch_invariant": False})])
+        variants = ([("fused, prompts prefilled together", {"together": True})] if b > 1 else
+                    [("fused, single stream: products on the CUDA cores", {"batch_invariant": False})])
         for name, kw in variants:
-            t_fused, fused = timed(lambda: fused_generate(model, rows, params, **kw), args.repeats)
-            agree = [first_difference(g.generated, e.generated, n) for g, e in zip(fused, eager)]
-            print(f"batch {b:3d}: gptrain ({name}) {b * n / t_fused:10.1f} tokens/s ({1e3 * t_fused / n:.3f} ms/step, "
-                  f"prefill included; first call with Triton compiles and capture {first:.1f} s); greedy tokens "
-                  f"identical to eager gptrain for the first {min(agree)} (mean {sum(agree) / len(agree):.0f}) of {n}",
-                  flush=True)
+            t_variant, variant = timed(lambda: fused_generate(model, rows, params, **kw), args.repeats)
+            agree = [first_difference(g.generated, e.generated, n) for g, e in zip(variant, eager)]
+            print(f"batch {b:3d}: gptrain ({name}) {b * n / t_variant:10.1f} tokens/s ({1e3 * t_variant / n:.3f} "
+                  f"ms/step, prefill included); greedy tokens identical to eager gptrain for the first {min(agree)} "
+                  f"(mean {sum(agree) / len(agree):.0f}) of {n}", flush=True)
         # the same rows sampled as serve_load.py's requests (temperature 0.8, top-p 0.9, a seed each): the
         # engine figure a server under that load is held against (the choice adds a sort and the noise)
         sampled = [SamplingParams(max_new_tokens=n, temperature=0.8, top_p=0.9, seed=i) for i in range(b)]
@@ -231,22 +166,6 @@ def main() -> None:
             print(f"  single-stream step graph: {replay_ms(single.graphs[Mode()]):.3f} ms per replay", flush=True)
         if args.profile:
             explain_fused(model, rows, args.profile_tokens)
-        if args.compile:
-            try:
-                begin = time.perf_counter()
-                graph_generate(model, rows, params, compile=True)
-                first = time.perf_counter() - begin
-                t_comp, comp = timed(lambda: graph_generate(model, rows, params, compile=True), args.repeats)
-                agree = [first_difference(g.generated, e.generated, n) for g, e in zip(comp, eager)]
-                print(f"batch {b:3d}: gptrain (CUDA graph, compiled block steps) {b * n / t_comp:10.1f} tokens/s "
-                      f"({1e3 * t_comp / n:.3f} ms/step; first call with compile and capture {first:.1f} s); greedy "
-                      f"tokens identical to eager gptrain for the first {min(agree)} (mean {sum(agree) / len(agree):.0f})",
-                      flush=True)
-            except Exception as err:  # noqa: BLE001 - the other rows stand
-                print(f"batch {b:3d}: compiled decode failed: {type(err).__name__}: {str(err).splitlines()[0][:300]}",
-                      flush=True)
-        if args.profile:
-            explain(model, rows, args.profile_tokens)
 
 
 if __name__ == "__main__":

@@ -141,30 +141,6 @@ def test_logprobs_and_score_only():
         generate(model, [[1] * 60], SamplingParams(max_new_tokens=5))
 
 
-def test_static_cache_decoder_equals_generate():
-    """The CUDA-graph decoder's step (run eagerly here: masked attention over a bucket of the static
-    cache, batch padded to its bucket) gives generate's results."""
-    from gptrain.inference.fast import Decoder, graph_generate
-
-    model = tiny_model(std=0.05)
-    prompts = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10], [11]]
-    params = [SamplingParams(max_new_tokens=12, temperature=0.0), SamplingParams(max_new_tokens=9, seed=4),
-              SamplingParams(max_new_tokens=20, top_k=5, seed=5)]
-    ref = generate(model, prompts, params, logprobs=True)
-    fast = graph_generate(model, prompts, params, logprobs=True)
-    assert [g.tokens for g in fast] == [g.tokens for g in ref]
-    for a, b in zip(fast, ref):
-        assert a.logprobs[1:] == pytest.approx(b.logprobs[1:], abs=1e-4)
-    step = Decoder(model, 2, use_graph=False)
-    tokens = torch.tensor([[3, 4, 5, 6], [7, 8, 9, 1]])
-    with torch.no_grad():
-        full = model.logits(tokens)
-        for t in range(4):
-            step.position.fill_(t)
-            step.forward(tokens[:, t], 64)
-            torch.testing.assert_close(step.logits, full[:, t], rtol=1e-5, atol=1e-5)
-
-
 def test_release_model_caches_drops_the_decode_caches():
     """A tensor-parallel process frees its captured decode graphs before the process group ends
     (NCCL hangs destroying a communicator a live graph captured)."""

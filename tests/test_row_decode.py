@@ -1,6 +1,6 @@
 """The fused decode loop (inference/rows.py) and its kernels (kernels/decode.py): on CPU the loop
 with the kernels' PyTorch references (every feature against ``generate`` and greedy against
-transformers run in test_fast_decode.py over both loops; here rows at their own positions, padded
+transformers run in test_decode_features.py; here rows at their own positions, padded
 prefill, reuse); on a GPU (the GPU lane)
 the Triton kernels against their references, their batch invariance bit for bit, and the captured
 loop against ``generate``."""
@@ -13,7 +13,6 @@ import weakref
 import pytest
 import torch
 
-from gptrain.inference.fast import graph_generate
 from gptrain.inference.generate import SamplingParams, generate
 from gptrain.inference.kv_cache import KVCache, forward_cached
 from gptrain.inference import rows as rows_module
@@ -22,12 +21,12 @@ from gptrain.inference.rows import (PrefillGraphs, RowDecoder, fused_generate, p
 from gptrain.kernels import decode as kernels
 from gptrain.kernels import decode_io, ln_fold
 from gptrain.model.gpt import GPT, GPTConfig
-from test_fast_decode import _compare, tiny_model
+from test_decode_features import _compare, tiny_model
 
 
 def test_a_bucket_of_rows_per_request_size():
-    """3 prompts decode in a decoder of 4 rows (the every-feature and transformers cases run over both
-    loops in test_fast_decode.py); the decoder is kept for the next request of that size."""
+    """3 prompts decode in a decoder of 4 rows (the every-feature and transformers cases are in
+    test_decode_features.py); the decoder is kept for the next request of that size."""
     model = tiny_model(seed=2)
     fused_generate(model, [[1, 2], [3], [4, 5, 6]], SamplingParams(max_new_tokens=3, temperature=0.0))
     decoder = row_decoder_for(model, 3)
@@ -41,7 +40,7 @@ def test_a_models_decoders_and_folded_constants_go_with_the_model():
     model = tiny_model(seed=6)
     params = SamplingParams(max_new_tokens=4, temperature=0.0)
     text = fused_generate(model, [[1, 2]], params)[0].tokens
-    assert graph_generate(model, [[1, 2]], params)[0].tokens == text
+    assert generate(model, [[1, 2]], params)[0].tokens == text
     block, head = model.layers["0"], model.output_layer
     buffers = []
     for weight, ln in ((block.attn.qkv.weight, block.ln1), (head.weight[: head.vocab_size], model.final_layernorm)):

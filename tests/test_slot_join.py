@@ -8,11 +8,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gptrain.inference.fast import Mode
+from gptrain.inference.steps import Mode
 from gptrain.inference.generate import SamplingParams, generate
 from gptrain.inference.host_loop import AHEAD
 from gptrain.inference.slots import SlotDecoder
-from test_fast_decode import tiny_model
+from test_decode_features import tiny_model
 
 
 def drive(decoder: SlotDecoder, requests: list[tuple[list[int], SamplingParams]], slots: list[int],

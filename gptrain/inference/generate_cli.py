@@ -100,7 +100,7 @@ def generate_main(argv: list[str]) -> int:
 
 
 def _generate(args) -> int:
-    from gptrain.inference.fast import plain_model
+    from gptrain.inference.steps import plain_model
     from gptrain.inference.generate import SamplingParams, generate
     from gptrain.inference.text import TextStream
     from gptrain.start_clock import StartClock

@@ -7,7 +7,7 @@ replays the same graphs at the same steps, rank 0's ids kept in step by ``genera
 cache slice grows), so it runs eagerly, kernel by kernel, with the host in the way. ``GraphStep`` runs
 the same blocks (the model's own modules) with the position in a device tensor: the key and value go
 into the cache at that position, attention reads the first ``L`` cached positions under a mask of
-``0 .. t`` (one graph per power-of-two ``L``, as fast.py's buckets), so one captured graph replays for
+``0 .. t`` (one graph per power-of-two ``L``: steps.py's buckets), so one captured graph replays for
 every step of its bucket. ``generate`` keeps its host loop, stop rules and sampling; only its
 ``step_fn`` is this. Elsewhere than CUDA the same step runs eagerly (the tests' path).
 """
@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from gptrain.inference.fast import length_bucket
+from gptrain.inference.steps import length_bucket
 from gptrain.inference.generate import generate
 from gptrain.inference.host_loop import capture, model_cache
 from gptrain.inference.kv_cache import KVCache, logits_of

@@ -1,6 +1,7 @@
-"""What the decode loops (``fast.py``'s ``Decoder``, ``rows.py``'s ``RowDecoder``) share on the host:
-capturing a step as a CUDA graph, and reading each step's chosen ids back without stalling the
-device (the host queues ``AHEAD`` steps before it waits for the oldest one)."""
+"""What the decode loops (``rows.py``'s ``RowDecoder`` and slots.py over it, graph_step.py's step of a
+model's own layers) share on the host: capturing a step as a CUDA graph, writing a number into a
+device buffer without a sync, and reading each step's chosen ids back without stalling the device
+(the host queues ``AHEAD`` steps before it waits for the oldest one)."""
 from __future__ import annotations
 
 import time

@@ -1,4 +1,4 @@
-"""What the decode loops (``fast.py``'s ``Decoder``, ``rows.py``'s ``RowDecoder``) keep per row of
+"""What the fused decode loop (``rows.py``'s ``RowDecoder``, and slots.py's in-flight one over it) keeps per row of
 the batch besides the model's state: each row's sampling settings on the device (temperature,
 top-k, top-p and its decay, seed, the no-newline-after-colon rule), and the log-probabilities a
 step records (the chosen token's, and the ``top_n`` most likely) with their way back to the host

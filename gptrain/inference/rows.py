@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from gptrain.inference.fast import Mode, bucket, plain_model
+from gptrain.inference.steps import Mode, bucket, plain_model
 from gptrain.inference.generate import EolIds, Generation, SamplingParams, _prompt_logprobs, loop_params, row_done
 from gptrain.inference.host_loop import AHEAD, StepReader, capture, model_cache
 from gptrain.inference.kv_cache import KVCache, forward_cached

@@ -32,7 +32,7 @@ from typing import Callable
 
 import torch
 
-from gptrain.inference.fast import Mode, bucket
+from gptrain.inference.steps import Mode, bucket
 from gptrain.inference.generate import SamplingParams
 from gptrain.inference.host_loop import StepReader, capture, set_item
 from gptrain.inference.kv_cache import forward_cached

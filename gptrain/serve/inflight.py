@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from gptrain.inference.fast import Mode
+from gptrain.inference.steps import Mode
 from gptrain.inference.generate import Generation, SamplingParams, check_request, generate, row_done
 from gptrain.inference.host_loop import AHEAD
 from gptrain.inference.slots import PREFILL_CHUNK, SlotDecoder

@@ -72,7 +72,7 @@ def serve_main(argv: list[str]) -> int:
 
 
 def _serve(args, loaded, uvicorn, build_app, channel=None, clock=None) -> int:
-    from gptrain.inference.fast import plain_model
+    from gptrain.inference.steps import plain_model
     from gptrain.serve.engine import Engine
 
     model = loaded.model

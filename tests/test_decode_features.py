@@ -11,7 +11,7 @@ from gptrain.inference.steps import bucket, length_bucket
 from gptrain.inference.generate import EolIds, SamplingParams, generate
 from gptrain.inference.rows import fused_generate
 from gptrain.model.gpt import GPT
-from tiny import tiny_config
+from tiny import hf_twin, tiny_config
 
 
 def tiny_model(seed: int = 0, std: float = 0.2, positions: int = 256) -> GPT:
@@ -108,14 +108,8 @@ def test_newline_after_colon_inside_a_prompt_is_scored_not_banned(loop):
 
 
 def test_greedy_equals_transformers_generate():
-    transformers = pytest.importorskip("transformers")
-    from gptrain.interop.hf import hf_config_kwargs, to_hf_state_dict
-
     model = tiny_model(seed=3)
-    hf = transformers.GPT2LMHeadModel(transformers.GPT2Config(**hf_config_kwargs(model.cfg))).eval()
-    hf.load_state_dict(to_hf_state_dict(model), strict=False)
-    hf.generation_config.eos_token_id = None
-    hf.generation_config.pad_token_id = 0
+    hf = hf_twin(model)
     gen = torch.Generator().manual_seed(4)
     prompts = [torch.randint(0, 300, (n,), generator=gen).tolist() for n in (50, 20)]
     ours = fused_generate(model, prompts, SamplingParams(max_new_tokens=100, temperature=0.0))

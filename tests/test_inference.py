@@ -11,7 +11,7 @@ from gptrain.inference.generate import EolIds, SamplingParams, generate, greedy
 from gptrain.inference.kv_cache import KVCache, forward_cached, logits_of
 from gptrain.inference.sampling import filter_logits, gumbel_noise, sample
 from gptrain.model.gpt import GPT
-from tiny import tiny_config
+from tiny import hf_twin, tiny_config
 
 
 def tiny_model(seed: int = 0, std: float = 0.2, vocab: int = 300, positions: int = 64) -> GPT:
@@ -36,14 +36,8 @@ def test_cached_forward_equals_full_recomputation():
 
 
 def test_greedy_equals_transformers_generate():
-    transformers = pytest.importorskip("transformers")
-    from gptrain.interop.hf import hf_config_kwargs, to_hf_state_dict
-
     model = tiny_model(seed=3)
-    hf = transformers.GPT2LMHeadModel(transformers.GPT2Config(**hf_config_kwargs(model.cfg))).eval()
-    hf.load_state_dict(to_hf_state_dict(model), strict=False)
-    hf.generation_config.eos_token_id = None
-    hf.generation_config.pad_token_id = 0
+    hf = hf_twin(model)
     gen = torch.Generator().manual_seed(4)
     prompts = [torch.randint(0, 300, (n,), generator=gen).tolist() for n in (5, 11, 1, 8)]
     ours = generate(model, prompts, SamplingParams(max_new_tokens=20, temperature=0.0))  # one batch

@@ -12,8 +12,11 @@ import numpy as np
 from gptrain.user_cache import cache_dir
 
 
+FORMAT = 1  # how the tables are derived from the files (tokenizer._load_bpe) and laid out here
+
+
 def _path(fingerprint: str):
-    return cache_dir() / f"gpt2-bpe-{fingerprint[:32]}.npz"
+    return cache_dir() / f"gpt2-bpe-v{FORMAT}-{fingerprint[:32]}.npz"
 
 
 def load(fingerprint: str) -> tuple[dict[bytes, int], tuple[int, int, int]] | None:
@@ -32,8 +35,11 @@ def load(fingerprint: str) -> tuple[dict[bytes, int], tuple[int, int, int]] | No
 
 
 def store(fingerprint: str, ranks: dict[bytes, int], numbers: tuple[int, int, int]) -> None:
-    """Keeps ``ranks`` (ids 0 .. n-1, as the merges give them) and ``numbers`` for the next start."""
+    """Keeps ``ranks`` (ids 0 .. n-1, as the merges give them) and ``numbers`` for the next start;
+    tables whose ids are not exactly 0 .. n-1 are not kept (``load`` numbers them in order)."""
     tokens = sorted(ranks, key=ranks.__getitem__)
+    if [ranks[t] for t in tokens] != list(range(len(tokens))):
+        return
     buffer = io.BytesIO()
     np.savez(buffer, blob=np.frombuffer(b"".join(tokens), dtype=np.uint8),
              ends=np.cumsum([len(t) for t in tokens], dtype=np.int64), numbers=np.array(numbers, dtype=np.int64))

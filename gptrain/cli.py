@@ -202,8 +202,11 @@ def console_main() -> None:
     """The ``gptrain`` command (and ``python -m gptrain``): ``main``, then the process's exit."""
     code = main()
     if len(sys.argv) > 1 and sys.argv[1] in QUICK_EXIT:
-        sys.stdout.flush()
-        sys.stderr.flush()
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except OSError:  # a reader that went away (`| head`): nothing more to say to it
+                pass
         os._exit(code)
     raise SystemExit(code)
 

@@ -363,7 +363,8 @@ class ParallelConfig:
     overlap_grad_reduce: bool = field(default=False, metadata=flag(
         "--overlap-grad-reduce", group="distributed",
         help="plain data parallelism: all-reduce the gradients in buckets during the last micro-batch's backward "
-             "(the blocks then compile one by one, which costs compute: benchmarks/RESULTS.md says when it pays); "
+             "(the compiled step is then cut into graphs where the buckets end, which costs some fusion: "
+             "benchmarks/RESULTS.md says when it pays); "
              "ZeRO stages reduce-scatter during the backward anyway"))
     ddp_bucket_size: int | None = field(default=None, metadata=flag(
         "--ddp-bucket-size", group="distributed",

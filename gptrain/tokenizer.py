@@ -126,13 +126,14 @@ class GPT2Tokenizer:
             self.vocab_size = len(encoder)
             # the largest id decides the token dtype (an eod id may lie beyond the vocabulary's length)
             self.max_id = max(max(int(v) for v in encoder.values()), self.eod)
-            bpe_cache.store(self.fingerprint, ranks, (self.eod, self.vocab_size, self.max_id))
         self._enc = tiktoken.Encoding(
             name=f"gpt2bpe-{self.fingerprint[:12]}",
             pat_str=GPT2_PATTERN,
             mergeable_ranks=ranks,
             special_tokens={EOD_TEXT: self.eod},
         )
+        if kept is None:  # kept once tiktoken has taken them
+            bpe_cache.store(self.fingerprint, ranks, (self.eod, self.vocab_size, self.max_id))
 
     def encode(self, text: str, allow_special: bool = False) -> list[int]:
         """Token ids of ``text``; ``<|endoftext|>`` maps to ``eod`` only with ``allow_special``."""

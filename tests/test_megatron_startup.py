@@ -202,7 +202,8 @@ def test_exit_on_missing_checkpoint_is_megatrons_exit(tmp_path, capsys):
 
 def test_wandb_not_installed_is_one_line(capsys, monkeypatch):
     monkeypatch.setitem(sys.modules, "wandb", None)  # find_spec says: not importable
-    monkeypatch.setattr(startup.importlib.util, "find_spec", lambda name: None)
+    real = startup.importlib.util.find_spec
+    monkeypatch.setattr(startup.importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
     _one_line_before_the_model(*_fails(capsys, ["--mock-data", "--wandb-project", "p"]),
                                r"^gptrain: error: --wandb-project needs the wandb package, which is not installed: "
                                r"pip install wandb")

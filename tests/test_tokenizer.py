@@ -136,3 +136,25 @@ def test_largest_id_is_recorded(tmp_path):
     vocab.write_text(json.dumps(encoder))
     tok = GPT2Tokenizer(vocab, merge)
     assert tok.eod == 70000 and tok.max_id == 70000 and tok.vocab_size == 258
+
+
+def test_the_bpe_tables_come_back_from_the_cache(tmp_path, monkeypatch):
+    """A second tokenizer of the same files reads the tables kept by the first (no BPE rebuild) and
+    encodes alike; a damaged cache file is rebuilt."""
+    from gptrain import tokenizer as tk
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    first = tk.GPT2Tokenizer()
+    text = "Hello world, naïve café 東京 😀 — it's"
+
+    def refuse(*args):
+        raise AssertionError("the BPE tables were built again")
+
+    with monkeypatch.context() as m:
+        m.setattr(tk, "_load_bpe", refuse)
+        again = tk.GPT2Tokenizer()
+    assert again.encode(text) == first.encode(text)
+    assert (again.eod, again.vocab_size, again.max_id) == (first.eod, first.vocab_size, first.max_id) == (50256, 50257, 50256)
+    (kept,) = (tmp_path / "cache" / "gptrain").glob("gpt2-bpe-v*.npz")
+    kept.write_bytes(kept.read_bytes()[:1000])  # cut short
+    assert tk.GPT2Tokenizer().encode(text) == first.encode(text)

@@ -181,5 +181,7 @@ class SlotDecoder:
 
     def _warm_join(self, length: int) -> None:
         """A prompt of ``length`` tokens into a free slot and out (idle only)."""
-        self.prefill(0, [0] * length, 0, SamplingParams(temperature=0.0), False)
-        self.park(0)
+        try:
+            self.prefill(0, [0] * length, 0, SamplingParams(temperature=0.0), False)
+        finally:
+            self.park(0)  # free again, also when the capture failed

@@ -5,9 +5,9 @@ averaged over the data-parallel group (an asynchronous all-reduce) as soon as al
 have arrived, while the backward pass goes on with the layers before it. The step waits for the
 last ones before the gradient norm.
 
-Gradients arrive through post-accumulate-grad hooks, so the blocks are compiled one by one
-(parallel/parallelize.py): one graph for the whole model would hand autograd every gradient at its
-end, with nothing left to overlap.
+Gradients arrive through post-accumulate-grad hooks, so the compiled step is cut into graphs where
+the buckets end (parallel/bucketed_compile.py): one graph for the whole model would hand autograd
+every gradient at its end, with nothing left to overlap.
 """
 from __future__ import annotations
 

@@ -12,7 +12,8 @@ and ZeRO-2 keep it until the backward.
 One device and plain data parallelism keep the whole model, compiled as one graph, with fp32 main
 copies (train/main_params.py); data parallelism all-reduces the fp32 main-gradient buffer once per
 step (parallel/data_parallel.py), or bucket by bucket during the backward with --overlap-grad-reduce
-(parallel/grad_buckets.py, the blocks then compiled one by one). Measured faster than FSDP2 without
+(parallel/grad_buckets.py; the step then compiled in graphs cut where the buckets end,
+parallel/bucketed_compile.py). Measured faster than FSDP2 without
 resharding, whose per-block hooks cut the compiled graph into blocks and add host work
 (benchmarks/RESULTS.md, s5).
 """
@@ -75,13 +76,14 @@ def apply_fsdp(roots: list[nn.Module], model: GPT, mesh: DeviceMesh, dims: Paral
 def parallelize(train_module: nn.Module, model: GPT, dims: ParallelDims, mesh: DeviceMesh | None,
                 recompute: str | None, param_dtype: torch.dtype | None, compile_model: bool,
                 compile_mode: str | None, sequence_parallel: bool = False,
-                pipeline_chunks: list[nn.Module] | None = None, per_block: bool = False,
+                pipeline_chunks: list[nn.Module] | None = None, bucket_bytes: int = 0,
                 comm_overlap: bool = False):
     """Transform in place; returns the callable the trainer runs forward through:
     ``(tokens, labels, loss_mask) -> loss`` (None with pipeline parallelism: the schedule runs the
     ``pipeline_chunks``) and the tensor-parallel ``ShardLayout`` (empty without tensor parallelism).
-    ``per_block``: compile block by block even on one device or whole replicas, so gradients reach
-    their hooks as each block's backward ends (overlapped data-parallel reduction). ``comm_overlap``:
+    ``bucket_bytes``: on whole replicas, compile the step in graphs of about that many bytes of
+    parameters, so gradients reach their hooks as each graph's backward ends (overlapped data-parallel
+    reduction, parallel/bucketed_compile.py). ``comm_overlap``:
     async tensor parallelism (parallel/async_tp.py)."""
     from gptrain.parallel.tensor_parallel import ShardLayout, VocabParallelLMLoss, apply_tensor_parallel
 
@@ -96,14 +98,20 @@ def parallelize(train_module: nn.Module, model: GPT, dims: ParallelDims, mesh: D
         loss = train_module.loss
         train_module.loss = VocabParallelLMLoss(loss.vocab_size, layout.tp, tuned=loss.tuned)
     return _compile_and_shard(train_module, model, dims, mesh, param_dtype, compile_model, compile_mode,
-                              pipeline_chunks, per_block), layout
+                              pipeline_chunks, bucket_bytes), layout
 
 
 def _compile_and_shard(train_module, model, dims, mesh, param_dtype, compile_model, compile_mode, pipeline_chunks,
-                       per_block):
-    if not dims.sharded and not pipeline_chunks and not per_block:
+                       bucket_bytes):
+    if not dims.sharded and not pipeline_chunks:
+        if not compile_model:
+            return train_module
+        if bucket_bytes:  # --overlap-grad-reduce: cut where the gradient buckets end
+            from gptrain.parallel.bucketed_compile import compile_in_buckets
+
+            return compile_in_buckets(train_module, compile_mode, bucket_bytes)
         # one device or whole replicas: the whole step's forward compiles as one graph
-        return torch.compile(train_module, mode=compile_mode) if compile_model else train_module
+        return torch.compile(train_module, mode=compile_mode)
     if compile_model:
         # per block, so FSDP2's hooks sit between compiled regions and each block's gradient
         # reduction starts as soon as its backward ends (and a pipeline stage is a run of blocks)

@@ -16,6 +16,7 @@ model ``SlotDecoder`` cannot run (the server picks engine.py's ``Engine`` then).
 from __future__ import annotations
 
 import time
+import traceback
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -289,14 +290,16 @@ class InflightEngine(Engine):
         step = self._warming.popleft()
         try:
             step()
-        except Exception as err:  # noqa: BLE001 - out of memory at a large bucket: those are left to first use
+        except Exception as err:  # noqa: BLE001 - reported; the graphs left are captured on first use
             left = len(self._warming) + 1
             self._warming.clear()
             if isinstance(err, torch.cuda.OutOfMemoryError):
                 torch.cuda.empty_cache()
+                why = "out of GPU memory (lower --max-batch)"
+            else:  # not expected: the whole traceback, for a bug report
+                why = "".join(traceback.format_exception(err)).rstrip()
             if self._warm_report:
-                self._warm_report(f"decode graphs: warm-up stopped with {left} left to capture on first use "
-                                  f"({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})")
+                self._warm_report(f"decode graphs: warm-up stopped with {left} left to capture on first use: {why}")
             return
         if not self._warming and self._warm_report:
             graphs = self.decoder.rows.stats["graphs"]

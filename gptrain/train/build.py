@@ -147,7 +147,8 @@ def build_training(cfg: RunConfig, device: torch.device, dims: ParallelDims, mes
     mode = step_compile_mode(cfg, dims, device.type == "cuda")
     forward, layout = parallelize(train_module, model, dims, mesh, cfg.kernels.recompute, param_dtype,
                                   cfg.train.compile, mode, cfg.parallel.sequence_parallel, chunks,
-                                  per_block=overlap_grad_reduce(cfg, dims), comm_overlap=cfg.parallel.tp_comm_overlap)
+                                  bucket_bytes=overlap_bucket_bytes(cfg, dims, param_dtype),
+                                  comm_overlap=cfg.parallel.tp_comm_overlap)
     if mode != cfg.train.compile_mode:
         impls["compile"] = ("CUDA graphs over the compiled step (--compile-mode reduce-overhead, the default for "
                             "tensor parallelism on GPUs; --compile-mode default leaves them out)")
@@ -172,7 +173,7 @@ def build_training(cfg: RunConfig, device: torch.device, dims: ParallelDims, mes
                                     torch.bfloat16 if cfg.parallel.grad_reduce_in_bf16 else None)
         impls["gradient reduction"] = (f"overlapped with the backward in buckets of "
                                        f"{cfg.parallel.ddp_bucket_size or 40_000_000:,} elements "
-                                       f"({len(buckets.spans)} buckets), blocks compiled one by one")
+                                       f"({len(buckets.spans)} buckets), the compiled step cut where they end")
     optimizer = build_optimizer(opt_params, cfg)
     # AdamW's state exists from the start (what fused AdamW would create at its first step), so a
     # checkpoint written before the first update (fp16's first steps are skipped) holds it all
@@ -199,8 +200,19 @@ def step_compile_mode(cfg: RunConfig, dims: ParallelDims, cuda: bool) -> str | N
     if mode is not None or not cfg.train.compile or dims.tp == 1 or not cuda:
         return mode
     if dims.sharded or dims.pp > 1 or overlap_grad_reduce(cfg, dims) or cfg.parallel.tp_comm_overlap:
-        return None  # blocks compiled one by one, or async TP (which graphs do not take)
+        return None  # several compiled graphs with hooks between them, or async TP (which graphs do not take)
     return "reduce-overhead"
+
+
+def overlap_bucket_bytes(cfg: RunConfig, dims: ParallelDims, param_dtype: torch.dtype | None) -> int:
+    """Bytes of parameters per compiled graph under --overlap-grad-reduce (0: none): a gradient
+    bucket's elements in the parameters' dtype, so each graph's backward completes about one bucket."""
+    if not overlap_grad_reduce(cfg, dims):
+        return 0
+    from gptrain.parallel.grad_buckets import DEFAULT_BUCKET_SIZE
+
+    itemsize = torch.empty(0, dtype=param_dtype or torch.float32).element_size()
+    return (cfg.parallel.ddp_bucket_size or DEFAULT_BUCKET_SIZE) * itemsize
 
 
 def overlap_grad_reduce(cfg: RunConfig, dims: ParallelDims) -> bool:

@@ -14,7 +14,7 @@
 #               with and without CUDA graphs, their default under TP) beside the 1-GPU step, a TP8+SP rank of a 175B pipeline stage (12 layers, 8 micro-batches), and the
 #               start-up of a rank of the 175B TP8 x PP8 plan (world 64)
 #   decode      decode_speed.py: the 345M (bf16, random init) at batch 1 and 32, 32-token prompts,
-#               256 new tokens, greedy: fused loop, CUDA-graph loop, eager and HF generate (if
+#               256 new tokens, greedy: the fused loop (and its variants), eager and HF generate (if
 #               transformers is installed), --profile
 #   serve       a 345M checkpoint (2 training iterations on synthetic data), `gptrain serve` on it,
 #               serve_load.py with 32 clients then 1, the server stopped; serve_host_profile.py (the same load

@@ -1,6 +1,6 @@
 """gptrain's folder in the user's cache directory (``$XDG_CACHE_HOME/gptrain``, else
 ``~/.cache/gptrain``): what may be recomputed at any time (calibration tables, checksums of files
-already verified), never anything a run needs to resume."""
+already verified, a tokenizer's BPE tables), never anything a run needs to resume."""
 from __future__ import annotations
 
 import os

@@ -1,9 +1,11 @@
 """Shared fixtures: one tokenizer per session, small corpora built on the fly (no downloads)."""
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import random
+import shutil
 import tempfile
 
 import pytest
@@ -12,6 +14,7 @@ from gptrain.tokenizer import GPT2Tokenizer, default_vocab_files
 
 # the user's cache folder (checksums, calibration tables) of this test session only, for every process it starts
 os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="gptrain-test-cache-")
+atexit.register(shutil.rmtree, os.environ["XDG_CACHE_HOME"], True)
 
 WORDS = ("the of and to in is was for on that with as by at from his her an were which this be are "
          "model data token train loss GPU 2024 3.14 naïve café 東京 😀 — \"quoted\" it's we'll").split()

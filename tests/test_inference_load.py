@@ -54,6 +54,25 @@ def test_hf_folder_and_generate_command(hf_folder, capsys):
     assert out == prompt + tok.decode(expected) + "\n"
 
 
+def test_the_generate_command_as_a_process(hf_folder, capsys):
+    """`python -m gptrain generate` (the command's own process, which leaves without the interpreter's
+    teardown) prints what the command prints in process, and its one start-up line; a reader that goes
+    away early (`| head -c 1`) ends it without a traceback."""
+    import subprocess
+    import sys
+
+    folder, _ = hf_folder
+    argv = ["generate", "--load", str(folder), "--prompt", "The list of the", "--greedy", "--tokens-to-generate", "8"]
+    assert main(argv) == 0
+    expected = capsys.readouterr().out
+    done = subprocess.run([sys.executable, "-m", "gptrain", *argv], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout == expected
+    assert [line for line in done.stderr.splitlines() if "gptrain generate: done in" in line], done.stderr
+    cut = subprocess.run(f"{sys.executable} -m gptrain {' '.join(argv[:4])} 'The list' --greedy | head -c 1",
+                         shell=True, capture_output=True, text=True, timeout=300)
+    assert cut.stdout == "T" and "Traceback" not in cut.stderr, cut.stderr
+
+
 def test_megatron_folder(tmp_path):
     from test_megatron_import import _layout_checkpoint, legacy_rank_files
 

@@ -205,3 +205,25 @@ def test_the_background_warm_up_captures_every_graph_on_cuda(model):
         engine.close()
     assert during == alone and after == alone
     assert "captured in the background" in lines[0]
+
+
+def test_a_failed_background_warm_up_is_reported_and_serving_goes_on(model):
+    """A capture that fails ends the warm-up with one report carrying the error (the graphs left are
+    captured on first use); requests are answered as before."""
+    engine = engine_for(model)
+    lines = []
+
+    def broken():
+        raise RuntimeError("capture failed here")
+
+    engine.decoder.warm_up_steps = lambda: [lambda: None, broken, lambda: None]
+    try:
+        alone = engine.submit(seeded("After a failure", 6, 9)).result(60)[0].tokens
+        engine.warm_up_in_background(lines.append)
+        until(lambda: lines, "the warm-up's line", 30)
+        assert engine.warming == 0
+        again = engine.submit(seeded("After a failure", 6, 9)).result(60)[0].tokens
+    finally:
+        engine.close()
+    assert again == alone
+    assert len(lines) == 1 and "stopped with 2 left" in lines[0] and "capture failed here" in lines[0]

@@ -1,5 +1,5 @@
 """The CUDA-graph decode step for layers the fused decode kernels do not cover (Llama-style blocks:
-RMSNorm, RoPE, K/V groups, SwiGLU; any model ``fast.plain_model`` refuses) and for tensor parallelism,
+RMSNorm, RoPE, K/V groups, SwiGLU; any model ``steps.plain_model`` refuses) and for tensor parallelism,
 where the step's all-reduces and the logits' all-gather are captured with it (every rank captures and
 replays the same graphs at the same steps, rank 0's ids kept in step by ``generate``'s ``sync``).
 

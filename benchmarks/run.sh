@@ -316,7 +316,8 @@ suite_lane() {
     echo "lane: needs pytest (python3 -m pip install pytest)"; return 2
   fi
   run lane/gpu_lane.txt "$PY" -m pytest -m gpu -q -rs -p no:cacheprovider --durations=10 \
-    tests/test_gpu_kernels.py tests/test_row_decode.py tests/test_slot_join.py tests/test_server_inflight.py "$@"
+    tests/test_gpu_kernels.py tests/test_row_decode.py tests/test_slot_join.py tests/test_server_inflight.py \
+    tests/test_llama.py "$@"
   local lane=$?
   run lane/demo.txt "$PY" -m gptrain demo --out "$WORK/demo_out"
   local demo=$?

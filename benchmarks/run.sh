@@ -10,9 +10,12 @@
 #   scaling     train_throughput.py under torchrun at the DP/ZeRO/TP/PP layouts beside a 1-GPU row of the
 #               same run (nccl_bench.py first); 2-GPU layouts from 2 GPUs, 4-GPU layouts from 4; with
 #               one GPU it says so and exits 0; ONLY="1gpu dp2 ..." picks layouts (and nccl)
-#   ranks       the rank simulator on one GPU: one rank of TP2 / TP2+SP (345M, micro-batch 16; each also
-#               with and without CUDA graphs, their default under TP) beside the 1-GPU step, a TP8+SP rank of a 175B pipeline stage (12 layers, 8 micro-batches), and the
-#               start-up of a rank of the 175B TP8 x PP8 plan (world 64)
+#   ranks       the rank simulator on one GPU: one rank of DP2 (one all-reduce after the backward, and
+#               --overlap-grad-reduce at two bucket sizes) and of TP2 / TP2+SP (345M, micro-batch 16; TP
+#               with and without CUDA graphs, their default under TP) beside the 1-GPU step, a TP8+SP rank
+#               of a 175B pipeline stage (12 layers, 8 micro-batches), and the start-up of a rank of the
+#               175B TP8 x PP8 plan (world 64); ONLY="1gpu dp2 dp2_overlap dp2_overlap_100m tp2 tp2_sp
+#               tp2_no_graphs tp2_sp_no_graphs 175b_stage 175b_pp8 175b_startup" picks rows
 #   decode      decode_speed.py: the 345M (bf16, random init) at batch 1 and 32, 32-token prompts,
 #               256 new tokens, greedy: the fused loop (and its variants), eager and HF generate (if
 #               transformers is installed), --profile
@@ -58,7 +61,7 @@ BENCH=("${M345[@]}" --hidden-dropout 0 --attention-dropout 0 --bf16 --compile)
 TORCHRUN=("$PY" -m torch.distributed.run --standalone --nproc-per-node)
 SERVER_PID=
 
-usage() { sed -n '2,48p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,51p' "$0" | sed 's/^# \{0,1\}//'; }
 
 # run LOG CMD...: print the command, run it, its output to the screen and to $OUT/LOG
 run() {
@@ -197,33 +200,49 @@ suite_ranks() {
   # every collective returns at once): the layout's own compute and host cost, without the network
   need_gpu ranks || return
   local rc=0
-  run ranks/1gpu_mb16.txt "$PY" benchmarks/train_throughput.py "${BENCH[@]}" --warmup 4 --iters 10 \
-    --micro-batch-size 16 --global-batch-size 16 "$@" || rc=1
+  selected 1gpu && { run ranks/1gpu_mb16.txt "$PY" benchmarks/train_throughput.py "${BENCH[@]}" --warmup 4 --iters 10 \
+    --micro-batch-size 16 --global-batch-size 16 "$@" || rc=1; }
+  # a DP2 rank: the step as one graph and one all-reduce after the backward, against
+  # --overlap-grad-reduce (the compiled step cut where the buckets end) at two bucket sizes
+  for v in "dp2::" "dp2_overlap::--overlap-grad-reduce" "dp2_overlap_100m::--overlap-grad-reduce --ddp-bucket-size 100000000"; do
+    IFS=: read -r name _ flags <<< "$v"
+    selected "$name" || continue
+    # shellcheck disable=SC2086
+    run ranks/sim_${name}_mb16.txt "$PY" benchmarks/train_throughput.py "${BENCH[@]}" --warmup 4 --iters 10 \
+      --micro-batch-size 16 --global-batch-size 32 $flags --simulate-world-size 2 --no-baseline "$@" || rc=1
+  done
   # each TP rank with CUDA graphs over the compiled step (the default for TP on GPUs, which takes the
   # host's launches off the critical path) and without them (--compile-mode default)
   for v in "tp2::" "tp2_sp::--sequence-parallel" "tp2_no_graphs::--compile-mode default" \
            "tp2_sp_no_graphs::--sequence-parallel --compile-mode default"; do
     IFS=: read -r name _ flags <<< "$v"
+    selected "$name" || continue
     # shellcheck disable=SC2086
     run ranks/sim_${name}_mb16.txt "$PY" benchmarks/train_throughput.py "${BENCH[@]}" --warmup 4 --iters 10 \
       --micro-batch-size 16 --global-batch-size 16 --tensor-model-parallel-size 2 $flags \
       --simulate-world-size 2 "$@" || rc=1
   done
   # a TP8 + SP rank of one 175B pipeline stage: 12 layers, 8 micro-batches of 1
-  run ranks/sim_175b_tp8_sp_12layers.txt "$PY" benchmarks/train_throughput.py "${G175[@]}" --compile --num-layers 12 \
-    --micro-batch-size 1 --global-batch-size 8 --tensor-model-parallel-size 8 --sequence-parallel \
-    --recompute-activations --simulate-world-size 8 --warmup 3 --iters 6 "$@" || rc=1
+  if selected 175b_stage; then
+    run ranks/sim_175b_tp8_sp_12layers.txt "$PY" benchmarks/train_throughput.py "${G175[@]}" --compile --num-layers 12 \
+      --micro-batch-size 1 --global-batch-size 8 --tensor-model-parallel-size 8 --sequence-parallel \
+      --recompute-activations --simulate-world-size 8 --warmup 3 --iters 6 "$@" || rc=1
+  fi
   # a TP8 + SP rank of the first stage of the whole 175B plan (96 layers, TP8 x PP8, world 64), timed over
   # 1F1B steps of 8 micro-batches (the simulated rank never waits for its neighbours: no bubble)
-  run ranks/sim_175b_tp8_pp8_stage.txt "$PY" benchmarks/train_throughput.py "${G175[@]}" --compile --num-layers 96 \
-    --tensor-model-parallel-size 8 --pipeline-model-parallel-size 8 --sequence-parallel --recompute-activations \
-    --micro-batch-size 1 --global-batch-size 8 --simulate-world-size 64 --warmup 2 --iters 4 "$@" || rc=1
+  if selected 175b_pp8; then
+    run ranks/sim_175b_tp8_pp8_stage.txt "$PY" benchmarks/train_throughput.py "${G175[@]}" --compile --num-layers 96 \
+      --tensor-model-parallel-size 8 --pipeline-model-parallel-size 8 --sequence-parallel --recompute-activations \
+      --micro-batch-size 1 --global-batch-size 8 --simulate-world-size 64 --warmup 2 --iters 4 "$@" || rc=1
+  fi
   # start-up of a rank of the whole 175B plan (96 layers, TP8 x PP8, world 64): build, initialise, one
   # evaluation iteration
-  run ranks/sim_175b_tp8_pp8_startup.txt /usr/bin/time -v "$PY" -m gptrain train "${G175[@]}" --num-layers 96 \
-    --tensor-model-parallel-size 8 --pipeline-model-parallel-size 8 --sequence-parallel --recompute-activations \
-    --micro-batch-size 1 --global-batch-size 8 --mock-data --train-iters 1 --skip-train --eval-iters 1 \
-    --simulate-world-size 64 "$@" || rc=1
+  if selected 175b_startup; then
+    run ranks/sim_175b_tp8_pp8_startup.txt /usr/bin/time -v "$PY" -m gptrain train "${G175[@]}" --num-layers 96 \
+      --tensor-model-parallel-size 8 --pipeline-model-parallel-size 8 --sequence-parallel --recompute-activations \
+      --micro-batch-size 1 --global-batch-size 8 --mock-data --train-iters 1 --skip-train --eval-iters 1 \
+      --simulate-world-size 64 "$@" || rc=1
+  fi
   return $rc
 }
 

@@ -99,8 +99,8 @@ def cmd_data(argv: list[str]) -> int:
     i.add_argument("--tokenizer-type", default="GPT2BPETokenizer")
     i.add_argument("--tokenizer-model", default=None, help="HuggingFaceTokenizer: a folder holding tokenizer.json")
     i.add_argument("--vocab-size", type=int, default=None, help="NullTokenizer's")
-    c = sub.add_parser("build-cache", help="build the dataset index maps of a training config ahead of a run",
-                       add_help=False)
+    sub.add_parser("build-cache", help="build the dataset index maps of a training config ahead of a run",
+                   add_help=False)
     sub.add_parser("samples", help="the token ids training reads at positions of a split (.npy)", add_help=False)
     if argv[:1] == ["samples"]:  # its own parser: the training flags pass through untouched
         from gptrain.data.samples import samples_main

@@ -239,7 +239,7 @@ class RowDecoder(RowSampling):
         """``generate``'s results for up to ``batch`` prompts (its arguments, without ``sync``);
         ``together`` prefills prompts of one length in one call (faster for a large batch, but a
         row's numbers then depend on the batch)."""
-        model, window, n = self.model, self.window, len(prompts)
+        n = len(prompts)
         eol, ends, colon = self._begin_request(prompts, params, eol, no_newline_after_colon)
         want_lp = logprobs or top_logprobs > 0
         mode = Mode.of(params, (eol.colon, eol.eol) if any(colon[:n]) else None, want_lp, top_logprobs)

@@ -5,11 +5,10 @@ that is missing or unreadable is rebuilt, never trusted half-way."""
 from __future__ import annotations
 
 import io
-import os
 
 import numpy as np
 
-from gptrain.user_cache import cache_dir
+from gptrain.user_cache import cache_dir, keep
 
 
 FORMAT = 1  # how the tables are derived from the files (tokenizer._load_bpe) and laid out here
@@ -43,11 +42,4 @@ def store(fingerprint: str, ranks: dict[bytes, int], numbers: tuple[int, int, in
     buffer = io.BytesIO()
     np.savez(buffer, blob=np.frombuffer(b"".join(tokens), dtype=np.uint8),
              ends=np.cumsum([len(t) for t in tokens], dtype=np.int64), numbers=np.array(numbers, dtype=np.int64))
-    path = _path(fingerprint)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        tmp.write_bytes(buffer.getvalue())
-        os.replace(tmp, path)
-    except OSError:
-        pass  # a read-only home: built again next time
+    keep(_path(fingerprint), buffer.getvalue())

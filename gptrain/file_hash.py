@@ -13,10 +13,10 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
-import os
-import tempfile
 import time
 from pathlib import Path
+
+from gptrain.user_cache import cache_dir, keep
 
 SETTLE_S = 2.0
 KEEP = 4096  # entries kept in the cache file (the newest)
@@ -31,8 +31,6 @@ def file_sha256(path: Path) -> str:
 
 
 def _store() -> Path:
-    from gptrain.user_cache import cache_dir
-
     return cache_dir() / "file-sha256.json"
 
 
@@ -65,14 +63,7 @@ def _remember(key: str, entry: list) -> None:
         pass
     for old in list(known)[: max(0, len(known) - KEEP)]:
         del known[old]
-    try:
-        store.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=store.parent, prefix=f".{store.name}.", suffix=".tmp")
-        with os.fdopen(fd, "w") as f:
-            json.dump(known, f)
-        os.replace(tmp, store)
-    except OSError:
-        pass  # a read-only home: nothing remembered, nothing lost
+    keep(store, json.dumps(known).encode())
 
 
 def known_sha256(path: Path) -> str:

@@ -13,6 +13,7 @@ import urllib.request
 from urllib.parse import urlparse
 
 import pytest
+import torch
 
 from gptrain.inference.generate import SamplingParams, generate
 from gptrain.serve.engine import Job
@@ -181,7 +182,7 @@ def test_the_background_warm_up_runs_between_requests(model):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA GPU (the GPU lane)")
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the GPU lane)")
 def test_the_background_warm_up_captures_every_graph_on_cuda(model):
     import copy
 

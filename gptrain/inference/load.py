@@ -73,14 +73,32 @@ def load_for_inference(path: str | Path, device: torch.device | str = "cpu", dty
     else:
         model = full
         if model is None:
-            from gptrain.train.checkpoint import load_checkpoint
-
             model = GPT.unset(cfg)
-            load_checkpoint(path, dict(model.named_parameters()), None, cfg.vocab_size, load_rng=False, path=root)
+            params = dict(model.named_parameters())
+            if not _read_weights_directly(root, params, cfg.vocab_size):
+                from gptrain.train.checkpoint import load_checkpoint
+
+                load_checkpoint(path, params, None, cfg.vocab_size, load_rng=False, path=root)
     model = model.to(device=device, dtype=dtype).eval()
     if tp_mesh is not None:
         model.tie_output_layer()
     return Loaded(model, tokenizer, kind, path.resolve().name, None if tp_mesh is None else tp_mesh.get_group())
+
+
+def _read_weights_directly(folder: Path, params: dict[str, torch.Tensor], vocab_size: int) -> bool:
+    """The weights of a gptrain checkpoint into ``params`` (one process, whole tensors) without
+    importing DCP (``dcp_direct``); False where that reader cannot, and DCP reads them."""
+    from gptrain.train.checkpoint_files import UNPADDED
+    from gptrain.train.dcp_direct import read_tensors
+
+    targets = {}
+    with torch.no_grad():
+        for name, param in params.items():
+            if name in UNPADDED and param.dim() == 2:  # stored at the real vocabulary's size
+                param[vocab_size:].zero_()
+                param = param[:vocab_size]
+            targets[f"model/{name}"] = param.detach()
+        return read_tensors(folder, targets)
 
 
 def check_layout(cfg: GPTConfig, tp: int) -> None:

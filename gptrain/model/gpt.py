@@ -283,7 +283,8 @@ class GPT(nn.Module):
         of them: PyTorch's default init of every layer costs seconds at the 345M."""
         with torch.device("meta"):
             model = cls(cfg)
-        model.to_empty(device="cpu")
+        # to_empty's empty_like on meta tensors goes through torch's Python refs, which import sympy
+        model._apply(lambda t: torch.empty(t.shape, dtype=t.dtype))
         model.tie_output_layer()
         model.reset_buffers()
         return model

@@ -41,13 +41,13 @@ from torch.distributed.tensor import DTensor
 
 from gptrain.parallel.shards import copy_full_into
 from gptrain.parallel.collectives import distributed
-from gptrain.train.checkpoint_files import (discard, find_gptrain_iteration_dir, iteration_dir, newest_complete,
-                                            publish, rank0_log, this_rank, tmp_dir, write_rank_sums)
+from gptrain.train.checkpoint_files import (UNPADDED, discard, find_gptrain_iteration_dir, iteration_dir,
+                                            newest_complete, publish, rank0_log, this_rank, tmp_dir,
+                                            write_rank_sums)
 from gptrain.train.durable import save_safetensors, write_durable
 from gptrain.train.signals import deferred_signals
 from gptrain.train.safe_dcp import load_safely, read_metadata_safely
 
-UNPADDED = ("word_embeddings.weight", "output_layer.weight")  # stored without the vocabulary padding
 # one process without a process group is a normal run here; --async-save's writer thread would
 # print DCP's warning about it outside any local warnings filter
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")

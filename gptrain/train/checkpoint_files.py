@@ -37,6 +37,7 @@ from gptrain.train.durable import crash_point, fsync_tree, replace_durable, writ
 from gptrain.train.save_lock import cleaning
 
 FORMAT = "gptrain-checkpoint/2"
+UNPADDED = ("word_embeddings.weight", "output_layer.weight")  # stored without the vocabulary padding
 
 
 def iteration_dir(root: str | os.PathLike, iteration: int | str) -> Path:

@@ -11,39 +11,25 @@ by DCP with ``torch.load(weights_only=True)``.
 
 from __future__ import annotations
 
-import collections
+import importlib
 import pathlib
 import pickle
 import warnings
 
-import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, StorageMeta, TensorStorageMetadata
 
+from gptrain.train.dcp_direct import UnsafeDCPMetadata, allowed_global
 
-class UnsafeDCPMetadata(ValueError):
-    """The checkpoint's metadata names something other than DCP's own records."""
+__all__ = ["UnsafeDCPMetadata", "read_metadata_safely", "SafeFileSystemReader", "TensorsOnlyLoadPlanner",
+           "load_safely"]
 
 
-_METADATA_RECORDS = {"Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
-                     "ChunkStorageMetadata", "_MEM_FORMAT_ENCODING", "BytesStorageMetadata"}
-_PLAN_RECORDS = {"SavePlan", "WriteItem", "WriteItemType", "TensorWriteData", "BytesIOWriteData"}
-_ALLOWED = {
-    ("torch", "Size"): torch.Size,
-    ("torch.serialization", "_get_layout"): torch.serialization._get_layout,
-    ("builtins", "set"): set,
-    ("builtins", "frozenset"): frozenset,
-    ("collections", "OrderedDict"): collections.OrderedDict,
-}
-
-# a checkpoint_id saved as a path object (older gptrain saves); Python 3.13 names it pathlib._local.*
-for _module in ("pathlib", "pathlib._local"):
-    for _name in ("Path", "PosixPath", "PurePath", "PurePosixPath"):
-        _ALLOWED[(_module, _name)] = pathlib.PurePosixPath
-    for _name in ("WindowsPath", "PureWindowsPath"):
-        _ALLOWED[(_module, _name)] = pathlib.PureWindowsPath
+def _dcp_class(module: str, name: str):
+    """DCP's own record class (megatron-core keeps each rank's save plan in the metadata, to reuse it:
+    inert dataclasses of ``torch.distributed.checkpoint.planner``)."""
+    return getattr(importlib.import_module(module), name)
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -52,21 +38,7 @@ class _MetadataUnpickler(pickle.Unpickler):
         self._path = path
 
     def find_class(self, module, name):
-        if module == "torch.distributed.checkpoint.metadata" and name in _METADATA_RECORDS:
-            return getattr(dcp_metadata, name)
-        if module == "torch.distributed.checkpoint.planner" and name in _PLAN_RECORDS:
-            # megatron-core keeps each rank's save plan in the metadata (to reuse it): inert dataclasses
-            from torch.distributed.checkpoint import planner
-            return getattr(planner, name)
-        if module == "torch.distributed.checkpoint.filesystem" and name == "_StorageInfo":
-            from torch.distributed.checkpoint.filesystem import _StorageInfo
-            return _StorageInfo
-        if (module, name) in _ALLOWED:
-            return _ALLOWED[(module, name)]
-        if module == "torch" and isinstance(vars(torch).get(name), torch.dtype):
-            return vars(torch)[name]
-        raise UnsafeDCPMetadata(f"{self._path}: refuses to load {module}.{name}: a DCP checkpoint's metadata may "
-                                "only name DCP's metadata records, torch.Size, dtypes and paths")
+        return allowed_global(module, name, self._path, _dcp_class)
 
     def persistent_load(self, pid):
         raise UnsafeDCPMetadata(f"{self._path}: refuses persistent id {pid!r:.80} in DCP metadata")

@@ -1,0 +1,126 @@
+"""``dcp_direct``: a checkpoint's tensors read without importing DCP equal what DCP itself reads (whole
+tensors and tensor-parallel chunks), a crafted metadata is refused as ``safe_dcp`` refuses it, and
+loading a model for inference imports neither DCP nor sympy."""
+from __future__ import annotations
+
+import dataclasses
+import os
+import pickle
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from distributed import spawn
+from gptrain.model.gpt import GPT
+from gptrain.train.dcp_direct import UnsafeDCPMetadata, read_tensors
+from gptrain.train.safe_dcp import load_safely, read_metadata_safely
+from tiny import tiny_config
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    from gptrain.train.checkpoint import save_checkpoint
+
+    model = GPT(tiny_config(vocab_size=50257))
+    model.init_weights(5)
+    params = dict(model.named_parameters())
+    optimizer = torch.optim.AdamW(params.values())
+    params["word_embeddings.weight"].sum().backward()
+    optimizer.step()
+    state = {"config": {"model": dataclasses.asdict(model.cfg), "data": {"vocab_file": None}}}
+    root = tmp_path_factory.mktemp("ck")
+    save_checkpoint(root, 2, params, optimizer, state, model.cfg.vocab_size)
+    return root / "iter_0000002"
+
+
+def _empty_like_stored(folder) -> dict[str, torch.Tensor]:
+    meta = read_metadata_safely(folder)
+    return {k: torch.full(tuple(v.size), float("nan"), dtype=v.properties.dtype)
+            for k, v in meta.state_dict_metadata.items()}
+
+
+def test_whole_tensors_equal_dcps_own_read(saved):
+    mine, theirs = _empty_like_stored(saved), _empty_like_stored(saved)
+    assert any(k.startswith("optim/") for k in mine)
+    assert read_tensors(saved, mine)
+    load_safely(theirs, saved)
+    for key in theirs:
+        assert torch.equal(mine[key], theirs[key]), key
+
+
+def test_a_shape_that_differs_or_a_missing_entry_leaves_it_to_dcp(saved):
+    key = "model/word_embeddings.weight"
+    stored = _empty_like_stored(saved)[key]
+    assert not read_tensors(saved, {key: torch.empty(stored.shape[0] + 1, stored.shape[1])})
+    assert not read_tensors(saved, {"model/no_such_weight": torch.empty(3)})
+
+
+def _save_sharded(rank: int, folder: str) -> None:
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    dist.init_process_group("gloo")
+    mesh = init_device_mesh("cpu", (2,))
+    full = torch.arange(7 * 6, dtype=torch.float32).reshape(7, 6)
+    state = {"rows": distribute_tensor(full, mesh, [Shard(0)]), "cols": distribute_tensor(full * 2, mesh, [Shard(1)]),
+             "whole": torch.ones(3)}
+    dcp.save(state, checkpoint_id=folder)
+    dist.destroy_process_group()
+
+
+def test_chunks_written_by_two_ranks_are_put_together(tmp_path):
+    spawn(2, _save_sharded, str(tmp_path))
+    meta = read_metadata_safely(tmp_path)
+    assert len(meta.state_dict_metadata["rows"].chunks) == 2
+    full = torch.arange(7 * 6, dtype=torch.float32).reshape(7, 6)
+    out = {"rows": torch.zeros(7, 6), "cols": torch.zeros(7, 6), "whole": torch.zeros(3)}
+    assert read_tensors(tmp_path, out)
+    assert torch.equal(out["rows"], full) and torch.equal(out["cols"], full * 2)
+    assert torch.equal(out["whole"], torch.ones(3))
+
+
+class _RunsCode:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+@pytest.mark.parametrize("craft", ["code", "outside-path", "not-metadata"])
+def test_a_crafted_metadata_is_refused_without_running_code(craft, saved, tmp_path):
+    import shutil
+
+    folder = tmp_path / "ck"
+    shutil.copytree(saved, folder)
+    marker = tmp_path / "ran"
+    metadata = read_metadata_safely(folder)
+    if craft == "code":
+        metadata.planner_data = _RunsCode(marker)
+        why = "refuses to load posix.system"
+    elif craft == "outside-path":
+        for info in metadata.storage_data.values():
+            info.relative_path = "../../state.json"
+        why = "outside the checkpoint folder"
+    else:
+        metadata = torch.Size([1, 2])
+        why = "not DCP metadata"
+    (folder / ".metadata").write_bytes(pickle.dumps(metadata))
+    with pytest.raises(UnsafeDCPMetadata, match=why):
+        read_tensors(folder, _empty_like_stored(saved))
+    assert not marker.exists()
+
+
+def test_loading_for_inference_imports_neither_dcp_nor_sympy(saved):
+    """DCP's import pulls in DTensor and sympy (most of a second of ``gptrain generate``'s start)."""
+    code = ("import sys; from gptrain.inference.load import load_for_inference; "
+            f"loaded = load_for_inference({str(saved.parent)!r}); "
+            "print(sorted(m for m in ('torch.distributed.checkpoint', 'sympy') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         cwd=os.path.dirname(os.path.dirname(__file__)))
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout

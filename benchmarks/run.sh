@@ -121,6 +121,9 @@ suite_train() {
 NO_GRAPHS="--compile-mode default"  # tensor parallelism runs CUDA graphs by default (train/build.py)
 GRAPHS="--compile-mode reduce-overhead"
 LAYOUTS2=("1:16:16:1gpu:" "2:16:32:dp2:" "2:16:32:dp2_overlap:--overlap-grad-reduce --no-baseline"
+          "2:16:32:dp2_overlap_100m:--overlap-grad-reduce --ddp-bucket-size 100000000 --no-baseline"
+          "2:16:32:dp2_bf16:--grad-reduce-in-bf16 --no-baseline"
+          "2:16:32:dp2_overlap_bf16:--overlap-grad-reduce --grad-reduce-in-bf16 --no-baseline"
           "2:16:32:dp2_overlap_graphs:--overlap-grad-reduce $GRAPHS --no-baseline"
           "2:16:32:zero1_dp2:--zero-stage 1 --no-baseline" "2:16:32:zero2_dp2:--zero-stage 2 --no-baseline"
           "2:16:32:zero3_dp2:--zero-stage 3 --no-baseline"

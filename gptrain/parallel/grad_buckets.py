@@ -22,9 +22,13 @@ class GradBuckets:
     when it holds the micro-batch's contribution (in backward order, any order works)."""
 
     def __init__(self, flat: torch.Tensor, views: list[torch.Tensor], group, size: int,
-                 bucket_size: int | None = None, reduce_dtype: torch.dtype | None = None):
+                 bucket_size: int | None = None, reduce_dtype: torch.dtype | None = None, take=None):
+        """``take(indices)``: called with a bucket's gradients once they have all arrived, in every
+        micro-batch, before the bucket is reduced (MainParams adds them to the fp32 main gradients
+        there: one multi-tensor launch a bucket instead of one per gradient)."""
         self.flat, self.group, self.size = flat, group, size
         self.reduce_dtype = reduce_dtype
+        self.take = take
         limit = bucket_size or DEFAULT_BUCKET_SIZE
         offsets = [v.data_ptr() - flat.data_ptr() for v in views]
         # buckets over the flat buffer from its end (the last layers, whose gradients come first)
@@ -51,7 +55,8 @@ class GradBuckets:
             self.spans.append((start, end))
             self.members.append(count)
         self.armed = False
-        self._arrived = [0] * len(self.spans)
+        self._got: list[list[int]] = [[] for _ in self.spans]  # this micro-batch's arrivals, by bucket
+        self._launched = [False] * len(self.spans)
         self._pending: list[tuple] = []
         self.nonfinite: torch.Tensor | None = None  # set by check_finite()
 
@@ -69,15 +74,29 @@ class GradBuckets:
 
     def arm(self, last_micro_batch: bool) -> None:
         """Reduce during this micro-batch's backward only if it is the step's last."""
+        self._take_partial(launch=False)  # a bucket the micro-batch before did not complete (unused weights)
         self.armed = last_micro_batch
 
     def arrived(self, i: int) -> None:
-        if not self.armed:
+        if self.take is None and not self.armed:  # autograd accumulated it in place: nothing to do yet
             return
         b = self.bucket_of[i]
-        self._arrived[b] += 1
-        if self._arrived[b] == self.members[b]:
-            self._launch(b)
+        got = self._got[b]
+        got.append(i)
+        if len(got) == self.members[b]:
+            if self.take is not None:
+                self.take(got)
+            self._got[b] = []
+            if self.armed:
+                self._launch(b)
+
+    def _take_partial(self, launch: bool) -> None:
+        for b, got in enumerate(self._got):
+            if got and self.take is not None:
+                self.take(got)
+            self._got[b] = []
+            if launch and not self._launched[b]:
+                self._launch(b)
 
     def _launch(self, b: int) -> None:
         start, end = self.spans[b]
@@ -90,21 +109,19 @@ class GradBuckets:
         else:
             part.div_(self.size)
             self._pending.append((dist.all_reduce(part, group=self.group, async_op=True), None, None))
-        self._arrived[b] = -1  # launched
+        self._launched[b] = True
 
     @torch.no_grad()
     def wait(self) -> None:
         """Every bucket reduced (one whose gradients did not all arrive, e.g. unused parameters, is
         launched now), and the counts reset for the next step."""
-        for b, n in enumerate(self._arrived):
-            if n != -1:
-                self._launch(b)
+        self._take_partial(launch=True)
         for work, part, low in self._pending:
             work.wait()
             if part is not None:
                 part.copy_(low)
         self._pending.clear()
-        self._arrived = [0] * len(self.spans)
+        self._launched = [False] * len(self.spans)
         self.armed = False
 
 
@@ -126,8 +143,8 @@ def overlap_reduction(params: list[torch.Tensor], main, group, size: int, bucket
     parameters) and the hooks that report each one's arrival."""
     if main is not None:
         views = main.keep_flat_grads()
-        buckets = GradBuckets(main.grad_flat, views, group, size, bucket_size, reduce_dtype)
-        main.accumulate_on_backward(buckets.arrived)
+        buckets = GradBuckets(main.grad_flat, views, group, size, bucket_size, reduce_dtype, take=main.take_grads)
+        main.report_arrivals(buckets.arrived)
         return buckets
     flat, views = flat_grads(params)
     buckets = GradBuckets(flat, views, group, size, bucket_size, reduce_dtype)

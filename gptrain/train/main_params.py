@@ -33,7 +33,6 @@ class MainParams:
         self.dtype = dtype
         self.grad_flat: torch.Tensor | None = None
         self._keep: list[torch.Tensor] | None = None  # keep_flat_grads: the views of one buffer for the run
-        self._arrived = None
 
     def named(self) -> dict[str, torch.Tensor]:
         return dict(zip(self.names, self.main))
@@ -69,13 +68,28 @@ class MainParams:
         for p in self.model_params:
             p.grad = None
 
-    def accumulate_on_backward(self, arrived=None) -> None:
-        """For pipeline schedules, which run every micro-batch's backward inside one call, and for
-        overlapped data-parallel reduction: each model gradient is added to its fp32 main gradient
-        as soon as autograd has accumulated it, then ``arrived(i)`` is told (parallel/grad_buckets.py)."""
-        self._arrived = arrived
+    def accumulate_on_backward(self) -> None:
+        """For pipeline schedules, which run every micro-batch's backward inside one call: each model
+        gradient is added to its fp32 main gradient as soon as autograd has accumulated it."""
         for i, p in enumerate(self.model_params):
             p.register_post_accumulate_grad_hook(lambda p, i=i: self._take_grad(i, p))
+
+    def report_arrivals(self, arrived) -> None:
+        """For overlapped data-parallel reduction: ``arrived(i)`` as soon as autograd has accumulated
+        model gradient ``i``; the reduction's buckets hand them back through ``take_grads``."""
+        for i, p in enumerate(self.model_params):
+            p.register_post_accumulate_grad_hook(lambda p, i=i: arrived(i))
+
+    @torch.no_grad()
+    def take_grads(self, indices: list[int]) -> None:
+        """Model gradients ``indices`` added to their fp32 main gradients (one multi-tensor launch),
+        then dropped."""
+        pairs = [(self.main[i].grad, self.model_params[i].grad) for i in indices
+                 if self.model_params[i].grad is not None]
+        if pairs:
+            torch._foreach_add_([m for m, _ in pairs], [g for _, g in pairs])
+        for i in indices:
+            self.model_params[i].grad = None
 
     def keep_flat_grads(self) -> list[torch.Tensor]:
         """Allocate the flat fp32 gradient buffer now and keep it from step to step (zeroed after
@@ -91,8 +105,6 @@ class MainParams:
             self.grad_flat.zero_()
         self.main[i].grad.add_(p.grad)
         p.grad = None
-        if self._arrived is not None:
-            self._arrived(i)
 
     def grad_norm(self) -> torch.Tensor:
         """This rank's gradient norm (the whole norm when no parameter is sharded)."""

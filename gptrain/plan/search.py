@@ -107,7 +107,7 @@ def predict(cfg: RunConfig, world: int, gpu: Gpu, gpus_per_node: int) -> Predict
         if not getattr(m, "untie_embeddings_and_output_weights", False):  # the tied copies' fp32 gradients summed
             time.pp_comm += all_reduce_s(4.0 * m.padded_vocab_size / dims.tp * m.hidden_size, 2, pp_gbps)
     biggest = max(range(dims.pp), key=lambda r: params[r])
-    time.dp_comm = data_parallel_s(cfg, dims, params[biggest], stages[biggest], n_micro, layer_counts[biggest],
+    time.dp_comm = data_parallel_s(cfg, dims, gpu, params[biggest], stages[biggest], n_micro, layer_counts[biggest],
                                    dp_gbps)
     local_params = params[biggest] / (dims.dp if dims.sharded else 1)
     time.optimizer = offload_s(local_params, dims.zero_stage, n_micro) if dims.cpu_offload else \

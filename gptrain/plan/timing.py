@@ -46,6 +46,7 @@ COLLECTIVE_LATENCY_S = 50e-6  # per collective inside a step: launch, the ranks 
 BLOCK_BYTES = 70.0
 DEVICE_GAPS = 0.02  # the device's idle time between kernels, a fraction of their time (fitted)
 HOST_DEVICE_SHARPNESS = 8.0  # how fast the wall time approaches max(device, host) as they part (fitted)
+BF16_REDUCE_CAST_BYTES = 12.0  # per parameter: fp32 read and bf16 written, bf16 read and fp32 written back
 GATHER_EFFICIENCY = 0.83  # all-gather / reduce-scatter bus bandwidth over all-reduce's (NCCL, 2 x H200)
 COLLECTIVE_HOST_S = 30e-6  # the host's time to launch an NCCL collective, beyond the simulator's fake one
 # --cpu-offload, per fp32 parameter of the rank (s18, a 2.7B at ZeRO-2 and ZeRO-3 with 1 and 8 micro-batches):
@@ -207,7 +208,7 @@ def stage_time(cfg: RunConfig, dims: ParallelDims, gpu: Gpu, layers: int, first:
     return StageTime(compute, tp_comm, host)
 
 
-def data_parallel_s(cfg: RunConfig, dims: ParallelDims, params: int, stage: StageTime, n_micro: int,
+def data_parallel_s(cfg: RunConfig, dims: ParallelDims, gpu: Gpu, params: int, stage: StageTime, n_micro: int,
                     layers: int, gbps: float) -> float:
     """Exposed data-parallel communication per step."""
     d = dims.dp
@@ -215,12 +216,15 @@ def data_parallel_s(cfg: RunConfig, dims: ParallelDims, params: int, stage: Stag
         return 0.0
     half = 2.0 if cfg.precision.half_params else 4.0
     if dims.replicated:
-        grad_bytes = (2.0 if cfg.parallel.grad_reduce_in_bf16 else 4.0) * params
+        low = cfg.parallel.grad_reduce_in_bf16
+        grad_bytes = (2.0 if low else 4.0) * params
         reduce = all_reduce_s(grad_bytes, d, gbps)
+        # --grad-reduce-in-bf16: the fp32 gradients cast down before and copied back after, on the device
+        cast = gpu.memory_s(BF16_REDUCE_CAST_BYTES * params) if low else 0.0
         if overlap_grad_reduce(cfg, dims):  # hidden under the last micro-batch's backward but its last bucket
             backward = stage.device * 2 / 3
-            return max(reduce - backward, reduce / max(1, layers))
-        return reduce
+            return cast + max(reduce - backward, reduce / max(1, layers))
+        return cast + reduce
     # FSDP2: gathers under the forward (and the backward at ZeRO-3), reduce-scatters under the backward
     gather = gather_s(half * params, d, gbps)
     scatter = gather_s(4.0 * params, d, gbps)

@@ -6,7 +6,9 @@ prints each against its prediction):
   its FLOPs in the backward; full recompute runs the forward again, selective the core attention),
   attention on the FLOPs the MFU formula counts, element-wise and memory-bound work (LayerNorms, GELU,
   residuals, dropout, the loss) at the memory bandwidth, more of it where the blocks are compiled one
-  by one (FSDP2, pipeline stages, --overlap-grad-reduce: no fusion across blocks), FSDP2's casts and
+  by one (FSDP2, pipeline stages: no fusion across blocks; --overlap-grad-reduce, whose compile is cut
+  where its buckets end, costs about as much: its NCCL kernels slow the backward's matmuls beside them,
+  which s22's two-H200 rows hold within 2.4%), FSDP2's casts and
   copies around its collectives, each tensor-parallel collective's copies; and the device's gaps
   between kernels;
 - tensor parallelism, not overlapped with compute: 2 all-reduces forward and 2 backward per block (with
@@ -133,7 +135,8 @@ def host_kind(cfg: RunConfig, dims: ParallelDims, sp: bool) -> str | None:
 
 
 def per_block(cfg: RunConfig, dims: ParallelDims) -> bool:
-    """The blocks compiled one by one (FSDP2's hooks, pipeline stages, overlapped gradient reduction)."""
+    """The blocks compiled one by one (FSDP2's hooks, pipeline stages), or the overlapped gradient
+    reduction's cut compile, which measures alike (see the module's docstring)."""
     return cfg.train.compile and (dims.sharded or dims.pp > 1 or overlap_grad_reduce(cfg, dims))
 
 

@@ -8,6 +8,7 @@ import os
 import pickle
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,6 +18,8 @@ from gptrain.model.gpt import GPT
 from gptrain.train.dcp_direct import UnsafeDCPMetadata, read_tensors
 from gptrain.train.safe_dcp import load_safely, read_metadata_safely
 from tiny import tiny_config
+
+MEGATRON_DIST = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "megatron-ckpt" / "dev_dist_tp1"
 
 
 @pytest.fixture(scope="module")
@@ -81,6 +84,27 @@ def test_chunks_written_by_two_ranks_are_put_together(tmp_path):
     assert read_tensors(tmp_path, out)
     assert torch.equal(out["rows"], full) and torch.equal(out["cols"], full * 2)
     assert torch.equal(out["whole"], torch.ones(3))
+
+
+@pytest.mark.skipif(not MEGATRON_DIST.is_dir(), reason="the Megatron-LM fixtures live in ../shared")
+def test_a_checkpoint_megatron_lm_wrote_reads_as_dcp_reads_it():
+    """megatron-core's torch_dist format (another torch, layer-stacked tensors in several chunks, byte entries
+    beside them): every tensor entry equal to DCP's own read."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    folder = MEGATRON_DIST / "iter_0000020"
+    meta = read_metadata_safely(folder, allow_bytes=True)
+    entries = {k: v for k, v in meta.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
+    assert max(len(v.chunks) for v in entries.values()) > 1
+
+    def empty():
+        return {k: torch.full(tuple(v.size), float("nan"), dtype=v.properties.dtype) for k, v in entries.items()}
+
+    mine, theirs = empty(), empty()
+    assert read_tensors(folder, mine)
+    load_safely(theirs, folder, allow_bytes=True)
+    for key in entries:
+        assert torch.equal(mine[key], theirs[key]), key
 
 
 class _RunsCode:

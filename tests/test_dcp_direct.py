@@ -139,6 +139,53 @@ def test_a_crafted_metadata_is_refused_without_running_code(craft, saved, tmp_pa
     assert not marker.exists()
 
 
+def _string(text: str) -> bytes:
+    data = text.encode()
+    return b"X" + len(data).to_bytes(4, "little") + data
+
+
+@pytest.mark.parametrize("target", ["pathlib\nPurePosixPath", "torch.serialization\n_get_layout"])
+def test_a_metadata_that_sets_state_on_a_class_or_function_is_refused(target, saved, tmp_path):
+    """BUILD on an allowed class would change it for the whole process (PurePosixPath's ``name``, which a
+    folder check trusted): both readers refuse it, and nothing changes."""
+    import pathlib
+    import shutil
+
+    from gptrain.train.safe_dcp import read_metadata_safely as dcp_read
+
+    folder = tmp_path / "ck"
+    shutil.copytree(saved, folder)
+    crafted = b"\x80\x02c" + target.encode() + b"\nN}" + _string("name") + _string("../x") + b"s\x86b."
+    (folder / ".metadata").write_bytes(crafted)
+    for read in (lambda: read_tensors(folder, {}), lambda: dcp_read(folder)):
+        with pytest.raises(UnsafeDCPMetadata, match="refuses to set state"):
+            read()
+    assert pathlib.PurePosixPath("a/b").name == "b"
+    assert not hasattr(torch.serialization._get_layout, "name")
+
+
+def test_chunks_that_overlap_or_leave_the_tensor_are_left_to_dcp(saved, tmp_path):
+    """The chunks must tile the tensor exactly: overlapping ones (whose element count still adds up) or
+    offsets outside it are not read here."""
+    import shutil
+
+    key = "model/word_embeddings.weight"
+    for damage in ("overlap", "outside"):
+        folder = tmp_path / damage
+        shutil.copytree(saved, folder)
+        metadata = read_metadata_safely(folder)
+        entry = metadata.state_dict_metadata[key]
+        rows, cols = entry.size
+        first = entry.chunks[0]
+        half = rows // 2
+        first.sizes = torch.Size([half, cols])
+        second = type(first)(offsets=torch.Size([0 if damage == "overlap" else rows, 0]),
+                             sizes=torch.Size([rows - half, cols]))
+        entry.chunks = [first, second]
+        (folder / ".metadata").write_bytes(pickle.dumps(metadata))
+        assert not read_tensors(folder, {key: torch.zeros(rows, cols)}), damage
+
+
 def test_loading_for_inference_imports_neither_dcp_nor_sympy(saved):
     """DCP's import pulls in DTensor and sympy (most of a second of ``gptrain generate``'s start)."""
     code = ("import sys; from gptrain.inference.load import load_for_inference; "
@@ -148,3 +195,18 @@ def test_loading_for_inference_imports_neither_dcp_nor_sympy(saved):
                          cwd=os.path.dirname(os.path.dirname(__file__)))
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout
+
+
+def test_the_inference_model_holds_the_saved_weights_with_the_padding_zeroed(saved):
+    from gptrain.inference.load import load_for_inference
+
+    loaded = load_for_inference(saved.parent)
+    stored = _empty_like_stored(saved)
+    load_safely(stored, saved)
+    params = dict(loaded.model.named_parameters())
+    for key, value in stored.items():
+        if not key.startswith("model/"):
+            continue
+        param = params[key.split("/", 1)[1]]
+        assert torch.equal(param[: value.shape[0]], value), key
+        assert not param[value.shape[0]:].any(), key

@@ -89,7 +89,7 @@ def _read_weights_directly(folder: Path, params: dict[str, torch.Tensor], vocab_
     """The weights of a gptrain checkpoint into ``params`` (one process, whole tensors) without
     importing DCP (``dcp_direct``); False where that reader cannot, and DCP reads them."""
     from gptrain.train.checkpoint_files import UNPADDED
-    from gptrain.train.dcp_direct import read_tensors
+    from gptrain.train.dcp_direct import UnsafeDCPMetadata, read_tensors
 
     targets = {}
     with torch.no_grad():
@@ -98,7 +98,12 @@ def _read_weights_directly(folder: Path, params: dict[str, torch.Tensor], vocab_
                 param[vocab_size:].zero_()
                 param = param[:vocab_size]
             targets[f"model/{name}"] = param.detach()
-        return read_tensors(folder, targets)
+        try:
+            return read_tensors(folder, targets)
+        except UnsafeDCPMetadata:
+            raise
+        except Exception:  # noqa: BLE001 - a damaged file: DCP's reader says so in its own words
+            return False
 
 
 def check_layout(cfg: GPTConfig, tp: int) -> None:

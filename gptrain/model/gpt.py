@@ -284,7 +284,7 @@ class GPT(nn.Module):
         with torch.device("meta"):
             model = cls(cfg)
         # to_empty's empty_like on meta tensors goes through torch's Python refs, which import sympy
-        model._apply(lambda t: torch.empty(t.shape, dtype=t.dtype))
+        model._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device="cpu"))
         model.tie_output_layer()
         model.reset_buffers()
         return model

@@ -23,9 +23,10 @@ class GradBuckets:
 
     def __init__(self, flat: torch.Tensor, views: list[torch.Tensor], group, size: int,
                  bucket_size: int | None = None, reduce_dtype: torch.dtype | None = None, take=None):
-        """``take(indices)``: called with a bucket's gradients once they have all arrived, in every
-        micro-batch, before the bucket is reduced (MainParams adds them to the fp32 main gradients
-        there: one multi-tensor launch a bucket instead of one per gradient)."""
+        """``take(indices, first)``: called with a bucket's gradients once they have all arrived, in
+        every micro-batch, before the bucket is reduced; ``first``: in the step's first micro-batch
+        (MainParams copies them into the zeroed fp32 main gradients then, one multi-tensor cast, and
+        adds them after)."""
         self.flat, self.group, self.size = flat, group, size
         self.reduce_dtype = reduce_dtype
         self.take = take
@@ -57,6 +58,8 @@ class GradBuckets:
         self.armed = False
         self._got: list[list[int]] = [[] for _ in self.spans]  # this micro-batch's arrivals, by bucket
         self._launched = [False] * len(self.spans)
+        self._micro = 0  # micro-batches armed since the last wait()
+        self._first = True  # the micro-batch running is the step's first
         self._pending: list[tuple] = []
         self.nonfinite: torch.Tensor | None = None  # set by check_finite()
 
@@ -75,6 +78,8 @@ class GradBuckets:
     def arm(self, last_micro_batch: bool) -> None:
         """Reduce during this micro-batch's backward only if it is the step's last."""
         self._take_partial(launch=False)  # a bucket the micro-batch before did not complete (unused weights)
+        self._first = self._micro == 0
+        self._micro += 1
         self.armed = last_micro_batch
 
     def arrived(self, i: int) -> None:
@@ -85,7 +90,7 @@ class GradBuckets:
         got.append(i)
         if len(got) == self.members[b]:
             if self.take is not None:
-                self.take(got)
+                self.take(got, self._first)
             self._got[b] = []
             if self.armed:
                 self._launch(b)
@@ -93,7 +98,7 @@ class GradBuckets:
     def _take_partial(self, launch: bool) -> None:
         for b, got in enumerate(self._got):
             if got and self.take is not None:
-                self.take(got)
+                self.take(got, self._first)
             self._got[b] = []
             if launch and not self._launched[b]:
                 self._launch(b)
@@ -122,6 +127,7 @@ class GradBuckets:
                 part.copy_(low)
         self._pending.clear()
         self._launched = [False] * len(self.spans)
+        self._micro = 0
         self.armed = False
 
 

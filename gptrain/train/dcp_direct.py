@@ -14,8 +14,10 @@ from __future__ import annotations
 import collections
 import io
 import math
+import os
 import pathlib
 import pickle
+import types
 
 import torch
 
@@ -58,8 +60,7 @@ def allowed_global(module: str, name: str, path, dcp_class):
 
 
 class _Record:
-    """A DCP record as pickle left it: its dataclass fields as attributes (an enum keeps its value).
-    Equal and hashed by (fqn, offset), as DCP's ``MetadataIndex`` keys are."""
+    """A DCP record as pickle left it: its dataclass fields as attributes (an enum keeps its value)."""
 
     def __init__(self, *args):
         self.args = args
@@ -70,29 +71,42 @@ class _Record:
         else:
             self.state = state
 
-    def _key(self):
-        return type(self).__name__, self.__dict__.get("fqn"), tuple(self.__dict__.get("offset") or ())
 
-    def __hash__(self):
-        return hash(self._key())
-
-    def __eq__(self, other):
-        return isinstance(other, _Record) and self._key() == other._key()
+_RECORD_NAMES = METADATA_RECORDS | PLAN_RECORDS | {"_StorageInfo"}
 
 
-_RECORDS = {name: type(name, (_Record,), {}) for name in METADATA_RECORDS | PLAN_RECORDS | {"_StorageInfo"}}
+class GuardedUnpickler(pickle._Unpickler):
+    """An unpickler for DCP metadata: ``find_class`` gives only what ``allowed_global`` allows, and the
+    BUILD opcode may set state on the instances pickle makes but never on a class or function it was
+    handed (``BUILD`` on ``pathlib.PurePosixPath`` would change every path of the process). Python's
+    own unpickler, so that an opcode can be checked (the C one cannot be hooked)."""
 
+    dispatch = dict(pickle._Unpickler.dispatch)
 
-class _RecordUnpickler(pickle.Unpickler):
     def __init__(self, file, path):
         super().__init__(file)
         self._path = path
 
-    def find_class(self, module, name):
-        return allowed_global(module, name, self._path, lambda _module, record: _RECORDS[record])
+    def load_build(self):
+        if len(self.stack) > 1 and isinstance(self.stack[-2], (type, types.FunctionType, types.BuiltinFunctionType)):
+            raise UnsafeDCPMetadata(f"{self._path}: refuses to set state on {self.stack[-2]!r:.80}: DCP metadata "
+                                    "only builds its own records")
+        super().load_build()
+
+    dispatch[pickle.BUILD[0]] = load_build
 
     def persistent_load(self, pid):
         raise UnsafeDCPMetadata(f"{self._path}: refuses persistent id {pid!r:.80} in DCP metadata")
+
+
+class _RecordUnpickler(GuardedUnpickler):
+    def __init__(self, file, path):
+        super().__init__(file, path)
+        # fresh stand-in classes for each file: nothing one metadata does to them outlives it
+        self._records = {name: type(name, (_Record,), {}) for name in _RECORD_NAMES}
+
+    def find_class(self, module, name):
+        return allowed_global(module, name, self._path, lambda _module, record: self._records[record])
 
 
 def _metadata(folder: pathlib.Path):
@@ -103,10 +117,43 @@ def _metadata(folder: pathlib.Path):
         return _RecordUnpickler(f, meta_path).load()
 
 
+def _ints(values, n: int) -> tuple[int, ...] | None:
+    values = tuple(values) if isinstance(values, (tuple, list, torch.Size)) else ()
+    return values if len(values) == n and all(type(v) is int and v >= 0 for v in values) else None
+
+
+def _boxes(chunks, shape: tuple[int, ...]) -> list[tuple[tuple[int, ...], tuple[int, ...]]] | None:
+    """Each chunk's (offsets, sizes), or None unless they tile ``shape`` exactly: inside it, none
+    overlapping another, their elements adding up to the whole."""
+    boxes = []
+    for chunk in chunks:
+        offsets = _ints(getattr(chunk, "offsets", ()), len(shape))
+        sizes = _ints(getattr(chunk, "sizes", ()), len(shape))
+        if offsets is None or sizes is None or any(o + n > d for o, n, d in zip(offsets, sizes, shape)):
+            return None
+        boxes.append((offsets, sizes))
+    if sum(math.prod(n) for _, n in boxes) != math.prod(shape):
+        return None
+    for i, (a, m) in enumerate(boxes):
+        for b, n in boxes[:i]:
+            if all(x < y + k and y < x + j for x, j, y, k in zip(a, m, b, n)) and math.prod(m) and math.prod(n):
+                return None
+    return boxes
+
+
 def _region(target: torch.Tensor, offsets, sizes) -> torch.Tensor:
     for dim, (begin, length) in enumerate(zip(offsets, sizes)):
         target = target.narrow(dim, begin, length)
     return target
+
+
+def shard_file(folder: pathlib.Path, name) -> str:
+    """``name`` if it is a plain file name inside ``folder`` (string tests only), else refused."""
+    if type(name) is not str or not name or "/" in name or "\\" in name or name in (".", "..") \
+            or os.path.islink(os.path.join(folder, name)):
+        raise UnsafeDCPMetadata(f"{folder / '.metadata'}: names shard file {name!r:.80} outside the checkpoint "
+                                "folder (or a symbolic link)")
+    return name
 
 
 def read_tensors(folder, targets: dict[str, torch.Tensor]) -> bool:
@@ -117,27 +164,33 @@ def read_tensors(folder, targets: dict[str, torch.Tensor]) -> bool:
     meta = _metadata(folder)
     if type(meta).__name__ != "Metadata":
         raise UnsafeDCPMetadata(f"{folder / '.metadata'}: holds a {type(meta).__name__}, not DCP metadata")
-    entries = getattr(meta, "state_dict_metadata", None) or {}
-    storage = getattr(meta, "storage_data", None) or {}
+    entries = getattr(meta, "state_dict_metadata", None)
+    storage = getattr(meta, "storage_data", None)
+    if type(entries) is not dict or type(storage) is not dict:
+        return False
+    where = {}  # (fqn, chunk offsets) -> (file name, byte offset, length)
+    for index, info in storage.items():
+        fqn, offset = getattr(index, "fqn", None), getattr(index, "offset", None)
+        start, length = getattr(info, "offset", None), getattr(info, "length", None)
+        if type(fqn) is not str or type(start) is not int or type(length) is not int or start < 0 or length < 0:
+            return False
+        if getattr(info, "transform_descriptors", None):
+            continue  # compressed or otherwise transformed: left to DCP if asked for
+        where[(fqn, tuple(offset or ()))] = (shard_file(folder, getattr(info, "relative_path", None)), start, length)
     reads = []  # (file name, byte offset, length, destination region)
     for key, target in targets.items():
         entry = entries.get(key)
-        if type(entry).__name__ != "TensorStorageMetadata" or tuple(entry.size) != tuple(target.shape) \
-                or target.device.type != "cpu":
+        if type(entry).__name__ != "TensorStorageMetadata" or target.device.type != "cpu" \
+                or _ints(getattr(entry, "size", ()), target.dim()) != tuple(target.shape):
             return False
-        chunks = getattr(entry, "chunks", None) or []
-        if sum(math.prod(c.sizes) for c in chunks) != target.numel():
+        boxes = _boxes(getattr(entry, "chunks", None) or [], tuple(target.shape))
+        if boxes is None:
             return False
-        for chunk in chunks:
-            info = storage.get(_lookup(key, chunk.offsets))
-            if info is None or getattr(info, "transform_descriptors", None):
+        for offsets, sizes in boxes:
+            found = where.get((key, offsets))
+            if found is None:
                 return False
-            name = str(getattr(info, "relative_path", ""))
-            if not name or name != pathlib.PurePath(name).name or name in (".", "..") \
-                    or (folder / name).is_symlink():
-                raise UnsafeDCPMetadata(f"{folder / '.metadata'}: names shard file {name!r} outside the "
-                                        "checkpoint folder (or a symbolic link)")
-            reads.append((name, info.offset, info.length, _region(target, chunk.offsets, chunk.sizes)))
+            reads.append((*found, _region(target, offsets, sizes)))
     reads.sort(key=lambda r: (r[0], r[1]))  # each file front to back
     files = {}
     try:
@@ -155,9 +208,3 @@ def read_tensors(folder, targets: dict[str, torch.Tensor]) -> bool:
         for f in files.values():
             f.close()
     return True
-
-
-def _lookup(fqn: str, offsets) -> _Record:
-    key = _RECORDS["MetadataIndex"]()
-    key.__dict__.update(fqn=fqn, offset=torch.Size(offsets))
-    return key

@@ -231,13 +231,14 @@ class Trainer(CheckpointLoading):
         dims = self.parts.dims
         # --check-for-nan-in-loss-and-grad: this rank's own loss, and its gradients where they are not reduced
         # yet (with fp16, non-finite gradients are the loss scaler's business)
-        own = self.parts.grad_buckets is None and not dims.sharded and self.scaler is None
-        bucket_flag = self.parts.grad_buckets.take_nonfinite() if self.parts.grad_buckets is not None else None
+        buckets = self.parts.grad_buckets
+        own = buckets is None and not dims.sharded and self.scaler is None
+        if buckets is not None:  # reduced during the backward: the last buckets launched (each checked first), waited
+            buckets.wait()
+        bucket_flag = buckets.take_nonfinite() if buckets is not None else None
         self.nan_check.record(loss_acc, [local(g) for _, g in named] if own else None, self.iteration + 1,
                               bucket_flag)
-        if self.parts.grad_buckets is not None:  # reduced during the backward: wait for the last buckets
-            self.parts.grad_buckets.wait()
-        elif dims.replicated:  # plain data parallelism: average the whole gradients over the replicas
+        if buckets is None and dims.replicated:  # plain data parallelism: average the whole gradients over the replicas
             group = self.parts.mesh["dp"].get_group()
             low = torch.bfloat16 if self.cfg.parallel.grad_reduce_in_bf16 else None
             if self.main is not None:

@@ -81,13 +81,14 @@ class MainParams:
             p.register_post_accumulate_grad_hook(lambda p, i=i: arrived(i))
 
     @torch.no_grad()
-    def take_grads(self, indices: list[int]) -> None:
-        """Model gradients ``indices`` added to their fp32 main gradients (one multi-tensor launch),
-        then dropped."""
+    def take_grads(self, indices: list[int], first: bool) -> None:
+        """Model gradients ``indices`` into their fp32 main gradients, then dropped: copied in the step's
+        first micro-batch (the buffer is zeroed after each step; a multi-tensor copy casts in one launch,
+        where an add of two dtypes falls back to one kernel a tensor), added after."""
         pairs = [(self.main[i].grad, self.model_params[i].grad) for i in indices
                  if self.model_params[i].grad is not None]
         if pairs:
-            torch._foreach_add_([m for m, _ in pairs], [g for _, g in pairs])
+            (torch._foreach_copy_ if first else torch._foreach_add_)([m for m, _ in pairs], [g for _, g in pairs])
         for i in indices:
             self.model_params[i].grad = None
 

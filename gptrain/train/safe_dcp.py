@@ -13,14 +13,13 @@ from __future__ import annotations
 
 import importlib
 import pathlib
-import pickle
 import warnings
 
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, StorageMeta, TensorStorageMetadata
 
-from gptrain.train.dcp_direct import UnsafeDCPMetadata, allowed_global
+from gptrain.train.dcp_direct import GuardedUnpickler, UnsafeDCPMetadata, allowed_global, shard_file
 
 __all__ = ["UnsafeDCPMetadata", "read_metadata_safely", "SafeFileSystemReader", "TensorsOnlyLoadPlanner",
            "load_safely"]
@@ -32,16 +31,9 @@ def _dcp_class(module: str, name: str):
     return getattr(importlib.import_module(module), name)
 
 
-class _MetadataUnpickler(pickle.Unpickler):
-    def __init__(self, file, path):
-        super().__init__(file)
-        self._path = path
-
+class _MetadataUnpickler(GuardedUnpickler):
     def find_class(self, module, name):
         return allowed_global(module, name, self._path, _dcp_class)
-
-    def persistent_load(self, pid):
-        raise UnsafeDCPMetadata(f"{self._path}: refuses persistent id {pid!r:.80} in DCP metadata")
 
 
 def read_metadata_safely(path, allow_bytes: bool = False) -> Metadata:
@@ -63,13 +55,10 @@ def read_metadata_safely(path, allow_bytes: bool = False) -> Metadata:
             raise UnsafeDCPMetadata(f"{meta_path}: entry {key!r} is a {type(entry).__name__}; gptrain checkpoints "
                                     "hold tensors only")
     for info in (metadata.storage_data or {}).values():
-        name = str(getattr(info, "relative_path", ""))
         if getattr(info, "transform_descriptors", None):
             raise UnsafeDCPMetadata(f"{meta_path}: entries stored through transforms {info.transform_descriptors} "
                                     "(compression or an extension) are not read")
-        if not name or name != pathlib.PurePath(name).name or name in (".", "..") or (folder / name).is_symlink():
-            raise UnsafeDCPMetadata(f"{meta_path}: names shard file {name!r} outside the checkpoint folder "
-                                    "(or a symbolic link)")
+        shard_file(folder, getattr(info, "relative_path", None))
     return metadata
 
 

@@ -190,6 +190,27 @@ def test_other_unsafe_globals_are_refused(tmp_path):
             load_pickle_safely(path)
 
 
+def test_state_set_on_an_allowed_class_is_refused(tmp_path):
+    """argparse.Namespace is allowed (Megatron's args); BUILD on the class itself, not on an instance,
+    would change it for the whole process: refused, and the class keeps its attributes."""
+    path = tmp_path / "x.pt"
+    torch.save({"x": 1}, path)
+    crafted = (b"\x80\x02cargparse\nNamespace\nN}X\x08\x00\x00\x00__repr__cbuiltins\nset\ns\x86b.")
+    import zipfile
+
+    with zipfile.ZipFile(path) as zf:
+        names = zf.namelist()
+        parts = {n: zf.read(n) for n in names}
+    pkl = next(n for n in names if n.endswith("data.pkl"))
+    parts[pkl] = crafted
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED) as zf:
+        for n in names:
+            zf.writestr(n, parts[n])
+    with pytest.raises(UnsafeCheckpointError, match="refuses to set state"):
+        load_pickle_safely(path)
+    assert argparse.Namespace.__repr__ is not set
+
+
 def test_load_pickle_safely_matches_torch_load(tmp_path):
     """Everything torch.load gives for a Megatron-like dict, including rng state with numpy arrays
     (kept as inert records), shared storages, views, bf16 and int tensors."""

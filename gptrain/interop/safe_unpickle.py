@@ -5,7 +5,7 @@ sequential format): it loads what a Megatron-LM ``model_optim_rng.pt`` (or a tor
 ``torch.load(weights_only=False)`` would import Megatron (and run anything the file names);
 ``weights_only=True`` refuses the Megatron enums, and allow-listing them means importing the real
 classes, which differ between Megatron versions (an older megatron-core lacks
-``InferenceCudaGraphScope``). So ``pickle.Unpickler.find_class`` is overridden, with the same
+``InferenceCudaGraphScope``). So the unpickler's ``find_class`` is overridden, with the same
 ``persistent_load`` protocol as ``torch.serialization``, and allows only:
 
 * torch's tensor rebuilders (wrapped so that serialized backward hooks are dropped and parameter
@@ -44,6 +44,7 @@ from typing import Any, Callable
 
 import torch
 
+from gptrain.guarded_unpickler import GuardedUnpickler
 from gptrain.interop.safe_tensor_state import TENSOR_STATE_GLOBALS
 
 __all__ = ["UnsafeCheckpointError", "InertGlobal", "LazyStorages", "load_pickle_safely", "load_pickle_lazily",
@@ -207,12 +208,14 @@ def _decode(s):
 # the restricted unpickler
 
 
-class _RestrictedUnpickler(pickle.Unpickler):
-    """``find_class`` from the allow-list only; storages come from ``load_storage``."""
+class _RestrictedUnpickler(GuardedUnpickler):
+    """``find_class`` from the allow-list only; storages come from ``load_storage``; no state set on an
+    allowed class or function (GuardedUnpickler)."""
+
+    error = UnsafeCheckpointError
 
     def __init__(self, file, path, load_storage: Callable[[str, torch.dtype, int, Any], torch.storage.TypedStorage]):
-        super().__init__(file)
-        self._path = path
+        super().__init__(file, path)
         self._load_storage = load_storage
 
     def find_class(self, module, name):
@@ -328,7 +331,7 @@ def _unpickle(path, lazy: bool, source=None):
         return _unpickle_legacy(path, lazy)
     except (UnsafeCheckpointError, FileNotFoundError, _FormatError):
         raise
-    except (pickle.UnpicklingError, EOFError, zipfile.BadZipFile, struct.error, KeyError,
+    except (pickle.UnpicklingError, EOFError, zipfile.BadZipFile, struct.error, KeyError, IndexError,
             AttributeError, TypeError, RuntimeError, ValueError) as e:
         msg = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise _open_error(path, f"not a readable torch checkpoint ({type(e).__name__}: {msg})") from e

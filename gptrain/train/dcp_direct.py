@@ -16,10 +16,9 @@ import io
 import math
 import os
 import pathlib
-import pickle
-import types
-
 import torch
+
+from gptrain.guarded_unpickler import GuardedUnpickler
 
 # the records DCP pickles into .metadata (and megatron-core's save plans), by module
 METADATA_RECORDS = {"Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
@@ -75,31 +74,13 @@ class _Record:
 _RECORD_NAMES = METADATA_RECORDS | PLAN_RECORDS | {"_StorageInfo"}
 
 
-class GuardedUnpickler(pickle._Unpickler):
-    """An unpickler for DCP metadata: ``find_class`` gives only what ``allowed_global`` allows, and the
-    BUILD opcode may set state on the instances pickle makes but never on a class or function it was
-    handed (``BUILD`` on ``pathlib.PurePosixPath`` would change every path of the process). Python's
-    own unpickler, so that an opcode can be checked (the C one cannot be hooked)."""
+class DCPMetadataUnpickler(GuardedUnpickler):
+    """DCP metadata: refusals are UnsafeDCPMetadata."""
 
-    dispatch = dict(pickle._Unpickler.dispatch)
-
-    def __init__(self, file, path):
-        super().__init__(file)
-        self._path = path
-
-    def load_build(self):
-        if len(self.stack) > 1 and isinstance(self.stack[-2], (type, types.FunctionType, types.BuiltinFunctionType)):
-            raise UnsafeDCPMetadata(f"{self._path}: refuses to set state on {self.stack[-2]!r:.80}: DCP metadata "
-                                    "only builds its own records")
-        super().load_build()
-
-    dispatch[pickle.BUILD[0]] = load_build
-
-    def persistent_load(self, pid):
-        raise UnsafeDCPMetadata(f"{self._path}: refuses persistent id {pid!r:.80} in DCP metadata")
+    error = UnsafeDCPMetadata
 
 
-class _RecordUnpickler(GuardedUnpickler):
+class _RecordUnpickler(DCPMetadataUnpickler):
     def __init__(self, file, path):
         super().__init__(file, path)
         # fresh stand-in classes for each file: nothing one metadata does to them outlives it

@@ -19,7 +19,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, StorageMeta, TensorStorageMetadata
 
-from gptrain.train.dcp_direct import GuardedUnpickler, UnsafeDCPMetadata, allowed_global, shard_file
+from gptrain.train.dcp_direct import DCPMetadataUnpickler, UnsafeDCPMetadata, allowed_global, shard_file
 
 __all__ = ["UnsafeDCPMetadata", "read_metadata_safely", "SafeFileSystemReader", "TensorsOnlyLoadPlanner",
            "load_safely"]
@@ -31,7 +31,7 @@ def _dcp_class(module: str, name: str):
     return getattr(importlib.import_module(module), name)
 
 
-class _MetadataUnpickler(GuardedUnpickler):
+class _MetadataUnpickler(DCPMetadataUnpickler):
     def find_class(self, module, name):
         return allowed_global(module, name, self._path, _dcp_class)
 

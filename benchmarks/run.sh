@@ -314,11 +314,16 @@ suite_serve() {
   stop_server
   # the same load against the server built in one process with a stack sampler: where the host threads wait
   run serve/host_profile.txt "$PY" benchmarks/serve_host_profile.py --load "$ck" --clients 32 --seconds 15 --procs 2 || rc=1
+  # the engine's own batch-32 rate in the same call (greedy, and sampled as the load's requests), and the
+  # server's share of it
+  run serve/engine.txt "$PY" benchmarks/decode_speed.py --batch-sizes 32 --skip-hf --repeats 3 || rc=1
+  "$PY" benchmarks/serve_share.py "$OUT/serve/load32.txt" "$OUT/serve/engine.txt" | tee "$OUT/serve/share.txt"
   if [ "$(gpu_count)" -ge 2 ]; then
     run serve/serve_tp.txt "$PY" benchmarks/serve_tp.py --nproc 2 --new-tokens 128 --batch-sizes 1 32 \
       --workdir "$WORK/serve_tp" || rc=1
   fi
   echo "== serve"; grep -h -E "clients,|fp32 greedy|bf16 " "$OUT"/serve/load*.txt "$OUT/serve/serve_tp.txt" 2>/dev/null
+  cat "$OUT/serve/share.txt" 2>/dev/null
   return $rc
 }
 

@@ -21,7 +21,8 @@
 #               transformers is installed), --profile
 #   serve       a 345M checkpoint (2 training iterations on synthetic data), `gptrain serve` on it,
 #               serve_load.py with 32 clients then 1, the server stopped; serve_host_profile.py (the same load
-#               with a stack sampler in the server's process); with 2 GPUs serve_tp.py too
+#               with a stack sampler in the server's process); the engine's batch-32 rate (decode_speed.py)
+#               and the server's share of it (serve_share.py); with 2 GPUs serve_tp.py too
 #   startup     start_up.py: `gptrain generate` and `gptrain serve` start-up from a new process, cold then
 #               warm caches (bytecode cached as a pip install leaves it), where the seconds go
 #   checkpoint  ckpt_save.py: the 345M training state saved (sync, async) and loaded, 3 times each

@@ -4,9 +4,10 @@ Importing DCP imports DTensor and sympy with it (most of a second), which one pr
 reads weights (``gptrain generate``, ``gptrain serve``) does not need. DCP's files are plain: a
 pickled ``.metadata`` that maps each tensor's chunks to byte ranges of the shard files, each range a
 ``torch.save`` of the chunk. Here the metadata is unpickled into inert records (the names
-``safe_dcp`` allows, nothing else: no code runs), each range is read with
-``torch.load(weights_only=True)`` and copied into its region of the destination. Anything this
-reader does not know (transforms such as compression, a chunk missing, a shape that differs) makes
+``safe_dcp`` allows, nothing else: no code runs, no state set on what it names; guarded_unpickler.py),
+the shard names are checked as plain strings, the chunks must tile each tensor exactly, and each range
+is read with ``torch.load(weights_only=True)`` and copied into its region of the destination. Anything
+this reader does not know (transforms such as compression, a chunk missing, a shape that differs) makes
 ``read_tensors`` return False and the caller goes through DCP itself, with its checks and messages.
 """
 from __future__ import annotations
@@ -16,6 +17,7 @@ import io
 import math
 import os
 import pathlib
+
 import torch
 
 from gptrain.guarded_unpickler import GuardedUnpickler

@@ -4,6 +4,7 @@ from __future__ import annotations
 import random
 import socket
 import sys
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -26,6 +27,9 @@ from gptrain.train.rampup import micro_batches_line
 from gptrain.train.save_lock import release_all as release_save_lock
 from gptrain.train.startup import (MISSING_CHECKPOINT_LINE, ExitOnMissingCheckpoint, arguments_block,
                                    check_before_build_on_every_rank, datetime_line, megatron_arguments)
+
+
+SILENT_RANK_GRACE_S = 5.0  # a rank that does not print an error waits this long before it exits
 
 
 @dataclass
@@ -201,6 +205,10 @@ def _train_main(argv: list[str], log=None) -> TrainResult:
     except (ValueError, FileNotFoundError) as err:
         if is_logging_rank():
             print(f"gptrain: error: {err}", file=sys.stderr)
+        elif world_from_env()[0] > 1:
+            # the other ranks hit the same error; torchrun stops every worker when the first one exits, so
+            # the silent ranks give rank 0 the time to say why before they go
+            time.sleep(SILENT_RANK_GRACE_S)
         return TrainResult.of(2, trainer)
     except RuntimeError as err:  # a collective timed out: name it on the rank that waited, exit non-zero
         if cfg is None or "timed out" not in str(err).lower():

@@ -16,11 +16,13 @@ def keep(path: Path, data: bytes) -> None:
     """``data`` as the whole of the cache file ``path``: written beside it and renamed over it, so a
     reader (another process, another rank) sees the old file or the new one, never half of one. A
     cache that cannot be written (a read-only home) is left as it is: nothing a run needs is lost."""
+    tmp = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
         with os.fdopen(fd, "wb") as f:
             f.write(data)
         os.replace(tmp, path)
-    except OSError:
-        pass
+    except OSError:  # the cache stays as it was; a half-written copy beside it goes
+        if tmp is not None:
+            Path(tmp).unlink(missing_ok=True)

@@ -107,3 +107,21 @@ def test_a_checkpoint_damaged_after_it_was_verified_is_caught(tmp_path, cache):
     os.utime(data, ns=(st.st_atime_ns, st.st_mtime_ns))
     file_hash._known.cache_clear()
     assert _first_bad_file(folder) == data.name
+
+
+def test_a_cache_write_that_fails_keeps_the_old_file_and_leaves_nothing_beside_it(tmp_path, monkeypatch):
+    import os
+
+    from gptrain.user_cache import keep
+
+    target = tmp_path / "cache" / "table.json"
+    keep(target, b"old")
+    assert target.read_bytes() == b"old"
+
+    def full_disk(src, dst):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "replace", full_disk)
+    keep(target, b"new")
+    assert target.read_bytes() == b"old"
+    assert sorted(p.name for p in target.parent.iterdir()) == ["table.json"]

@@ -189,13 +189,16 @@ def test_kernels_equal_references_and_are_batch_invariant(dtype):
     """Every 345M weight shape, each epilogue: the Triton kernel against its reference, and a row's
     output bit for bit the same alone, in a batch of 5 and in a batch of 37 (other rows random)."""
     gen = torch.Generator(device="cuda").manual_seed(0)
-    tol = {"rtol": 1e-4, "atol": 1e-4} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
+    # bf16: the LayerNorm's output is rounded to bf16 before a product over k = 1024 or 4096, in the
+    # kernel and its reference alike, at different places; over 37 x 50,257 outputs the largest
+    # difference reaches 5 standard deviations of that rounding (0.0225 seen on an H100)
+    tol = {"rtol": 1e-4, "atol": 1e-4} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 4e-2}
     for n, k in SHAPES_345M:
         w = (torch.randn(n, k, device="cuda", generator=gen) * k ** -0.5).to(dtype)
         b = torch.randn(n, device="cuda", generator=gen).to(dtype)
         ln = torch.nn.LayerNorm(k, device="cuda", dtype=dtype)
-        torch.nn.init.normal_(ln.weight, 1.0, 0.2)
-        torch.nn.init.normal_(ln.bias, 0.0, 0.2)
+        torch.nn.init.normal_(ln.weight, 1.0, 0.2, generator=gen)  # seeded: the same numbers every run
+        torch.nn.init.normal_(ln.bias, 0.0, 0.2, generator=gen)
         x = (torch.randn(37, k, device="cuda", generator=gen) * 3).to(dtype)
         res = torch.randn(37, n, device="cuda", generator=gen).to(dtype)
         for kw in ({"ln": ln}, {"bias": b, "ln": ln, "gelu": True}, {"bias": b, "residual": res}):

@@ -86,6 +86,22 @@ def test_a_burst_of_joins_keeps_their_tokens_on_cpu():
     check_burst(model, SlotDecoder(model, 8, chunk=32, padded=True))
 
 
+def check_burst(model, decoder: SlotDecoder, n: int = 6) -> None:
+    """``n`` prompts join between the same two steps, beside a running row: each gives its tokens
+    alone."""
+    gen = torch.Generator().manual_seed(5)
+    requests = [(torch.randint(0, 300, (3 + 2 * i,), generator=gen).tolist(),
+                 SamplingParams(max_new_tokens=6 + i, seed=10 + i, top_p=0.8)) for i in range(n + 1)]
+    alone = [drive(decoder, [r], [0], [0])[0] for r in requests]
+    loaded = drive(decoder, requests, list(range(n + 1)), [0] + [2] * n)
+    assert loaded == alone
+
+
+def test_a_burst_of_joins_keeps_their_tokens_on_cpu():
+    model = tiny_model(seed=4)
+    check_burst(model, SlotDecoder(model, 8, chunk=32, padded=True))
+
+
 def test_joins_keep_their_tokens_on_cpu():
     decoder = check_joins(tiny_model(seed=4))
     assert not decoder.join.use_graph
@@ -110,4 +126,5 @@ def test_joins_through_graphs_keep_their_tokens(dtype, no_tf32):
     assert all(set(s.prefills) == set(s.commits) for s in stages)
     decoder.warm_up()  # the step graphs of every bucket; joins after it keep their tokens
     check_joins(model, decoder, greedy_is_generate=fp32)
+    check_burst(model, SlotDecoder(model, 8, chunk=32))
     check_burst(model, SlotDecoder(model, 8, chunk=32))

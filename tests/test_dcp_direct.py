@@ -53,6 +53,69 @@ def test_whole_tensors_equal_dcps_own_read(saved):
         assert torch.equal(mine[key], theirs[key]), key
 
 
+def test_plain_tensors_are_read_straight_from_the_file(saved, monkeypatch):
+    """Whole fp32 tensors go from the file into their destination without ``torch.load``; a region
+    that is not contiguous (a column chunk) is read through it, with the same numbers."""
+    import gptrain.train.dcp_direct as dcp_direct
+
+    theirs = _empty_like_stored(saved)
+    load_safely(theirs, saved)
+    monkeypatch.setattr(dcp_direct.torch, "load", lambda *a, **k: pytest.fail("torch.load used"))
+    mine = _empty_like_stored(saved)
+    assert read_tensors(saved, mine)
+    for key in theirs:
+        assert torch.equal(mine[key], theirs[key]), key
+    monkeypatch.undo()
+    key = "model/layers.0.mlp.fc1.weight"
+    wide = torch.full((theirs[key].shape[0], theirs[key].shape[1] + 3), float("nan"))
+    region = wide[:, :theirs[key].shape[1]]
+    assert not region.is_contiguous()
+    assert read_tensors(saved, {key: region})
+    assert torch.equal(region, theirs[key])
+
+
+def test_a_saved_tensor_of_another_kind_is_read_through_torch_load(saved, tmp_path):
+    """A record that is not the region's kind (dtype, a header naming something else) is not read
+    straight: ``_read_saved_tensor`` says so and leaves the region untouched."""
+    import io
+
+    from gptrain.train.dcp_direct import _read_saved_tensor
+
+    for value in (torch.arange(6, dtype=torch.float64).reshape(2, 3), torch.ones(2, 3)[:, :2].contiguous().t()):
+        buffer = io.BytesIO()
+        torch.save(value, buffer)
+        path = tmp_path / "record"
+        path.write_bytes(b"x" * 7 + buffer.getvalue())
+        region = torch.full((2, 3), 7.0)
+        with open(path, "rb") as f:
+            assert not _read_saved_tensor(f, 7, len(buffer.getvalue()), region)
+        assert (region == 7).all()
+    buffer = io.BytesIO()
+    torch.save(torch.arange(6.0).reshape(2, 3), buffer)
+    path.write_bytes(b"x" * 7 + buffer.getvalue())
+    region = torch.empty(2, 3)
+    with open(path, "rb") as f:
+        assert _read_saved_tensor(f, 7, len(buffer.getvalue()), region)
+    assert torch.equal(region, torch.arange(6.0).reshape(2, 3))
+    # the same record with a header that would run code: refused, nothing run
+    import zipfile
+
+    source, crafted = zipfile.ZipFile(io.BytesIO(buffer.getvalue())), io.BytesIO()
+    with zipfile.ZipFile(crafted, "w", zipfile.ZIP_STORED) as out:
+        for name in source.namelist():
+            data = source.read(name)
+            if name.endswith("data.pkl"):
+                data = b"cbuiltins\nexec\n(Vimport builtins; builtins.CRAFTED_RAN = 1\ntR."
+            out.writestr(name, data)
+    path.write_bytes(b"x" * 7 + crafted.getvalue())
+    region = torch.full((2, 3), 7.0)
+    with open(path, "rb") as f:
+        assert not _read_saved_tensor(f, 7, len(crafted.getvalue()), region)
+    import builtins
+
+    assert not hasattr(builtins, "CRAFTED_RAN") and (region == 7).all()
+
+
 def test_a_shape_that_differs_or_a_missing_entry_leaves_it_to_dcp(saved):
     key = "model/word_embeddings.weight"
     stored = _empty_like_stored(saved)[key]

@@ -6,7 +6,9 @@ pickled ``.metadata`` that maps each tensor's chunks to byte ranges of the shard
 ``torch.save`` of the chunk. Here the metadata is unpickled into inert records (the names
 ``safe_dcp`` allows, nothing else: no code runs, no state set on what it names; guarded_unpickler.py),
 the shard names are checked as plain strings, the chunks must tile each tensor exactly, and each range
-is read with ``torch.load(weights_only=True)`` and copied into its region of the destination. Anything
+is read into its region of the destination: straight from the file where the saved tensor is the
+plain, contiguous, uncompressed kind ``torch.save`` writes for DCP (its header unpickled into a
+description, checked against the region), else with ``torch.load(weights_only=True)`` and a copy. Anything
 this reader does not know (transforms such as compression, a chunk missing, a shape that differs) makes
 ``read_tensors`` return False and the caller goes through DCP itself, with its checks and messages.
 """
@@ -17,6 +19,9 @@ import io
 import math
 import os
 import pathlib
+import pickle
+import struct
+import zipfile
 
 import torch
 
@@ -179,6 +184,8 @@ def read_tensors(folder, targets: dict[str, torch.Tensor]) -> bool:
     try:
         for name, offset, length, region in reads:
             f = files.get(name) or files.setdefault(name, open(folder / name, "rb"))
+            if _read_saved_tensor(f, offset, length, region):
+                continue
             f.seek(offset)
             data = f.read(length)
             if len(data) != length:
@@ -191,3 +198,107 @@ def read_tensors(folder, targets: dict[str, torch.Tensor]) -> bool:
         for f in files.values():
             f.close()
     return True
+
+
+# ---- one torch.save'd tensor read straight into its destination
+
+_STORAGE_DTYPES = {"FloatStorage": torch.float32, "BFloat16Storage": torch.bfloat16, "HalfStorage": torch.float16,
+                   "DoubleStorage": torch.float64, "LongStorage": torch.int64, "IntStorage": torch.int32,
+                   "ShortStorage": torch.int16, "CharStorage": torch.int8, "ByteStorage": torch.uint8,
+                   "BoolStorage": torch.bool}
+
+
+class _StorageKind(str):
+    """A storage class a saved tensor's header names (its name; nothing is built from it)."""
+
+
+def _saved_tensor(storage, storage_offset, size, stride, requires_grad, hooks, metadata=None):
+    """What ``torch._utils._rebuild_tensor_v2`` would rebuild, as a description."""
+    return {"storage": storage, "offset": storage_offset, "size": size, "stride": stride}
+
+
+class _SavedTensorUnpickler(GuardedUnpickler):
+    """A ``torch.save``'d tensor's ``data.pkl``: the one call that rebuilds it, into a description."""
+
+    def find_class(self, module, name):
+        if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
+            return _saved_tensor
+        if module == "torch" and name in _STORAGE_DTYPES:
+            return _StorageKind(name)
+        if (module, name) == ("collections", "OrderedDict"):
+            return collections.OrderedDict
+        raise self.error(f"{self._path}: a saved tensor's header names {module}.{name}")
+
+    def persistent_load(self, pid):
+        return pid
+
+
+class _Window(io.RawIOBase):
+    """Bytes ``start .. start + length`` of an open file, as a file of their own (zipfile reads it)."""
+
+    def __init__(self, f, start: int, length: int):
+        self.f, self.start, self.length, self.pos = f, start, length, 0
+
+    def readable(self):
+        return True
+
+    def seekable(self):
+        return True
+
+    def tell(self):
+        return self.pos
+
+    def seek(self, pos, whence=0):
+        self.pos = max(0, min(self.length, (0, self.pos, self.length)[whence] + pos))
+        return self.pos
+
+    def readinto(self, buffer):
+        view = memoryview(buffer).cast("B")[: self.length - self.pos]
+        self.f.seek(self.start + self.pos)
+        n = self.f.readinto(view)
+        self.pos += n
+        return n
+
+
+def _contiguous_strides(size) -> tuple[int, ...]:
+    strides, step = [], 1
+    for n in reversed(size):
+        strides.append(step)
+        step *= n
+    return tuple(reversed(strides))
+
+
+def _read_saved_tensor(f, offset: int, length: int, region: torch.Tensor) -> bool:
+    """The tensor ``torch.save`` wrote at ``offset`` of ``f`` read straight into ``region`` (one copy,
+    from the file): only where it is exactly the region's kind (dtype, shape, contiguous, little
+    endian, stored uncompressed); False, with ``region`` untouched, otherwise."""
+    if not region.is_contiguous() or region.numel() == 0:
+        return False
+    try:
+        window = _Window(f, offset, length)
+        archive = zipfile.ZipFile(io.BufferedReader(window, buffer_size=1 << 16))
+        prefix = archive.namelist()[0].split("/")[0]
+        if archive.read(f"{prefix}/byteorder") != b"little":
+            return False
+        header = _SavedTensorUnpickler(io.BytesIO(archive.read(f"{prefix}/data.pkl")), f.name).load()
+        pid = header.get("storage") if isinstance(header, dict) else None
+        if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage" and type(pid[2]) is str):
+            return False
+        dtype, numel = _STORAGE_DTYPES.get(str(pid[1])), pid[4]
+        size = tuple(header["size"]) if isinstance(header["size"], (tuple, list)) else None
+        if dtype != region.dtype or size != tuple(region.shape) or header["offset"] != 0 \
+                or tuple(header["stride"]) != _contiguous_strides(size) or numel != region.numel():
+            return False
+        info = archive.getinfo(f"{prefix}/data/{pid[2]}")
+        if info.compress_type != zipfile.ZIP_STORED or info.file_size != numel * region.element_size():
+            return False
+        window.seek(info.header_offset)
+        local = window.read(30)
+        if len(local) != 30 or local[:4] != b"PK\x03\x04":
+            return False
+        name_length, extra_length = struct.unpack("<HH", local[26:30])
+        window.seek(info.header_offset + 30 + name_length + extra_length)
+        view = memoryview(region.detach().reshape(-1).view(torch.uint8).numpy())
+        return window.readinto(view) == info.file_size
+    except (KeyError, ValueError, TypeError, zipfile.BadZipFile, pickle.UnpicklingError, EOFError, IndexError):
+        return False

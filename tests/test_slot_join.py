@@ -69,23 +69,6 @@ def check_joins(model, decoder: SlotDecoder | None = None, greedy_is_generate: b
     return decoder
 
 
-def check_burst(model, decoder: SlotDecoder) -> None:
-    """More prompts than the join's ring has stages join between the same two steps, beside a
-    running row: each gives its tokens alone."""
-    gen = torch.Generator().manual_seed(5)
-    n = len(decoder.join.stages) + 2
-    requests = [(torch.randint(0, 300, (3 + 2 * i,), generator=gen).tolist(),
-                 SamplingParams(max_new_tokens=6 + i, seed=10 + i, top_p=0.8)) for i in range(n + 1)]
-    alone = [drive(decoder, [r], [0], [0])[0] for r in requests]
-    loaded = drive(decoder, requests, list(range(n + 1)), [0] + [2] * n)
-    assert loaded == alone
-
-
-def test_a_burst_of_joins_keeps_their_tokens_on_cpu():
-    model = tiny_model(seed=4)
-    check_burst(model, SlotDecoder(model, 8, chunk=32, padded=True))
-
-
 def check_burst(model, decoder: SlotDecoder, n: int = 6) -> None:
     """``n`` prompts join between the same two steps, beside a running row: each gives its tokens
     alone."""
@@ -119,12 +102,7 @@ def test_joins_through_graphs_keep_their_tokens(dtype, no_tf32):
     fp32 = dtype == torch.float32
     decoder = check_joins(model, SlotDecoder(model, 4, chunk=32), greedy_is_generate=fp32)
     assert decoder.join is not None and decoder.join.use_graph
-    stages = decoder.join.stages
-    assert len(stages) > 1  # joins in flight on the side stream
-    lengths = set().union(*(s.prefills for s in stages))
-    assert lengths == {16, 32}  # a stage's graphs: one per padded length it took
-    assert all(set(s.prefills) == set(s.commits) for s in stages)
+    assert sorted(decoder.join.graphs) == [16, 32]  # one graph per padded length
     decoder.warm_up()  # the step graphs of every bucket; joins after it keep their tokens
     check_joins(model, decoder, greedy_is_generate=fp32)
-    check_burst(model, SlotDecoder(model, 8, chunk=32))
     check_burst(model, SlotDecoder(model, 8, chunk=32))

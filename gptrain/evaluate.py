@@ -195,7 +195,7 @@ def evaluate_main(argv: list[str]) -> int:
         print(f"gptrain evaluate: error: {err}", file=sys.stderr)
         return 2
     try:
-        loaded = load_from_flags(args)
+        loaded = load_from_flags(args, decode=False)
         model, tok = loaded.model, loaded.tokenizer
         if args.cloze:
             result = cloze_accuracy(model, tok, read_jsonl_texts(args.cloze, args.json_key))

@@ -19,9 +19,11 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
                         "(start with torchrun --nproc-per-node N; one GPU each)")
 
 
-def load_from_flags(args):
+def load_from_flags(args, decode: bool = True):
     """The model of ``--load`` (this rank's shard under tensor parallelism: the process group is
-    joined here; ``close_distributed`` leaves it)."""
+    joined here; ``close_distributed`` leaves it). ``decode``: the decode loop runs next, so what
+    its first step needs is prepared beside the read (``early_init``)."""
+    from gptrain.inference import early_init
     from gptrain.inference.load import load_for_inference
     from gptrain.device import pick_device
     from gptrain.inference.text import pick_dtype
@@ -29,8 +31,12 @@ def load_from_flags(args):
     device = pick_device(args.device)
     dtype = pick_dtype(args.dtype, device)
     device, mesh = _tensor_parallel_mesh(args.tensor_parallel, device)
-    return load_for_inference(args.load, device, dtype, args.vocab_file, args.merge_file, tp_mesh=mesh,
-                              tokenizer_type=args.tokenizer_type, tokenizer_model=args.tokenizer_model)
+    early = early_init.start(device) if decode and mesh is None else None
+    loaded = load_for_inference(args.load, device, dtype, args.vocab_file, args.merge_file, tp_mesh=mesh,
+                                tokenizer_type=args.tokenizer_type, tokenizer_model=args.tokenizer_model)
+    if early is not None:
+        early.join()
+    return loaded
 
 
 def _tensor_parallel_mesh(tp: int, device):

@@ -220,6 +220,12 @@ def _kernels():
     return ln_linear_kernel, attention_kernel, gemv_kernel
 
 
+def define_kernels() -> None:
+    """Imports Triton and defines this module's kernels now (``inference/early_init.py``: beside
+    the checkpoint read); nothing is compiled."""
+    _kernels()
+
+
 @functools.cache
 def tiles(n: int, k: int) -> dict:
     """Tile sizes and launch settings for a (n x k) weight (never the batch: see the docstring).

@@ -58,6 +58,12 @@ def _kernels():
     return argmax_kernel, embed_kernel
 
 
+def define_kernels() -> None:
+    """Imports Triton and defines this module's kernels now (``inference/early_init.py``: beside
+    the checkpoint read); nothing is compiled."""
+    _kernels()
+
+
 ARGMAX_BLOCK = 2048  # logits a program scans
 
 

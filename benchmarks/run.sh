@@ -27,7 +27,7 @@
 #               warm caches (bytecode cached as a pip install leaves it), where the seconds go
 #   checkpoint  ckpt_save.py: the 345M training state saved (sync, async) and loaded, 3 times each
 #   preprocess  preprocess.py: `gptrain preprocess` against raw tiktoken on 100 MB of text (CPU)
-#   lane        the GPU test lane (pytest -m gpu on the kernel and decode tests), then `gptrain demo`
+#   lane        the GPU test lane (pytest -m gpu on the kernel, decode and weight-loading tests), then `gptrain demo`
 #   kernels     each GPU kernel against its reference, then timed: check_cublaslt.py, check_xent.py,
 #               check_flash4.py (if flash-attn-4 is installed), decode_gemv.py, decode_kernels.py --quick
 #   restart     rank_restart.py: a 2-GPU run under torchrun --max-restarts 1, one worker killed with SIGKILL
@@ -345,7 +345,7 @@ suite_lane() {
   fi
   run lane/gpu_lane.txt "$PY" -m pytest -m gpu -q -rs -p no:cacheprovider --durations=10 \
     tests/test_gpu_kernels.py tests/test_row_decode.py tests/test_slot_join.py tests/test_server_inflight.py \
-    tests/test_llama.py "$@"
+    tests/test_llama.py tests/test_dcp_direct.py "$@"
   local lane=$?
   run lane/demo.txt "$PY" -m gptrain demo --out "$WORK/demo_out"
   local demo=$?

@@ -273,3 +273,34 @@ def test_the_inference_model_holds_the_saved_weights_with_the_padding_zeroed(sav
         param = params[key.split("/", 1)[1]]
         assert torch.equal(param[: value.shape[0]], value), key
         assert not param[value.shape[0]:].any(), key
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the GPU lane)")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_tensors_go_straight_to_the_gpu_in_its_dtype(saved, monkeypatch, dtype):
+    """GPU targets are filled through the pinned pieces (small pieces here: many per tensor, both
+    buffers in turn) and cast on the device: equal to the CPU read cast."""
+    import gptrain.train.dcp_direct as dcp_direct
+
+    cpu = _empty_like_stored(saved)
+    assert read_tensors(saved, cpu)
+    monkeypatch.setattr(dcp_direct.DeviceStaging, "PIECE", 4096 + 64)
+    gpu = {k: torch.full(v.shape, float("nan"), dtype=dtype, device="cuda") for k, v in cpu.items()
+           if v.is_floating_point()}
+    assert read_tensors(saved, gpu)
+    for key, value in gpu.items():
+        assert torch.equal(value.cpu(), cpu[key].to(dtype)), key
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the GPU lane)")
+def test_the_inference_model_loads_straight_onto_the_gpu(saved):
+    from gptrain.inference.load import load_for_inference
+
+    on_cpu = load_for_inference(saved.parent, "cpu", torch.float32).model
+    on_gpu = load_for_inference(saved.parent, "cuda", torch.bfloat16).model
+    assert on_gpu.word_embeddings.weight.is_cuda
+    mine = dict(on_gpu.named_parameters())
+    for name, param in on_cpu.named_parameters():
+        assert mine[name].dtype == torch.bfloat16 and torch.equal(mine[name].cpu(), param.to(torch.bfloat16)), name

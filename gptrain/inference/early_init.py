@@ -26,8 +26,10 @@ def _prepare(device: torch.device) -> None:
 
         decode.define_kernels()
         decode_io.define_kernels()
-        from triton.compiler.compiler import triton_key
-
+        try:  # where Triton keeps it moved between versions
+            from triton.runtime.cache import triton_key
+        except ImportError:
+            from triton.compiler.compiler import triton_key
         triton_key()  # cached for the process: the kernels' first launches need it
     except Exception:  # noqa: BLE001 - only a head start: the main thread meets any real problem itself
         pass

@@ -72,6 +72,11 @@ def load_for_inference(path: str | Path, device: torch.device | str = "cpu", dty
         model = _load_sharded(cfg, tp_mesh, torch.device(device), full, root)
     else:
         model = full
+        if model is None and torch.device(device).type == "cuda":
+            # straight onto the GPU in its dtype where the direct reader can (no CPU copy of the model)
+            model = GPT.unset(cfg, device, dtype)
+            if not _read_weights_directly(root, dict(model.named_parameters()), cfg.vocab_size):
+                model = None
         if model is None:
             model = GPT.unset(cfg)
             params = dict(model.named_parameters())

@@ -278,13 +278,19 @@ class GPT(nn.Module):
             self.output_layer = None
 
     @classmethod
-    def unset(cls, cfg: GPTConfig) -> "GPT":
-        """The model on the CPU with its weights' memory unset, for a strict load that writes every one
-        of them: PyTorch's default init of every layer costs seconds at the 345M."""
+    def unset(cls, cfg: GPTConfig, device: torch.device | str = "cpu", dtype: torch.dtype | None = None) -> "GPT":
+        """The model on ``device`` (floating tensors in ``dtype``, default as built) with its weights'
+        memory unset, for a strict load that writes every one of them: PyTorch's default init of every
+        layer costs seconds at the 345M."""
         with torch.device("meta"):
             model = cls(cfg)
+
+        def empty(t: torch.Tensor) -> torch.Tensor:
+            kind = dtype if dtype is not None and t.is_floating_point() else t.dtype
+            return torch.empty(t.shape, dtype=kind, device=device)
+
         # to_empty's empty_like on meta tensors goes through torch's Python refs, which import sympy
-        model._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device="cpu"))
+        model._apply(empty)
         model.tie_output_layer()
         model.reset_buffers()
         return model

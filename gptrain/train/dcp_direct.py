@@ -145,10 +145,15 @@ def shard_file(folder: pathlib.Path, name) -> str:
 
 
 def read_tensors(folder, targets: dict[str, torch.Tensor]) -> bool:
-    """Fills each ``targets[key]`` (a CPU tensor of the stored shape) with the checkpoint's entry
-    ``key``; False, with nothing promised about the targets, where this reader cannot (the caller
-    then reads through DCP). Raises UnsafeDCPMetadata as ``safe_dcp`` would."""
+    """Fills each ``targets[key]`` (a tensor of the stored shape: on the CPU, or on one GPU in any
+    floating dtype, cast there) with the checkpoint's entry ``key``; False, with nothing promised
+    about the targets, where this reader cannot (the caller then reads through DCP). Raises
+    UnsafeDCPMetadata as ``safe_dcp`` would."""
     folder = pathlib.Path(folder)
+    devices = {t.device for t in targets.values()}
+    device = next(iter(devices), torch.device("cpu"))
+    if len(devices) > 1 or device.type not in ("cpu", "cuda"):
+        return False
     meta = _metadata(folder)
     if type(meta).__name__ != "Metadata":
         raise UnsafeDCPMetadata(f"{folder / '.metadata'}: holds a {type(meta).__name__}, not DCP metadata")
@@ -168,7 +173,7 @@ def read_tensors(folder, targets: dict[str, torch.Tensor]) -> bool:
     reads = []  # (file name, byte offset, length, destination region)
     for key, target in targets.items():
         entry = entries.get(key)
-        if type(entry).__name__ != "TensorStorageMetadata" or target.device.type != "cpu" \
+        if type(entry).__name__ != "TensorStorageMetadata" \
                 or _ints(getattr(entry, "size", ()), target.dim()) != tuple(target.shape):
             return False
         boxes = _boxes(getattr(entry, "chunks", None) or [], tuple(target.shape))
@@ -181,10 +186,11 @@ def read_tensors(folder, targets: dict[str, torch.Tensor]) -> bool:
             reads.append((*found, _region(target, offsets, sizes)))
     reads.sort(key=lambda r: (r[0], r[1]))  # each file front to back
     files = {}
+    to_device = DeviceStaging(device) if device.type == "cuda" and reads else None
     try:
         for name, offset, length, region in reads:
             f = files.get(name) or files.setdefault(name, open(folder / name, "rb"))
-            if _read_saved_tensor(f, offset, length, region):
+            if _read_saved_tensor(f, offset, length, region, to_device):
                 continue
             f.seek(offset)
             data = f.read(length)
@@ -268,37 +274,89 @@ def _contiguous_strides(size) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
-def _read_saved_tensor(f, offset: int, length: int, region: torch.Tensor) -> bool:
-    """The tensor ``torch.save`` wrote at ``offset`` of ``f`` read straight into ``region`` (one copy,
-    from the file): only where it is exactly the region's kind (dtype, shape, contiguous, little
-    endian, stored uncompressed); False, with ``region`` untouched, otherwise."""
-    if not region.is_contiguous() or region.numel() == 0:
-        return False
+def _locate_saved_tensor(f, offset: int, length: int) -> tuple[int, torch.dtype, tuple[int, ...]] | None:
+    """Where the raw bytes of the tensor ``torch.save`` wrote at ``offset`` of ``f`` start in ``f``,
+    with its dtype and shape: only for the plain kind (a whole contiguous storage, little endian,
+    stored uncompressed); None otherwise."""
     try:
         window = _Window(f, offset, length)
         archive = zipfile.ZipFile(io.BufferedReader(window, buffer_size=1 << 16))
         prefix = archive.namelist()[0].split("/")[0]
         if archive.read(f"{prefix}/byteorder") != b"little":
-            return False
+            return None
         header = _SavedTensorUnpickler(io.BytesIO(archive.read(f"{prefix}/data.pkl")), f.name).load()
         pid = header.get("storage") if isinstance(header, dict) else None
         if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage" and type(pid[2]) is str):
-            return False
+            return None
         dtype, numel = _STORAGE_DTYPES.get(str(pid[1])), pid[4]
-        size = tuple(header["size"]) if isinstance(header["size"], (tuple, list)) else None
-        if dtype != region.dtype or size != tuple(region.shape) or header["offset"] != 0 \
-                or tuple(header["stride"]) != _contiguous_strides(size) or numel != region.numel():
-            return False
+        size = _ints(header["size"], len(header["size"])) if isinstance(header["size"], (tuple, list)) else None
+        if dtype is None or size is None or header["offset"] != 0 or numel != math.prod(size) \
+                or tuple(header["stride"]) != _contiguous_strides(size):
+            return None
         info = archive.getinfo(f"{prefix}/data/{pid[2]}")
-        if info.compress_type != zipfile.ZIP_STORED or info.file_size != numel * region.element_size():
-            return False
+        if info.compress_type != zipfile.ZIP_STORED or info.file_size != numel * dtype.itemsize:
+            return None
         window.seek(info.header_offset)
         local = window.read(30)
         if len(local) != 30 or local[:4] != b"PK\x03\x04":
-            return False
+            return None
         name_length, extra_length = struct.unpack("<HH", local[26:30])
-        window.seek(info.header_offset + 30 + name_length + extra_length)
-        view = memoryview(region.detach().reshape(-1).view(torch.uint8).numpy())
-        return window.readinto(view) == info.file_size
+        return offset + info.header_offset + 30 + name_length + extra_length, dtype, size
     except (KeyError, ValueError, TypeError, zipfile.BadZipFile, pickle.UnpicklingError, EOFError, IndexError):
+        return None
+
+
+def _read_saved_tensor(f, offset: int, length: int, region: torch.Tensor, to_device=None) -> bool:
+    """The tensor ``torch.save`` wrote at ``offset`` of ``f`` read straight into ``region``: on the
+    CPU with one copy from the file, where it is exactly the region's dtype; on a GPU through
+    ``to_device`` (a ``DeviceStaging``), cast there from a stored floating dtype. Only the plain kind
+    (``_locate_saved_tensor``) of the region's shape; False, with ``region`` untouched, otherwise."""
+    if not region.is_contiguous() or region.numel() == 0:
         return False
+    found = _locate_saved_tensor(f, offset, length)
+    if found is None or found[2] != tuple(region.shape):
+        return False
+    start, dtype, _ = found
+    if region.device.type == "cpu":
+        if dtype != region.dtype:
+            return False
+        f.seek(start)
+        view = memoryview(region.detach().reshape(-1).view(torch.uint8).numpy())
+        return f.readinto(view) == len(view)
+    if to_device is None or not (dtype.is_floating_point and region.dtype.is_floating_point):
+        return False
+    return to_device.read(f, start, dtype, region)
+
+
+class DeviceStaging:
+    """File bytes into GPU tensors: read into one of two pinned host buffers (the other's copy to the
+    device meanwhile in flight), copied to a device buffer and cast into the destination there. Read
+    into pinned pages, the file's bytes are copied once on the host, and the destination is never
+    made on the CPU."""
+
+    PIECE = 32 << 20  # bytes a piece
+
+    def __init__(self, device: torch.device):
+        self.host = [torch.empty(self.PIECE, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
+        self.free = [torch.cuda.Event(), torch.cuda.Event()]
+        self.staged = torch.empty(self.PIECE, dtype=torch.uint8, device=device)
+        self.turn = 0
+
+    def read(self, f, start: int, dtype: torch.dtype, region: torch.Tensor) -> bool:
+        flat = region.detach().view(-1)
+        total, item = region.numel() * dtype.itemsize, dtype.itemsize
+        piece = self.PIECE // item * item
+        f.seek(start)
+        done = 0
+        while done < total:
+            n, i = min(piece, total - done), self.turn
+            self.turn ^= 1
+            self.free[i].synchronize()  # the buffer's last piece has left for the device
+            if f.readinto(memoryview(self.host[i].numpy())[:n]) != n:
+                return False
+            staged = self.staged[:n]
+            staged.copy_(self.host[i][:n], non_blocking=True)
+            flat[done // item:(done + n) // item].copy_(staged.view(dtype))
+            self.free[i].record()
+            done += n
+        return True

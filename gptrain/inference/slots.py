@@ -2,10 +2,10 @@
 cache as ``slots`` rows, one request row per slot, each at its own position. Between two steps a
 free slot takes a new prompt (``prefill``) and a finished row frees its slot (``park``); the running
 rows never wait for a whole batch. A prompt of one piece (at most ``chunk`` tokens) joins on CUDA
-through ``SlotJoin`` (slot_join.py): padded to a power-of-two length, prefilled alone and written
-into the slot with the row's settings by one CUDA graph replay after one pinned copy, so the steps
-queued ahead keep running. Its numbers are those of the padded prefill (the batch path's
-``PrefillGraphs``', not the unpadded eager prefill's), the same alone and under load. A longer
+through ``SlotJoin`` (slot_join.py): padded to a power-of-two length, prefilled alone on a side
+stream beside the steps queued ahead, then written into the slot with the row's settings in order
+with the steps. Its numbers are those of the padded prefill (as the batch path's ``PrefillGraphs``,
+not the unpadded eager prefill's), the same alone and under load. A longer
 prompt goes in eagerly (``forward_cached`` on that row alone) in pieces of ``chunk`` tokens at fixed
 boundaries, so the running rows wait at most a piece; so does every prompt elsewhere than CUDA.
 
@@ -36,7 +36,7 @@ from gptrain.inference.steps import Mode, bucket
 from gptrain.inference.generate import SamplingParams
 from gptrain.inference.host_loop import StepReader, capture, set_item
 from gptrain.inference.kv_cache import forward_cached
-from gptrain.inference.rows import PrefillGraphs, RowCache, RowDecoder, prefill_bucket
+from gptrain.inference.rows import RowCache, RowDecoder, prefill_bucket
 from gptrain.inference.slot_join import SlotJoin
 from gptrain.kernels.ln_fold import refresh_ln_constants
 
@@ -59,8 +59,7 @@ class SlotDecoder:
         self.pool = None
         self.join = None
         if padded if padded is not None else self.use_graph:
-            stage = self.rows.prefill_graphs or PrefillGraphs(model, self.window, use_graph=False)
-            self.join = SlotJoin(self, stage)
+            self.join = SlotJoin(self, prefill_bucket(min(chunk, self.window), self.window))
         self.issued = 0  # steps issued (host numbering, never reset)
         self.base = 0  # the host number of device step 0
         self.parked: set[int] = set(range(self.rows.batch))  # slots decoding nothing
@@ -168,7 +167,8 @@ class SlotDecoder:
         if self.join is not None and self.join.use_graph:
             longest = min(self.chunk, self.window - 1)
             lengths = {min(prefill_bucket(n, self.window), longest) for n in range(1, longest + 1)}
-            steps += [functools.partial(self._warm_join, n) for n in sorted(lengths)]
+            # each stage of the join's ring has its own graphs
+            steps += [functools.partial(self._warm_join, n) for n in sorted(lengths) for _ in self.join.stages]
         return steps
 
     def warm_up(self) -> None:

@@ -106,7 +106,7 @@ def generate_main(argv: list[str]) -> int:
 
 
 def _generate(args) -> int:
-    from gptrain.inference.steps import plain_model
+    from gptrain.inference.steps import fused_decodable
     from gptrain.inference.generate import SamplingParams, generate
     from gptrain.inference.text import TextStream
     from gptrain.start_clock import StartClock
@@ -120,14 +120,8 @@ def _generate(args) -> int:
     params = SamplingParams(max_new_tokens=args.tokens, temperature=0.0 if args.greedy else args.temperature,
                             top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop_ids=(tok.eod,),
                             stop_on_eol=args.stop_on_eol, stop_on_double_eol=args.stop_on_double_eol)
-    # under tensor parallelism every rank runs the same steps (rank 0's ids, StepSync); rank 0 writes
-    sync = None
-    if loaded.group is not None:
-        from gptrain.inference.tensor_parallel import StepSync
-
-        sync = StepSync(loaded.group)
     stream = TextStream(tok)
-    out = sys.stdout if is_rank0() else None
+    out = sys.stdout if is_rank0() else None  # under tensor parallelism every rank decodes; rank 0 writes
     if out:
         out.write(args.prompt)
         out.flush()
@@ -138,19 +132,26 @@ def _generate(args) -> int:
             out.flush()
 
     model = loaded.model
-    if sync is None and model.word_embeddings.weight.is_cuda and plain_model(model):
+    cuda = model.word_embeddings.weight.is_cuda
+    if cuda and fused_decodable(model):
         from gptrain.inference.rows import fused_generate  # the CUDA-graph decode loop
 
-        # one stream: nothing to be batch invariant against, so the single-stream decoder (faster)
+        # one stream: nothing to be batch invariant against, so the single-stream decoder (faster); under
+        # tensor parallelism every rank runs the same steps, rank 0's ids broadcast inside them
         fused_generate(model, [prompt], params, on_token=show, batch_invariant=False)
-    elif sync is not None or model.word_embeddings.weight.is_cuda:
-        from gptrain.inference.graph_step import graph_step_generate  # layers the fused kernels do not cover, TP
+    elif loaded.group is not None or cuda:
+        from gptrain.inference.graph_step import graph_step_generate  # layers the fused kernels do not cover
 
+        sync = None
+        if loaded.group is not None:  # rank 0's ids after each step (StepSync)
+            from gptrain.inference.tensor_parallel import StepSync
+
+            sync = StepSync(loaded.group)
         graph_step_generate(model, [prompt], params, on_token=show, sync=sync)
-        if sync is not None:
-            close_distributed(model)  # its graphs first (see close_distributed)
     else:
         generate(model, [prompt], params, on_token=show)
+    if loaded.group is not None:
+        close_distributed(model)  # its graphs first (see close_distributed)
     if out:
         out.write(stream.flush() + "\n")
         out.flush()

@@ -22,8 +22,9 @@ from __future__ import annotations
 import time
 
 import torch
+import torch.distributed as dist
 
-from gptrain.inference.steps import Mode, bucket, plain_model
+from gptrain.inference.steps import Mode, bucket, fused_decodable, tensor_parallel_group
 from gptrain.inference.generate import EolIds, Generation, SamplingParams, _prompt_logprobs, loop_params, row_done
 from gptrain.inference.host_loop import AHEAD, StepReader, capture, model_cache
 from gptrain.inference.kv_cache import KVCache, forward_cached
@@ -96,12 +97,20 @@ class PrefillGraphs:
 class RowDecoder(RowSampling):
     """``single_stream``: one row only, its block products on the CUDA cores (``ln_linear``'s gemv:
     faster for one row; its numbers differ from the batched kernels' in the last bits, so a seeded
-    text can differ from the same request's in a batch)."""
+    text can differ from the same request's in a batch).
+
+    A model split over tensor-parallel ranks (``inference/tensor_parallel.localize``) runs the same
+    step on every rank: each holds its heads' share of the cache and of QKV and fc1, the attention
+    projection and fc2 write their partial sums (rank 0's with the residual and the bias) into the
+    residual stream and one all-reduce adds them up, and the embeddings and the output layer are
+    whole on every rank (gathered once, ``_whole_tables``), so a step has two all-reduces a block
+    and one broadcast of rank 0's chosen ids (every rank records the same ids, so every rank's host
+    loop stops at the same step). Every collective is inside the step's graph: no host sync."""
 
     def __init__(self, model: GPT, batch: int, use_graph: bool = True, single_stream: bool = False):
-        if not plain_model(model):
-            raise ValueError("the fused decode step needs the model's plain modules (no kernel swap, "
-                             "no tensor parallelism)")
+        if not fused_decodable(model):
+            raise ValueError("the fused decode step needs GPT-2's layers on the model's own modules (no "
+                             "kernel swap), on one process or split by tensor parallelism")
         if single_stream and batch != 1:
             raise ValueError(f"a single-stream decoder has one row, not {batch}")
         self.model, self.batch, self.gemv = model, batch, single_stream
@@ -110,8 +119,11 @@ class RowDecoder(RowSampling):
         dev, dtype = param.device, param.dtype
         cfg = model.cfg
         # (layers, 2, batch, heads, window, dim): a layer's slice is what decode_attention takes
-        self.kv = torch.zeros(cfg.num_layers, 2, batch, cfg.num_attention_heads, window, cfg.head_dim,
-                              device=dev, dtype=dtype)
+        heads = model.layers["0"].attn.qkv.weight.shape[0] // (3 * cfg.head_dim)  # this rank's
+        self.kv = torch.zeros(cfg.num_layers, 2, batch, heads, window, cfg.head_dim, device=dev, dtype=dtype)
+        self.group = tensor_parallel_group(model)
+        self.lead = self.group is None or dist.get_rank(self.group) == 0
+        self.word, self.head = _whole_tables(model)
         self.use_graph = use_graph and dev.type == "cuda"
         zeros = lambda *shape, dtype=torch.long: torch.zeros(shape, device=dev, dtype=dtype)  # noqa: E731
         self.step_index = zeros()  # steps done in this request
@@ -159,6 +171,8 @@ class RowDecoder(RowSampling):
             top_p, decay = self.top_p[:b], self.decay[:b]
             decayed = torch.maximum(top_p * decay, self.bound[:b])
             top_p.copy_(torch.where((decay > 0) & (top_p > 0), decayed, top_p))
+        if self.group is not None:  # every rank feeds and records rank 0's ids
+            dist.broadcast(chosen, src=dist.get_global_rank(self.group, 0), group=self.group)
         if mode.logprobs or mode.top_n:
             self._record_logprobs(logits, chosen, at, mode.top_n)
         return chosen
@@ -169,19 +183,27 @@ class RowDecoder(RowSampling):
         position)."""
         model, b = self.model, rows or self.batch
         x, positions = self.x[:b], self.positions[:b]
-        embed_rows(chosen, self.start[:b], self.step_index, model.word_embeddings.weight,
-                   model.position_embeddings.weight, x, positions, self.out if out is None else out,
-                   self.current[:b])
+        embed_rows(chosen, self.start[:b], self.step_index, self.word, model.position_embeddings.weight, x,
+                   positions, self.out if out is None else out, self.current[:b])
         gemv = self.gemv
         for i, block in enumerate(model.layers.values()):
             attn, mlp = block.attn, block.mlp
             qkv = ln_linear(x, attn.qkv.weight, attn.qkv.bias, ln=block.ln1, gemv=gemv)
             y = decode_attention(qkv, self.kv[i], positions)
-            ln_linear(y, attn.proj.weight, attn.proj.bias, residual=x, out=x, gemv=gemv)
+            self._add_product(y, attn.proj, x)
             h = ln_linear(x, mlp.fc1.weight, mlp.fc1.bias, ln=block.ln2, gelu=True, gemv=gemv)
-            ln_linear(h, mlp.fc2.weight, mlp.fc2.bias, residual=x, out=x, gemv=gemv)
-        head = model.output_layer
-        ln_linear(x, head.weight[: head.vocab_size], ln=model.final_layernorm, out=self.logits[:b])
+            self._add_product(h, mlp.fc2, x)
+        ln_linear(x, self.head, ln=model.final_layernorm, out=self.logits[:b])
+
+    def _add_product(self, inputs: torch.Tensor, linear, x: torch.Tensor) -> None:
+        """``x += inputs @ W.T + b`` in one kernel; under tensor parallelism each rank's share of the
+        product (rank 0's with ``x`` and ``b``) into ``x``, summed over the ranks by one all-reduce."""
+        if self.lead:
+            ln_linear(inputs, linear.weight, linear.bias, residual=x, out=x, gemv=self.gemv)
+        else:
+            ln_linear(inputs, linear.weight, out=x, gemv=self.gemv)
+        if self.group is not None:
+            dist.all_reduce(x, group=self.group)
 
     def _graph(self, mode: Mode) -> torch.cuda.CUDAGraph:
         """The captured step (captured before a request's state goes in: warm-up steps write the
@@ -289,6 +311,28 @@ class RowDecoder(RowSampling):
         if want_lp and s:
             self._append_logprobs(out, 0, s, count, top_logprobs)
         return out
+
+
+def _whole_tables(model: GPT) -> tuple[torch.Tensor, torch.Tensor]:
+    """The word embeddings and the output layer's weight over the real vocabulary: the model's own on
+    one process; under tensor parallelism each rank's vocabulary shards all-gathered once (rank order
+    is vocabulary order) and kept on the model for its decoders (a tied output layer shares the
+    table)."""
+    head = model.output_layer
+    group = tensor_parallel_group(model)
+    if group is None:
+        return model.word_embeddings.weight, head.weight[: head.vocab_size]
+    cache = model_cache(model, "_row_decoders")
+    if "tables" not in cache:
+        def whole(local: torch.Tensor) -> torch.Tensor:
+            full = local.new_empty((local.shape[0] * dist.get_world_size(group), local.shape[1]))
+            dist.all_gather_into_tensor(full, local.contiguous(), group=group)
+            return full[: head.vocab_size]
+
+        word = whole(model.word_embeddings.weight.detach())
+        tied = head.weight is model.word_embeddings.weight
+        cache["tables"] = (word, word if tied else whole(head.weight.detach()))
+    return cache["tables"]
 
 
 def prefill_graphs_for(model: GPT) -> PrefillGraphs:

@@ -48,3 +48,30 @@ def plain_model(model: GPT) -> bool:
             and all(type(m) is torch.nn.LayerNorm and m.weight is not None for m in norms)
             and all(type(m) is torch.nn.Linear for m in linears)
             and all(type(blk.mlp) is MLP for blk in model.layers.values()))
+
+
+def tensor_parallel_group(model: GPT):
+    """The process group a model split by ``inference/tensor_parallel.localize`` runs over, or None."""
+    proj = model.layers["0"].attn.proj if len(model.layers) else None
+    return getattr(proj, "group", None) if type(proj).__name__ == "RowParallelLinear" else None
+
+
+def fused_decodable(model: GPT) -> bool:
+    """Whether rows.py's fused decode step runs ``model``: GPT-2's blocks on the model's own modules
+    (``plain_model``), or split over tensor-parallel ranks by ``localize`` (its row-parallel layers
+    all-reduce inside the step)."""
+    if plain_model(model):
+        return True
+    if tensor_parallel_group(model) is None:
+        return False
+    from gptrain.inference.tensor_parallel import GatheredOutputLayer, RowParallelLinear, VocabParallelEmbedding
+    from gptrain.model.gpt import MLP
+
+    norms = [model.final_layernorm] + [m for blk in model.layers.values() for m in (blk.ln1, blk.ln2)]
+    return (model.cfg.gpt2_layout
+            and type(model.word_embeddings) is VocabParallelEmbedding and type(model.output_layer) is GatheredOutputLayer
+            and model.position_embeddings is not None
+            and all(type(m) is torch.nn.LayerNorm and m.weight is not None for m in norms)
+            and all(type(blk.mlp) is MLP and type(blk.attn.qkv) is torch.nn.Linear and type(blk.mlp.fc1) is torch.nn.Linear
+                    and type(blk.attn.proj) is RowParallelLinear and type(blk.mlp.fc2) is RowParallelLinear
+                    for blk in model.layers.values()))

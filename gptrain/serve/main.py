@@ -72,7 +72,7 @@ def serve_main(argv: list[str]) -> int:
 
 
 def _serve(args, loaded, uvicorn, build_app, channel=None, clock=None) -> int:
-    from gptrain.inference.steps import plain_model
+    from gptrain.inference.steps import fused_decodable, plain_model
     from gptrain.serve.engine import Engine
 
     model = loaded.model
@@ -88,7 +88,8 @@ def _serve(args, loaded, uvicorn, build_app, channel=None, clock=None) -> int:
                                      use_graph=not args.no_cuda_graph)
         world = channel.group.size()
         graphs = model.word_embeddings.weight.is_cuda and not args.no_cuda_graph
-        how = f"tensor-parallel over {world} ranks, {'CUDA-graph decode step' if graphs else 'eager decode'}"
+        step = "fused decode step" if fused_decodable(model) else "decode step of the model's own layers"
+        how = f"tensor-parallel over {world} ranks, {'CUDA-graph ' if graphs else 'eager '}{step} (static batches)"
     elif generic and not args.no_cuda_graph:
         from gptrain.inference.graph_step import graph_step_generate
 

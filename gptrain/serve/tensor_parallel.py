@@ -1,7 +1,8 @@
 """Tensor-parallel serving, as Megatron serves: rank 0 runs the HTTP server and the queue; for each
 batch it broadcasts the work to the other ranks, and every rank runs the same generation step by
-step (the model's all-reduces inside, rank 0's chosen ids broadcast after each step:
-inference/tensor_parallel.py). The other ranks loop waiting for work until rank 0 says stop.
+step: GPT-2's layers through the fused decode step (rows.py; its all-reduces and the broadcast of
+rank 0's chosen ids inside the step's graph), others through the graph step of their own modules
+with rank 0's ids broadcast after each step (inference/tensor_parallel.py's StepSync). The other ranks loop waiting for work until rank 0 says stop.
 
 Work travels as tensors (nothing pickled) on a gloo group of its own, on the CPU and with a long
 timeout, since an idle server waits for its next request as long as it likes: a fixed header
@@ -21,6 +22,8 @@ import torch.distributed as dist
 
 from gptrain.inference.generate import EolIds, SamplingParams, check_request
 from gptrain.inference.graph_step import graph_step_generate
+from gptrain.inference.rows import fused_generate
+from gptrain.inference.steps import fused_decodable
 from gptrain.inference.tensor_parallel import StepSync
 
 STOP, WORK = 0, 1
@@ -105,6 +108,15 @@ class WorkChannel:
         return Work(prompts, params, bool(logprobs), top_logprobs, EolIds(eol, double_eol, colon), colons)
 
 
+def tensor_parallel_generate(model, prompts, params, use_graph: bool, sync: StepSync, **kw):
+    """One batch on every rank alike: GPT-2's layers through the fused decode step (rows.py: its
+    all-reduces and the broadcast of rank 0's ids inside the step, no host sync), other layers through
+    the graph step of their own modules with rank 0's ids sent after each step (``sync``)."""
+    if fused_decodable(model):
+        return fused_generate(model, prompts, params, use_graph=use_graph, **kw)
+    return graph_step_generate(model, prompts, params, use_graph=use_graph, sync=sync, **kw)
+
+
 class LeaderGenerate:
     """Rank 0's ``generate`` for the engine: check the batch, send it, generate in step with the
     other ranks. A failure after the batch was sent leaves the ranks out of step: the process
@@ -127,9 +139,9 @@ class LeaderGenerate:
         packed = self.channel.pack(Work(prompts, params, logprobs, top_logprobs, eol, colons))
         try:
             self.channel.send(packed)  # from here on the other ranks are in this batch
-            return graph_step_generate(model, prompts, params, use_graph=self.use_graph, logprobs=logprobs,
-                                       top_logprobs=top_logprobs, eol=eol, on_token=on_token,
-                                       no_newline_after_colon=colons, sync=self.sync)
+            return tensor_parallel_generate(model, prompts, params, self.use_graph, self.sync, logprobs=logprobs,
+                                            top_logprobs=top_logprobs, eol=eol, on_token=on_token,
+                                            no_newline_after_colon=colons)
         except BaseException as err:  # noqa: BLE001 - the other ranks are mid-batch: nothing can go on
             print(f"gptrain serve: error: rank 0 failed while generating with the other tensor-parallel ranks "
                   f"({type(err).__name__}: {err}); stopping", file=sys.stderr, flush=True)
@@ -143,9 +155,9 @@ def follow(model, channel: WorkChannel, group, use_graph: bool = True) -> int:
     batches = 0
     try:
         while (work := channel.receive()) is not None:
-            graph_step_generate(model, work.prompts, work.params, use_graph=use_graph, logprobs=work.logprobs,
-                                top_logprobs=work.top_logprobs, eol=work.eol,
-                                no_newline_after_colon=work.no_newline_after_colon, sync=sync)
+            tensor_parallel_generate(model, work.prompts, work.params, use_graph, sync, logprobs=work.logprobs,
+                                     top_logprobs=work.top_logprobs, eol=work.eol,
+                                     no_newline_after_colon=work.no_newline_after_colon)
             batches += 1
     except Exception as err:  # noqa: BLE001 - out of step with rank 0: one line, and torchrun stops the rest
         print(f"gptrain serve: error: rank {channel.rank} failed after {batches} batches "

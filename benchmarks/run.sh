@@ -118,7 +118,9 @@ suite_train() {
 }
 
 # LAYOUT list: "GPUS:MICRO_BATCH:GLOBAL_BATCH:NAME:FLAGS"; the baseline (nanoGPT, under DDP at DP) runs
-# beside the 1-GPU and plain data-parallel rows only. Names ending _mbN are the layout at another micro-batch.
+# beside the 1-GPU and plain data-parallel rows only. Names ending _mbN are the layout at another micro-batch,
+# _gbN at another global batch (128: the pipeline rows', several micro-batches a step, so data parallelism's
+# one reduction a step is spread over them as a training run at that batch spreads it).
 NO_GRAPHS="--compile-mode default"  # tensor parallelism runs CUDA graphs by default (train/build.py)
 GRAPHS="--compile-mode reduce-overhead"
 LAYOUTS2=("1:16:16:1gpu:" "2:16:32:dp2:" "2:16:32:dp2_overlap:--overlap-grad-reduce --no-baseline"
@@ -126,6 +128,8 @@ LAYOUTS2=("1:16:16:1gpu:" "2:16:32:dp2:" "2:16:32:dp2_overlap:--overlap-grad-red
           "2:16:32:dp2_bf16:--grad-reduce-in-bf16 --no-baseline"
           "2:16:32:dp2_overlap_bf16:--overlap-grad-reduce --grad-reduce-in-bf16 --no-baseline"
           "2:16:32:dp2_overlap_graphs:--overlap-grad-reduce $GRAPHS --no-baseline"
+          "1:16:128:1gpu_gb128:--no-baseline" "2:16:128:dp2_gb128:--no-baseline"
+          "2:16:128:dp2_overlap_gb128:--overlap-grad-reduce --no-baseline"
           "2:16:32:zero1_dp2:--zero-stage 1 --no-baseline" "2:16:32:zero2_dp2:--zero-stage 2 --no-baseline"
           "2:16:32:zero3_dp2:--zero-stage 3 --no-baseline"
           "2:16:16:tp2:--tensor-model-parallel-size 2 --no-baseline"

@@ -14,7 +14,7 @@ from gptrain.parallel.layout import parameter_counts
 from gptrain.parallel.pipeline import stage_layer_counts, virtual_stages
 from gptrain.plan.hardware import Gpu
 from gptrain.plan.memory import GIB, Memory, fits, stage_memory
-from gptrain.plan.timing import (OPTIMIZER_BYTES, StepTime, all_reduce_s, data_parallel_s, offload_s, p2p_s,
+from gptrain.plan.timing import (OPTIMIZER_BYTES, StepTime, all_reduce_s, data_parallel_s, grad_accumulation_s, offload_s, p2p_s,
                                  stage_time)
 from gptrain.train.build import parallel_dims
 
@@ -109,6 +109,7 @@ def predict(cfg: RunConfig, world: int, gpu: Gpu, gpus_per_node: int) -> Predict
     biggest = max(range(dims.pp), key=lambda r: params[r])
     time.dp_comm = data_parallel_s(cfg, dims, gpu, params[biggest], stages[biggest], n_micro, layer_counts[biggest],
                                    dp_gbps)
+    time.compute += grad_accumulation_s(cfg, dims, gpu, params[biggest], n_micro)
     local_params = params[biggest] / (dims.dp if dims.sharded else 1)
     time.optimizer = offload_s(local_params, dims.zero_stage, n_micro) if dims.cpu_offload else \
         gpu.memory_s(OPTIMIZER_BYTES * local_params, gpu.optimizer_efficiency)

@@ -20,6 +20,8 @@ prints each against its prediction):
 - pipeline: the p2p sends, the tied embeddings' gradient sum, and the bubble: one micro-batch through
   each stage but the slowest (over v with interleaving), the slowest setting the pace (the last runs
   the output layer and the loss);
+- gradients kept over several micro-batches (autograd's adds, or a pipeline's hooks adding into the
+  fp32 main gradients as they arrive) at the memory bandwidth;
 - the optimizer step at the memory bandwidth; the host's time to launch a micro-batch (per block for
   one compiled graph, blocks compiled one by one, tensor-parallel ranks, FSDP2's hooks, plus each
   NCCL collective; none under CUDA graphs), which sets the pace where it exceeds the device's and
@@ -60,6 +62,14 @@ OFFLOAD_FETCH_S_PER_PARAM = 0.16e-9  # ZeRO-3: the shards copied in again for ea
 # cast to fp32 and copied into its input)
 FSDP_GATHER_BYTES = 4.0
 FSDP_SCATTER_BYTES = 14.0
+# per parameter and micro-batch, gradients kept over a step's micro-batches on whole replicas: autograd adds
+# each micro-batch's half-precision gradient to .grad (2 + 2 read, 2 written); a pipeline schedule's hooks
+# (and --overlap-grad-reduce's buckets) add it into the fp32 main gradient as it arrives (4 + 2 read, 4
+# written; zeroed first, 4); fp32 parameters accumulate in fp32 (4 + 4 read, 4 written). One micro-batch's
+# move into the main gradients (6) is in OPTIMIZER_BYTES' fit.
+AUTOGRAD_ADD_BYTES = 6.0
+MAIN_GRAD_ADD_BYTES = 10.0
+FP32_ADD_BYTES = 12.0
 
 
 @dataclass
@@ -238,6 +248,22 @@ def data_parallel_s(cfg: RunConfig, dims: ParallelDims, gpu: Gpu, params: int, s
     backward_comm = scatter + (gather if dims.zero_stage == 3 else 0.0)
     per_micro = max(0.0, gather - forward) + max(0.0, backward_comm - backward)
     return n_micro * per_micro + (gather + scatter) / max(1, layers)
+
+
+def grad_accumulation_s(cfg: RunConfig, dims: ParallelDims, gpu: Gpu, params: float, n_micro: int) -> float:
+    """A step's gradient traffic beyond one micro-batch's, on whole replicas (FSDP2 keeps its own:
+    FSDP_SCATTER_BYTES a micro-batch)."""
+    if dims.sharded:
+        return 0.0
+    if not cfg.precision.half_params:
+        extra = FP32_ADD_BYTES * (n_micro - 1)
+    elif dims.pp > 1:  # each gradient added into its main gradient as it arrives, from the first micro-batch
+        extra = 4.0 + MAIN_GRAD_ADD_BYTES * n_micro - AUTOGRAD_ADD_BYTES
+    elif overlap_grad_reduce(cfg, dims):  # copied in the first micro-batch, added after
+        extra = MAIN_GRAD_ADD_BYTES * (n_micro - 1)
+    else:
+        extra = AUTOGRAD_ADD_BYTES * (n_micro - 1)
+    return gpu.memory_s(extra * params)
 
 
 def offload_s(local_params: float, zero_stage: int, n_micro: int) -> float:

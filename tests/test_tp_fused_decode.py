@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from datetime import timedelta
 
 import pytest
 import torch
@@ -20,6 +21,9 @@ from tiny import tiny_config
 PROMPTS = [[5, 17, 300, 2], [9], [40, 41, 42, 43, 44, 45, 46]]
 PARAMS = [SamplingParams(max_new_tokens=7, temperature=0.0), SamplingParams(max_new_tokens=9, seed=3, top_p=0.9),
           SamplingParams(max_new_tokens=5, seed=11, top_k=20, temperature=0.7)]
+# row 1 runs well past the others (more steps than the loop queues ahead) after the hook cuts it
+LONG = [SamplingParams(max_new_tokens=3, temperature=0.0), SamplingParams(max_new_tokens=16, seed=3, top_p=0.9),
+        SamplingParams(max_new_tokens=3, seed=11, top_k=20, temperature=0.7)]
 
 
 @pytest.fixture(scope="module")
@@ -43,13 +47,24 @@ def _decode(rank: int, root: str, out: str) -> None:
     from gptrain.inference.rows import row_decoder_for
     from gptrain.inference.steps import fused_decodable
 
-    dist.init_process_group("gloo")
+    dist.init_process_group("gloo", timeout=timedelta(seconds=60))  # out of step: a timeout, not a hang
     model = load_for_inference(root, "cpu", torch.float32, tp_mesh=init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))).model
     assert fused_decodable(model)
     rows = [g.tokens for g in fused_generate(model, PROMPTS, PARAMS, use_graph=False)]
     logits = row_decoder_for(model, len(PROMPTS), use_graph=False).logits.clone()
+    # rank 0's stream hook ends row 1 after its second new token (as the server's does for a stop string
+    # or a client gone); the other rank has no hook: both run the same steps and stay in step
+    seen = []
+
+    def hook(row: int, token: int) -> bool:
+        seen.append(row)
+        return row == 1 and seen.count(1) == 2
+
+    cut = fused_generate(model, PROMPTS, LONG, use_graph=False, on_token=hook if rank == 0 else None)
+    again = [g.tokens for g in fused_generate(model, PROMPTS, PARAMS, use_graph=False)]
     with open(f"{out}.{rank}", "w") as f:
-        json.dump({"rows": rows, "logits": logits.tolist()}, f)
+        json.dump({"rows": rows, "logits": logits.tolist(), "cut": [g.tokens for g in cut],
+                   "reasons": [g.finish_reason for g in cut], "again": again}, f)
     dist.destroy_process_group()
 
 
@@ -65,3 +80,10 @@ def test_two_ranks_decode_as_one_process(checkpoint, tmp_path):
     last = row_decoder_for(model, len(PROMPTS), use_graph=False).logits
     for r in ranks:
         torch.testing.assert_close(torch.tensor(r["logits"]), last, rtol=1e-4, atol=1e-4)
+    # the hook cut rank 0's row 1 only; the ranks stayed in step (the next request matches)
+    long = [g.tokens for g in fused_generate(model, PROMPTS, LONG, use_graph=False)]
+    assert ranks[0]["cut"][1] == long[1][:len(PROMPTS[1]) + 2] and ranks[0]["reasons"][1] == "stop"
+    for row in (0, 2):
+        assert ranks[0]["cut"][row] == ranks[1]["cut"][row] == long[row]
+    assert ranks[1]["cut"][1] == long[1]
+    assert ranks[0]["again"] == ranks[1]["again"] == alone

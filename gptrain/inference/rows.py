@@ -292,6 +292,11 @@ class RowDecoder(RowSampling):
 
         done = [len(p) >= end for p, end in zip(prompts, ends)]  # max_new_tokens 0: score only
         count = [0] * n
+        # under tensor parallelism every rank must run the same steps, so only the rules every rank sees
+        # (the ids, the settings) end a row; the stream hook, rank 0's alone (a stop string, a client gone),
+        # ends its output there and the row decodes on in step with the other ranks
+        lockstep, cut = self.group is not None, [None] * n
+        hook = None if lockstep else on_token
         total = max(end - len(p) for p, end in zip(prompts, ends))  # steps the longest row needs
         s = issued = 0
         while s < total and not all(done):
@@ -305,8 +310,14 @@ class RowDecoder(RowSampling):
                 token = ids[i]
                 out[i].tokens.append(token)
                 count[i] += 1
-                done[i] = row_done(out[i], i, token, count[i], params[i], eol, on_token)
+                done[i] = row_done(out[i], i, token, count[i], params[i], eol, hook)
+                if lockstep and on_token is not None and cut[i] is None and on_token(i, token):
+                    cut[i] = count[i]
             s += 1
+        for i, kept in enumerate(cut):
+            if kept is not None:
+                del out[i].tokens[out[i].prompt_length + kept:]
+                out[i].finish_reason, count[i] = "stop", kept
         self.stats["loop_s"] += time.perf_counter() - loop
         if want_lp and s:
             self._append_logprobs(out, 0, s, count, top_logprobs)

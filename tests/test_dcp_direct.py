@@ -116,6 +116,43 @@ def test_a_saved_tensor_of_another_kind_is_read_through_torch_load(saved, tmp_pa
     assert not hasattr(builtins, "CRAFTED_RAN") and (region == 7).all()
 
 
+def test_a_record_whose_data_would_lie_outside_it_is_not_read_straight(tmp_path):
+    """A local header stretched (its extra field) so that the data would start past the record's end,
+    a header whose pickle sets state on its description: neither is read straight, nothing past the
+    record lands in the region, and nothing raises."""
+    import io
+    import struct
+    import zipfile
+
+    from gptrain.train.dcp_direct import _locate_saved_tensor, _read_saved_tensor
+
+    buffer = io.BytesIO()
+    torch.save(torch.arange(16, dtype=torch.float32), buffer)
+    record = bytearray(buffer.getvalue())
+    info = next(i for i in zipfile.ZipFile(io.BytesIO(bytes(record))).infolist() if "/data/" in i.filename)
+    at = info.header_offset
+    name_length, extra_length = struct.unpack("<HH", record[at + 26:at + 30])
+    record[at + 28:at + 30] = struct.pack("<H", extra_length + len(record) - (at + 30 + name_length + extra_length))
+    path = tmp_path / "shard"
+    path.write_bytes(bytes(record) + torch.full((16,), 7.0).numpy().tobytes())
+    region = torch.zeros(16)
+    with open(path, "rb") as f:
+        assert _locate_saved_tensor(f, 0, len(record)) is None
+        assert not _read_saved_tensor(f, 0, len(record), region)
+    assert not region.any()
+
+    source, crafted = zipfile.ZipFile(io.BytesIO(buffer.getvalue())), io.BytesIO()
+    with zipfile.ZipFile(crafted, "w", zipfile.ZIP_STORED) as out:
+        for name in source.namelist():
+            data = source.read(name)
+            if name.endswith("data.pkl"):
+                data = data[:-1] + b"}q\x99K\x01K\x02sb."  # BUILD {1: 2} on the rebuilt description
+            out.writestr(name, data)
+    path.write_bytes(crafted.getvalue())
+    with open(path, "rb") as f:
+        assert _locate_saved_tensor(f, 0, len(crafted.getvalue())) is None
+
+
 def test_a_shape_that_differs_or_a_missing_entry_leaves_it_to_dcp(saved):
     key = "model/word_embeddings.weight"
     stored = _empty_like_stored(saved)[key]

@@ -19,7 +19,6 @@ import io
 import math
 import os
 import pathlib
-import pickle
 import struct
 import zipfile
 
@@ -255,7 +254,10 @@ class _Window(io.RawIOBase):
         return self.pos
 
     def seek(self, pos, whence=0):
-        self.pos = max(0, min(self.length, (0, self.pos, self.length)[whence] + pos))
+        pos = (0, self.pos, self.length)[whence] + pos
+        if not 0 <= pos <= self.length:  # never outside the record (a crafted offset is refused, not clamped)
+            raise ValueError(f"seek to {pos} outside a record of {self.length} bytes")
+        self.pos = pos
         return self.pos
 
     def readinto(self, buffer):
@@ -282,9 +284,9 @@ def _locate_saved_tensor(f, offset: int, length: int) -> tuple[int, torch.dtype,
         window = _Window(f, offset, length)
         archive = zipfile.ZipFile(io.BufferedReader(window, buffer_size=1 << 16))
         prefix = archive.namelist()[0].split("/")[0]
-        if archive.read(f"{prefix}/byteorder") != b"little":
+        if _small_member(archive, f"{prefix}/byteorder") != b"little":
             return None
-        header = _SavedTensorUnpickler(io.BytesIO(archive.read(f"{prefix}/data.pkl")), f.name).load()
+        header = _SavedTensorUnpickler(io.BytesIO(_small_member(archive, f"{prefix}/data.pkl")), f.name).load()
         pid = header.get("storage") if isinstance(header, dict) else None
         if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage" and type(pid[2]) is str):
             return None
@@ -298,12 +300,25 @@ def _locate_saved_tensor(f, offset: int, length: int) -> tuple[int, torch.dtype,
             return None
         window.seek(info.header_offset)
         local = window.read(30)
-        if len(local) != 30 or local[:4] != b"PK\x03\x04":
+        if len(local) != 30 or local[:4] != b"PK\x03\x04" or struct.unpack("<H", local[8:10])[0] != zipfile.ZIP_STORED:
             return None
         name_length, extra_length = struct.unpack("<HH", local[26:30])
-        return offset + info.header_offset + 30 + name_length + extra_length, dtype, size
-    except (KeyError, ValueError, TypeError, zipfile.BadZipFile, pickle.UnpicklingError, EOFError, IndexError):
+        if window.read(name_length) != info.filename.encode():
+            return None
+        start = info.header_offset + 30 + name_length + extra_length
+        if start + info.file_size > length:  # the data must lie inside the record
+            return None
+        return offset + start, dtype, size
+    except Exception:  # noqa: BLE001 - anything unexpected in a record: torch.load reads it, with its own checks
         return None
+
+
+def _small_member(archive: zipfile.ZipFile, name: str) -> bytes:
+    """A short member of a saved tensor's archive (its header, its byte order), stored uncompressed."""
+    info = archive.getinfo(name)
+    if info.compress_type != zipfile.ZIP_STORED or info.file_size > 1 << 20:
+        raise ValueError(f"{name}: not a plain saved tensor's {name.rsplit('/', 1)[-1]}")
+    return archive.read(name)
 
 
 def _read_saved_tensor(f, offset: int, length: int, region: torch.Tensor, to_device=None) -> bool:
@@ -343,6 +358,10 @@ class DeviceStaging:
         self.turn = 0
 
     def read(self, f, start: int, dtype: torch.dtype, region: torch.Tensor) -> bool:
+        with torch.cuda.device(self.staged.device):  # the events on the stream the copies run on
+            return self._read(f, start, dtype, region)
+
+    def _read(self, f, start: int, dtype: torch.dtype, region: torch.Tensor) -> bool:
         flat = region.detach().view(-1)
         total, item = region.numel() * dtype.itemsize, dtype.itemsize
         piece = self.PIECE // item * item

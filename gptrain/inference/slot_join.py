@@ -8,8 +8,9 @@ own stage, so it runs on a side stream as soon as it is queued, beside the decod
 ahead of it; the commit (a few copies) runs on the decode stream, in order with the steps, once its
 prefill is done. The decode stream so pays a few copies per join instead of a whole forward pass.
 A ring of stages lets several joins be in flight: a stage is prefilled again only after the
-decode stream has committed it. The host's part is one pinned copy of the join's numbers and two
-replays; nothing waits for the device.
+decode stream has committed it. Weights changed in place (between requests, on the decode stream)
+make the next prefill wait for the decode stream's queue once. The host's part is one pinned copy of
+the join's numbers and two replays; nothing waits for the device.
 
 Padding after the prompt changes nothing at its positions (causal attention); the padded
 positions' keys and values land in the slot past the prompt, where the row's own decode writes
@@ -57,17 +58,23 @@ class SlotJoin:
         self.joins = 0
         self.side = torch.cuda.Stream(device=dev) if self.use_graph else None
         self.side_pool = None  # the prefills' graphs: never beside each other, but beside the steps
+        self.params = list(decoder.model.parameters())
+        self.versions = None  # the weights' versions the side stream last caught up with
 
     @property
     def graphs(self) -> int:
         return sum(len(s.prefills) + len(s.commits) for s in self.stages)
 
     @torch.no_grad()
-    def run(self, slot: int, prompt: list[int], start: int, params: SamplingParams, colon: bool) -> None:
-        """``prompt`` into ``slot``, which decodes from position ``start + step`` from the next step."""
+    def run(self, slot: int, prompt: list[int], start: int, params: SamplingParams, colon: bool,
+            stage_index: int | None = None) -> None:
+        """``prompt`` into ``slot``, which decodes from position ``start + step`` from the next step
+        (through stage ``stage_index`` of the ring; default the next in turn)."""
         length = prefill_bucket(len(prompt), self.rows.window)
-        stage = self.stages[self.joins % len(self.stages)]
-        self.joins += 1
+        if stage_index is None:
+            stage_index = self.joins % len(self.stages)
+            self.joins += 1
+        stage = self.stages[stage_index]
         # packed in numpy: every torch call gives the interpreter lock up and may wait to get it back
         # (the server's HTTP thread runs meanwhile), so the join makes as few as it can
         packed = np.zeros(TOKENS + length, dtype=np.int64)
@@ -83,7 +90,11 @@ class SlotJoin:
             return
         host = host.pin_memory()  # pinned: the copy waits for nothing on the host
         decode = torch.cuda.current_stream()
+        versions = sum(p._version for p in self.params)
         with torch.cuda.stream(self.side):
+            if versions != self.versions:  # the first join, or weights changed in place (on the decode
+                self.side.wait_stream(decode)  # stream): the prefill reads them only after that work
+                self.versions = versions
             self.side.wait_event(stage.free)  # the stage's last commit has read it
             stage.packed[:TOKENS + length].copy_(host, non_blocking=True)
             graph = stage.prefills.get(length)

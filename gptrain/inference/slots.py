@@ -167,8 +167,7 @@ class SlotDecoder:
         if self.join is not None and self.join.use_graph:
             longest = min(self.chunk, self.window - 1)
             lengths = {min(prefill_bucket(n, self.window), longest) for n in range(1, longest + 1)}
-            # each stage of the join's ring has its own graphs
-            steps += [functools.partial(self._warm_join, n) for n in sorted(lengths) for _ in self.join.stages]
+            steps += [functools.partial(self._warm_join, n) for n in sorted(lengths)]
         return steps
 
     def warm_up(self) -> None:
@@ -180,8 +179,12 @@ class SlotDecoder:
         self._graph(mode, b, self._out(b))
 
     def _warm_join(self, length: int) -> None:
-        """A prompt of ``length`` tokens into a free slot and out (idle only)."""
+        """A prompt of ``length`` tokens into a free slot and out, through each stage of the join's
+        ring (each has its own graphs; idle only)."""
         try:
-            self.prefill(0, [0] * length, 0, SamplingParams(temperature=0.0), False)
+            for stage in range(len(self.join.stages)):
+                self.parked.discard(0)
+                self.join.run(0, [0] * length, length - self._device_step(), SamplingParams(temperature=0.0), False,
+                              stage_index=stage)
         finally:
             self.park(0)  # free again, also when the capture failed

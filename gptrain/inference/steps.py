@@ -38,16 +38,22 @@ class Mode:
                    colon=colon, decay=any(p.top_p_decay > 0 for p in params))
 
 
-def plain_model(model: GPT) -> bool:
-    """Whether the blocks are the model's own modules (no kernel swap, no tensor parallelism)."""
+def _gpt2_blocks(model: GPT, row_linear: type) -> bool:
+    """GPT-2's blocks (LayerNorms with weights, the MLP) whose QKV and fc1 are ``nn.Linear`` and whose
+    attention projection and fc2 are ``row_linear``: what the fused decode kernels run."""
     from gptrain.model.gpt import MLP
 
     norms = [model.final_layernorm] + [m for blk in model.layers.values() for m in (blk.ln1, blk.ln2)]
-    linears = [m for blk in model.layers.values() for m in (blk.attn.proj, blk.mlp.fc1, blk.mlp.fc2)]
     return (model.cfg.gpt2_layout  # the decode kernels are GPT-2's; other layers take the generic KV-cache path
             and all(type(m) is torch.nn.LayerNorm and m.weight is not None for m in norms)
-            and all(type(m) is torch.nn.Linear for m in linears)
-            and all(type(blk.mlp) is MLP for blk in model.layers.values()))
+            and all(type(blk.mlp) is MLP and type(blk.attn.qkv) is torch.nn.Linear and type(blk.mlp.fc1) is torch.nn.Linear
+                    and type(blk.attn.proj) is row_linear and type(blk.mlp.fc2) is row_linear
+                    for blk in model.layers.values()))
+
+
+def plain_model(model: GPT) -> bool:
+    """Whether the blocks are the model's own modules (no kernel swap, no tensor parallelism)."""
+    return _gpt2_blocks(model, torch.nn.Linear)
 
 
 def tensor_parallel_group(model: GPT):
@@ -65,13 +71,6 @@ def fused_decodable(model: GPT) -> bool:
     if tensor_parallel_group(model) is None:
         return False
     from gptrain.inference.tensor_parallel import GatheredOutputLayer, RowParallelLinear, VocabParallelEmbedding
-    from gptrain.model.gpt import MLP
 
-    norms = [model.final_layernorm] + [m for blk in model.layers.values() for m in (blk.ln1, blk.ln2)]
-    return (model.cfg.gpt2_layout
-            and type(model.word_embeddings) is VocabParallelEmbedding and type(model.output_layer) is GatheredOutputLayer
-            and model.position_embeddings is not None
-            and all(type(m) is torch.nn.LayerNorm and m.weight is not None for m in norms)
-            and all(type(blk.mlp) is MLP and type(blk.attn.qkv) is torch.nn.Linear and type(blk.mlp.fc1) is torch.nn.Linear
-                    and type(blk.attn.proj) is RowParallelLinear and type(blk.mlp.fc2) is RowParallelLinear
-                    for blk in model.layers.values()))
+    return (type(model.word_embeddings) is VocabParallelEmbedding and type(model.output_layer) is GatheredOutputLayer
+            and model.position_embeddings is not None and _gpt2_blocks(model, RowParallelLinear))

@@ -54,6 +54,10 @@ OFFLOAD_ONE_MICRO = ("every offload row is planned about 0.4 GiB above the measu
                      "is 6-15% of a small peak (on the safe side); where the 0.4 GiB goes is not found yet")
 
 
+ZERO_CUBLASLT = ("cuBLASLt linears, which auto no longer picks under any ZeRO stage below 32,768 tokens a micro-batch "
+                 "(their host calls on top of FSDP2's hooks: 189.5 against 147.0 ms at ZeRO-2 on one machine, s24)")
+
+
 def mb(mbs: int, gbs: int) -> str:
     return f"--micro-batch-size {mbs} --global-batch-size {gbs}"
 
@@ -145,8 +149,10 @@ ROWS = [
     Row("1 GPU, mbs 16", "h200", 1, mb(16, 16), 207_610, 18.38, "s17 2xH200"),
     Row("DP2, mbs 16", "h200", 2, mb(16, 32), 193_685, 18.38, "s17 2xH200"),
     Row("DP2 overlap, mbs 16", "h200", 2, f"{mb(16, 32)} --overlap-grad-reduce", 187_793, 19.74, "s17 2xH200"),
-    Row("ZeRO-1 DP2, mbs 16", "h200", 2, f"{mb(16, 32)} --zero-stage 1", 136_058, 16.45, "s17 2xH200"),
-    Row("ZeRO-2 DP2, mbs 16", "h200", 2, f"{mb(16, 32)} --zero-stage 2", 117_943, 16.45, "s17 2xH200"),
+    Row("ZeRO-1 DP2, mbs 16, cuBLASLt linears", "h200", 2, f"{mb(16, 32)} --zero-stage 1", 136_058, 16.45,
+        "s17 2xH200", excluded=ZERO_CUBLASLT),
+    Row("ZeRO-2 DP2, mbs 16, cuBLASLt linears", "h200", 2, f"{mb(16, 32)} --zero-stage 2", 117_943, 16.45,
+        "s17 2xH200", excluded=ZERO_CUBLASLT),
     Row("ZeRO-3 DP2, mbs 16", "h200", 2, f"{mb(16, 32)} --zero-stage 3", 129_942, 15.89, "s17 2xH200"),
     Row("TP2, mbs 16", "h200", 2, f"{mb(16, 16)} {TP2} {NO_GRAPHS}", 136_320, 12.29, "s17 2xH200"),
     Row("TP2, mbs 16, CUDA graphs", "h200", 2, f"{mb(16, 16)} {TP2} {GRAPHS}", 137_831, None, "s17 2xH200"),
@@ -199,6 +205,37 @@ ROWS = [
         193_980, 19.74, "s22 2xH200 c"),
     Row("DP2 overlap, mbs 16, NCCL_MAX_CTAS=4", "h200", 2, f"{mb(16, 32)} --overlap-grad-reduce", 184_343, 19.74,
         "s22 2xH200 c", excluded="NCCL held to 4 CTAs through its environment: not a setting gptrain plans"),
+    # two H200s, one machine held over three calls (s24); each call's ratios against its own 1-GPU row
+    Row("1 GPU, mbs 16, global 128", "h200", 1, mb(16, 128), 211_406, 19.71, "s24 2xH200 call 1"),
+    Row("DP2, mbs 16, global 128", "h200", 2, mb(16, 128), 206_541, 19.71, "s24 2xH200 call 1"),
+    Row("DP2 overlap, mbs 16, global 128", "h200", 2, f"{mb(16, 128)} --overlap-grad-reduce", 205_832, 19.74,
+        "s24 2xH200 call 1"),
+    Row("1 GPU, mbs 16", "h200", 1, mb(16, 16), 207_877, 18.38, "s24 2xH200 call 2"),
+    Row("DP2, mbs 16", "h200", 2, mb(16, 32), 194_540, 18.38, "s24 2xH200 call 2"),
+    Row("ZeRO-1 DP2, mbs 16, cuBLASLt linears", "h200", 2, f"{mb(16, 32)} --zero-stage 1", 118_995, 16.45,
+        "s24 2xH200 call 2", excluded=ZERO_CUBLASLT),
+    Row("ZeRO-2 DP2, mbs 16, cuBLASLt linears", "h200", 2, f"{mb(16, 32)} --zero-stage 2", 90_503, 16.45,
+        "s24 2xH200 call 2", excluded=ZERO_CUBLASLT),
+    Row("ZeRO-3 DP2, mbs 16", "h200", 2, f"{mb(16, 32)} --zero-stage 3", 114_147, 15.89, "s24 2xH200 call 2"),
+    Row("TP2, mbs 16 (CUDA graphs by default)", "h200", 2, f"{mb(16, 16)} {TP2}", 138_714, None, "s24 2xH200 call 2"),
+    Row("TP2+SP, mbs 16 (CUDA graphs by default)", "h200", 2, f"{mb(16, 16)} {TP2} {SP}", 130_416, None,
+        "s24 2xH200 call 2"),
+    Row("PP2 1F1B 14+10, mbs 16", "h200", 2, f"{mb(16, 128)} {PP2} --decoder-last-pipeline-num-layers 10",
+        178_572, 18.23, "s24 2xH200 call 2"),
+    Row("PP2 interleaved 2 x 6, mbs 16", "h200", 2,
+        f"{mb(16, 128)} {PP2} --num-layers-per-virtual-pipeline-stage 6", 170_831, 19.37, "s24 2xH200 call 2"),
+    Row("1 GPU, mbs 32", "h200", 1, mb(32, 32), 206_542, 32.01, "s24 2xH200 call 3"),
+    Row("DP2, mbs 32", "h200", 2, mb(32, 64), 198_285, 32.01, "s24 2xH200 call 3"),
+    Row("ZeRO-3 DP2, mbs 32", "h200", 2, f"{mb(32, 64)} --zero-stage 3", 191_299, 29.55, "s24 2xH200 call 3"),
+    Row("TP2, mbs 32 (CUDA graphs by default)", "h200", 2, f"{mb(32, 32)} {TP2}", 154_378, None, "s24 2xH200 call 3"),
+    Row("TP2+SP, mbs 32 (CUDA graphs by default)", "h200", 2, f"{mb(32, 32)} {TP2} {SP}", 145_951, None,
+        "s24 2xH200 call 3"),
+    # a fourth call, on another machine of the kind (s24 d): ZeRO-1/2 on torch's linears (auto's rule since)
+    Row("1 GPU, mbs 16", "h200", 1, mb(16, 16), 206_891, 18.38, "s24 2xH200 call 4"),
+    Row("ZeRO-1 DP2, mbs 16", "h200", 2, f"{mb(16, 32)} --zero-stage 1", 130_499, 16.43, "s24 2xH200 call 4"),
+    Row("ZeRO-2 DP2, mbs 16", "h200", 2, f"{mb(16, 32)} --zero-stage 2", 111_423, 16.43, "s24 2xH200 call 4"),
+    Row("ZeRO-2 DP2, mbs 16, --linear-impl cublaslt", "h200", 2, f"{mb(16, 32)} --zero-stage 2", 86_478, 16.45,
+        "s24 2xH200 call 4", excluded=ZERO_CUBLASLT),
     # one H200, one call (s17)
     Row("1 GPU, mbs 64", "h200", 1, mb(64, 64), 217_298, 59.27, "s17 H200"),
     Row("2.7B, 1 GPU, mbs 16, full recompute", "h200", 1, f"{mb(16, 16)} --recompute-granularity full "

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from gptrain.config import KernelConfig, parse_megatron_args
 from gptrain.kernels.ops import gelu_tanh_derivative, linear_bias_gelu, linear_dgelu, linear_dgrad, linear_fwd, linear_wgrad
-from gptrain.model.gpt import GPT, GPTConfig
+from gptrain.model.gpt import GPT
 from gptrain.kernels.convert import linear_choice, use_cublaslt
 from gptrain.model.gpt import MLP
 from gptrain.model.linear import FusedBiasGeluMLP, TunedLinear, linear_weight
@@ -123,3 +123,21 @@ def test_auto_picks_torch_under_compiled_full_recompute():
         choice = linear_choice(GPT(cfg.model), None, cfg.kernels, torch.device("cpu"), torch.bfloat16, 16 * 1024,
                                False, compiled=compiled)
         assert choice.impl == "torch" and choice.reason.startswith(expect), (extra, compiled, choice)
+
+
+def test_auto_needs_twice_the_tokens_under_every_zero_stage():
+    """FSDP2's per-block hooks and gathers add host work at every ZeRO stage, so auto leaves the
+    cuBLASLt ops (host calls of their own) out below 32,768 tokens there: at ZeRO-2 on two H200s
+    they were 29% slower than torch's linears at 16,384 (RESULTS.md, s24)."""
+    from gptrain.kernels.convert import apply_kernels
+    from gptrain.model.loss import LMLoss
+
+    base = ["--mock-data", "--train-iters", "1", "--num-layers", "1", "--hidden-size", "32",
+            "--num-attention-heads", "4", "--seq-length", "1024", "--bf16", "--micro-batch-size", "16"]
+    cfg, _ = parse_megatron_args(base)
+    for sharded, expect in [(True, "auto: 16384 tokens"), (False, "cuBLASLt not usable: cpu")]:
+        impls = apply_kernels(GPT(cfg.model), LMLoss(cfg.model.padded_vocab_size), cfg.kernels, torch.device("cpu"),
+                              torch.bfloat16, 16 * 1024, sharded=sharded)
+        choice = impls["linear layers"]
+        assert choice.impl == "torch" and choice.reason.startswith(expect), (sharded, choice)
+        assert ("under ZeRO" in choice.reason) == sharded

@@ -32,9 +32,10 @@ SDPA_BACKENDS = {
 
 # --linear-impl auto: below this many tokens per micro-batch the cuBLASLt ops' host cost (~290
 # ctypes/custom-op calls per micro-batch for 24 layers) outweighs their gain (benchmarks/RESULTS.md);
-# ZeRO-3 adds FSDP2's per-block gathers on the host, so it needs larger micro-batches to hide them
+# every ZeRO stage (FSDP2) adds per-block hooks and gathers on the host, so it needs larger micro-batches
+# to hide them (ZeRO-1/2 on the cuBLASLt ops were host-bound at 16,384 tokens, RESULTS.md s24)
 AUTO_CUBLASLT_MIN_TOKENS = 16384
-AUTO_CUBLASLT_MIN_TOKENS_ZERO3 = 32768
+AUTO_CUBLASLT_MIN_TOKENS_SHARDED = 32768
 
 
 @dataclass(frozen=True)
@@ -115,10 +116,10 @@ def linear_choice(model: GPT, loss: LMLoss | None, kernels, device: torch.device
     # a tensor-parallel rank's matmuls do 1/tp of the work for the same host cost per call
     work = tokens_per_micro_batch // tensor_parallel
     if kernels.linear_impl == "auto" and work < min_tokens:
-        zero3 = " under ZeRO-3" if min_tokens != AUTO_CUBLASLT_MIN_TOKENS else ""
+        zero = " under ZeRO" if min_tokens != AUTO_CUBLASLT_MIN_TOKENS else ""
         per_rank = f" / tensor-parallel size {tensor_parallel}" if tensor_parallel > 1 else ""
         return KernelChoice("torch", f"auto: {tokens_per_micro_batch} tokens per micro-batch{per_rank}; cuBLASLt's "
-                            f"host cost shows below {min_tokens}{zero3}, --linear-impl cublaslt forces it")
+                            f"host cost shows below {min_tokens}{zero}, --linear-impl cublaslt forces it")
     reason = use_cublaslt(model, loss, device, dtype, fuse_bias_gelu=kernels.bias_gelu_fusion)
     if reason is not None:
         return KernelChoice("torch", f"cuBLASLt not usable: {reason}")
@@ -141,10 +142,11 @@ def attention_choice(model: GPT, kernels, device: torch.device, dtype: torch.dty
 
 def apply_kernels(model: GPT, loss: LMLoss, kernels, device: torch.device, dtype: torch.dtype,
                   tokens_per_micro_batch: int, fp8: bool = False, compiled: bool = False,
-                  zero3: bool = False, tensor_parallel: int = 1) -> dict[str, KernelChoice]:
-    """Install the kernels the config asks for where they can run; returns what runs, by part."""
+                  sharded: bool = False, tensor_parallel: int = 1) -> dict[str, KernelChoice]:
+    """Install the kernels the config asks for where they can run; returns what runs, by part.
+    ``sharded``: a ZeRO stage on FSDP2."""
     loss.compiled = compiled
-    min_tokens = AUTO_CUBLASLT_MIN_TOKENS_ZERO3 if zero3 else AUTO_CUBLASLT_MIN_TOKENS
+    min_tokens = AUTO_CUBLASLT_MIN_TOKENS_SHARDED if sharded else AUTO_CUBLASLT_MIN_TOKENS
     return {"linear layers": linear_choice(model, loss, kernels, device, dtype, tokens_per_micro_batch, fp8,
                                            min_tokens=min_tokens, tensor_parallel=tensor_parallel, compiled=compiled),
             "attention": attention_choice(model, kernels, device, dtype)}

@@ -132,12 +132,14 @@ def stage_memory(cfg: RunConfig, dims: ParallelDims, params: int, layers: int, s
         mem.buckets = 2.0 * (cfg.parallel.ddp_bucket_size or 40_000_000)  # the bf16 copy of a bucket
     if dims.pp == 1 and half and not dims.sharded and not overlap_grad_reduce(cfg, dims):
         # gradients move into the fp32 buffer after the backward, when the activations are gone: the
-        # forward's end holds no gradients, the backward's end the half-precision ones and the buffer
+        # first forward's end holds no gradients, the backward's end the half-precision ones and the
+        # buffer, which then stays through the later micro-batches' forwards until the step
         grads = mem.grads
-        if grads + 2.0 * params > act + logits:
+        held = grads if n_micro > 1 else 0.0
+        if grads + 2.0 * params > act + logits + held:
             mem.grads, mem.activations, mem.logits = grads + 2.0 * params, 0.0, 0.0
         else:
-            mem.grads = 0.0
+            mem.grads = held
     return mem
 
 

@@ -142,7 +142,7 @@ def build_training(cfg: RunConfig, device: torch.device, dims: ParallelDims, mes
     fp8_layers = convert_to_fp8(model, p.fp8, p.fp8_recipe, emulate=device.type != "cuda") if p.fp8 else 0
     impls = apply_kernels(model, loss, kernels, device, param_dtype or torch.float32,
                           cfg.train.micro_batch_size * cfg.model.seq_length, fp8=bool(p.fp8),
-                          compiled=cfg.train.compile, zero3=dims.sharded and dims.zero_stage == 3,
+                          compiled=cfg.train.compile, sharded=dims.sharded,
                           tensor_parallel=dims.tp)
     mode = step_compile_mode(cfg, dims, device.type == "cuda")
     forward, layout = parallelize(train_module, model, dims, mesh, cfg.kernels.recompute, param_dtype,

@@ -1,0 +1,71 @@
+"""The host's side of ZeRO-Offload, measured: torch's fused CPU AdamW over fp32 parameters (what
+``--cpu-offload`` runs on the host each step) at several thread counts, and the pinned host <-> GPU copy
+bandwidth of the step's gradient and parameter transfers, in fp32 and bf16.
+
+    python3 benchmarks/host_adamw.py [--params 500e6] [--threads 8 16 32]
+
+Prints seconds per step and the parameters per second each rate gives, so a step's host time for a model
+of P parameters is about P / rate (the planner's OFFLOAD constants, gptrain/plan/timing.py, are per
+parameter too).
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+
+def adamw_rate(n: int, threads: int, repeats: int = 3) -> float:
+    """Parameters per second of one fused CPU AdamW step over ``n`` fp32 parameters in 64 tensors."""
+    torch.set_num_threads(threads)
+    sizes = [n // 64] * 64
+    params = [torch.randn(s).requires_grad_() for s in sizes]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.1, fused=True)
+    opt.step()  # the moments allocated
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        opt.step()
+        best = min(best, time.perf_counter() - start)
+    return sum(sizes) / best
+
+
+def copy_rate(nbytes: int, dtype: torch.dtype, to_device: bool, repeats: int = 5) -> float:
+    """GB/s of one pinned host <-> GPU copy of ``nbytes``."""
+    n = nbytes // torch.tensor([], dtype=dtype).element_size()
+    host = torch.empty(n, dtype=dtype, pin_memory=True)
+    dev = torch.empty(n, dtype=dtype, device="cuda")
+    best = float("inf")
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        (dev.copy_(host, non_blocking=True) if to_device else host.copy_(dev, non_blocking=True))
+        torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - start)
+    return nbytes / best / 1e9
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--params", type=float, default=500e6)
+    p.add_argument("--threads", type=int, nargs="+", default=[8, 16, 32])
+    args = p.parse_args()
+    n = int(args.params)
+    print(f"host: {torch.get_num_threads()} threads by default, torch {torch.__version__}")
+    for t in args.threads:
+        rate = adamw_rate(n, t)
+        print(f"fused CPU AdamW, {n / 1e6:.0f}M fp32 parameters, {t} threads: {n / rate:.3f} s a step, "
+              f"{rate / 1e9:.2f} G parameters/s")
+    if torch.cuda.is_available():
+        for dtype in (torch.float32, torch.bfloat16):
+            for to_device in (True, False):
+                gbps = copy_rate(2 << 30, dtype, to_device)
+                print(f"pinned copy, 2 GiB {str(dtype).removeprefix('torch.')}, "
+                      f"{'host -> GPU' if to_device else 'GPU -> host'}: {gbps:.1f} GB/s")
+
+
+if __name__ == "__main__":
+    main()

@@ -234,7 +234,8 @@ ROWS = [
     Row("1 GPU, mbs 16", "h200", 1, mb(16, 16), 206_891, 18.38, "s24 2xH200 call 4"),
     Row("ZeRO-1 DP2, mbs 16", "h200", 2, f"{mb(16, 32)} --zero-stage 1", 130_499, 16.43, "s24 2xH200 call 4"),
     Row("ZeRO-2 DP2, mbs 16", "h200", 2, f"{mb(16, 32)} --zero-stage 2", 111_423, 16.43, "s24 2xH200 call 4"),
-    Row("ZeRO-2 DP2, mbs 16, --linear-impl cublaslt", "h200", 2, f"{mb(16, 32)} --zero-stage 2", 86_478, 16.45,
+    Row("ZeRO-2 DP2, mbs 16, --linear-impl cublaslt", "h200", 2,
+        f"{mb(16, 32)} --zero-stage 2 --linear-impl cublaslt", 86_478, 16.45,
         "s24 2xH200 call 4", excluded=ZERO_CUBLASLT),
     # one H200, one call (s17)
     Row("1 GPU, mbs 64", "h200", 1, mb(64, 64), 217_298, 59.27, "s17 H200"),

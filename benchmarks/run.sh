@@ -143,6 +143,7 @@ LAYOUTS2=("1:16:16:1gpu:" "2:16:32:dp2:" "2:16:32:dp2_overlap:--overlap-grad-red
           "2:32:32:tp2_mb32:--tensor-model-parallel-size 2 --no-baseline"
           "2:32:32:tp2_sp_mb32:--tensor-model-parallel-size 2 --sequence-parallel --no-baseline"
           "1:64:64:1gpu_mb64:--no-baseline" "2:64:64:tp2_mb64:--tensor-model-parallel-size 2 --no-baseline"
+          "2:16:32:zero1_dp2_cublaslt:--zero-stage 1 --linear-impl cublaslt --no-baseline"
           "2:16:32:zero2_dp2_cublaslt:--zero-stage 2 --linear-impl cublaslt --no-baseline")
 LAYOUTS4=("4:16:128:dp4:--no-baseline" "4:32:64:tp2_dp2:--tensor-model-parallel-size 2 --no-baseline"
           "4:16:128:tp2_pp2:--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 --no-baseline"

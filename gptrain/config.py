@@ -287,7 +287,8 @@ class KernelConfig:
     linear_impl: str = field(default="auto", metadata=flag(
         "--linear-impl", group="kernels and speed (gptrain)", choices=("auto", "cublaslt", "torch"),
         help="cublaslt: linear layers' matmuls autotuned through cuBLASLt where the device allows (CUDA, "
-             "bf16/fp16 parameters); torch: PyTorch's own; auto: cublaslt from 16384 tokens per micro-batch"))
+             "bf16/fp16 parameters); torch: PyTorch's own; auto: cublaslt from 16384 tokens per micro-batch "
+             "and tensor-parallel rank (32768 on FSDP2: ZeRO over several ranks or with --cpu-offload)"))
     bias_gelu_fusion: bool = field(default=True, metadata=flag(
         "--no-bias-gelu-fusion", group="kernels and speed (gptrain)", action="store_false",
         help="plain fc1 -> GELU -> fc2 instead of fc1's bias and GELU in its cuBLASLt matmul epilogues"))

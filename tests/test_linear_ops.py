@@ -135,9 +135,10 @@ def test_auto_needs_twice_the_tokens_under_every_zero_stage():
     base = ["--mock-data", "--train-iters", "1", "--num-layers", "1", "--hidden-size", "32",
             "--num-attention-heads", "4", "--seq-length", "1024", "--bf16", "--micro-batch-size", "16"]
     cfg, _ = parse_megatron_args(base)
-    for sharded, expect in [(True, "auto: 16384 tokens"), (False, "cuBLASLt not usable: cpu")]:
+    for sharded, tokens, expect in [(True, 16 * 1024, "auto: 16384 tokens"), (False, 16 * 1024, "cuBLASLt not usable"),
+                                    (True, 32 * 1024, "cuBLASLt not usable")]:  # from 32,768 it tries cuBLASLt
         impls = apply_kernels(GPT(cfg.model), LMLoss(cfg.model.padded_vocab_size), cfg.kernels, torch.device("cpu"),
-                              torch.bfloat16, 16 * 1024, sharded=sharded)
+                              torch.bfloat16, tokens, sharded=sharded)
         choice = impls["linear layers"]
-        assert choice.impl == "torch" and choice.reason.startswith(expect), (sharded, choice)
-        assert ("under ZeRO" in choice.reason) == sharded
+        assert choice.impl == "torch" and choice.reason.startswith(expect), (sharded, tokens, choice)
+        assert ("under ZeRO" in choice.reason) == (expect.startswith("auto")), choice

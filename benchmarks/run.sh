@@ -35,7 +35,8 @@
 #   offload     ZeRO-Offload on one GPU (--zero-stage 3 --cpu-offload): a GPT-2-shaped 2.7B (seq 1024,
 #               full recompute) at micro-batch 8 with 1 and 8 micro-batches per step beside the same model
 #               without offload, at ZeRO-3 and ZeRO-2; then the largest of SIZES ("layers:hidden ...",
-#               default 6.7B, 5.2B, 4.0B) that trains; ONLY="plain z3 z3x8 z2 z2x8 largest" picks rows
+#               default 6.7B, 5.2B, 4.0B) that trains; z2_overlap / z2x8_overlap add
+#               --overlap-cpu-optimizer-d2h-h2d; ONLY="plain z3 z3x8 z2 z2x8 z2_overlap z2x8_overlap largest" picks rows
 #   llama       a ~1B Llama-style model (16 x 2048, 32 heads, 8 K/V groups, SwiGLU 5632, RMSNorm, RoPE,
 #               untied, seq 2048) against torchtitan-style plain PyTorch, the GPT-2-style model of the
 #               same shape against nanoGPT's, micro-batch 8; then decode_llama.py (against HF's static cache)
@@ -62,7 +63,7 @@ BENCH=("${M345[@]}" --hidden-dropout 0 --attention-dropout 0 --bf16 --compile)
 TORCHRUN=("$PY" -m torch.distributed.run --standalone --nproc-per-node)
 SERVER_PID=
 
-usage() { sed -n '2,51p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,53p' "$0" | sed 's/^# \{0,1\}//'; }
 
 # run LOG CMD...: print the command, run it, its output to the screen and to $OUT/LOG
 run() {
@@ -403,12 +404,14 @@ suite_offload() {
   local rc=0 size layers hidden row stage gbs
   selected plain && { run offload/2p7b_plain.txt "$PY" benchmarks/train_throughput.py "${M27[@]}" --global-batch-size 8 \
     --no-baseline --warmup 3 --iters 5 "$@" || rc=1; }
-  for row in z3 z3x8 z2 z2x8; do  # ZeRO stage, and 8 micro-batches per step
+  # ZeRO stage, 8 micro-batches per step, and _overlap: the host's AdamW overlapped with the next forward
+  for row in z3 z3x8 z2 z2x8 z2_overlap z2x8_overlap; do
     selected $row || continue
-    stage=${row:1:1} gbs=8
-    [[ $row == *x8 ]] && gbs=64
+    stage=${row:1:1} gbs=8 overlap=()
+    [[ $row == *x8* ]] && gbs=64
+    [[ $row == *_overlap ]] && overlap=(--overlap-cpu-optimizer-d2h-h2d)
     run "offload/2p7b_offload_$row.txt" "$PY" benchmarks/train_throughput.py "${M27[@]}" --global-batch-size $gbs \
-      "${OFFLOAD[@]/3/$stage}" --warmup 2 --iters 3 "$@" || rc=1
+      "${OFFLOAD[@]/3/$stage}" "${overlap[@]}" --warmup 2 --iters 3 "$@" || rc=1
   done
   for size in ${SIZES:-32:4096 40:3200 32:3200}; do
     selected largest || break

@@ -52,15 +52,18 @@ def _progress(message: str) -> None:
         print(message, flush=True)
 
 
-def _measure(step, warmup: int, iters: int, device, label: str = "") -> tuple[float, float, float | None]:
+def _measure(step, warmup: int, iters: int, device, label: str = "",
+             settle=lambda: None) -> tuple[float, float, float | None]:
     """Seconds per step, host seconds per step (until the last step returns, before the final
     synchronisation: far below the step time means the host runs ahead of the device; close to it
     means either a CPU-bound step or a full launch queue, which only a profile tells apart), and
-    peak GPU memory in GiB (None off a GPU)."""
+    peak GPU memory in GiB (None off a GPU). ``settle`` waits for host work a step leaves running
+    (the host's optimizer thread), counted in the step time like the device's."""
     begin = time.perf_counter()
     _progress(f"{label}: {warmup} warm-up iterations (compilation happens here) ...")
     for _ in range(warmup):
         step()
+    settle()
     _sync(device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -69,6 +72,7 @@ def _measure(step, warmup: int, iters: int, device, label: str = "") -> tuple[fl
     for _ in range(iters):
         step()
     host = (time.perf_counter() - start) / iters
+    settle()
     _sync(device)
     seconds = (time.perf_counter() - start) / iters
     peak = torch.cuda.max_memory_allocated(device) / 2 ** 30 if device.type == "cuda" else None
@@ -109,7 +113,7 @@ def bench_gptrain(argv: list[str], warmup: int, iters: int):
     cfg, device = trainer.cfg, trainer.device
     step = lambda: trainer.train_step(loader)  # noqa: E731
     try:
-        timing = _measure(step, warmup, iters, device, "gptrain")
+        timing = _measure(step, warmup, iters, device, "gptrain", settle=trainer.settle)
         launches = count_launches(step, device, cfg.train.micro_batches_per_step(trainer.dp_size))
     finally:
         loader.close()
@@ -117,7 +121,8 @@ def bench_gptrain(argv: list[str], warmup: int, iters: int):
     tokens = cfg.train.global_batch_size * cfg.model.seq_length // dims.world_size  # per device
     impls = {"linear layers": trainer.linear_impl, "attention": trainer.attention_impl,
              "layout": f"dp {dims.dp} tp {dims.tp} pp {dims.pp}, " + trainer.parts.impls["parameters"]
-             + (f"; pipeline: {trainer.parts.impls['pipeline']}" if dims.pp > 1 else ""),
+             + (f"; pipeline: {trainer.parts.impls['pipeline']}" if dims.pp > 1 else "")
+             + (f"; optimizer: {trainer.parts.impls['optimizer']}" if "optimizer" in trainer.parts.impls else ""),
              "launches": launches}
     dp = trainer.dp_size
     del trainer

@@ -357,6 +357,13 @@ class ParallelConfig:
     cpu_offload: bool = field(default=False, metadata=flag(
         "--cpu-offload", group="distributed",
         help="with --zero-stage 1/2/3: fp32 parameters, gradients and optimizer state in host memory"))
+    # the host's AdamW overlapped with the next forward (train/host_optimizer_step.py); Megatron-LM's name
+    # for overlapping its CPU optimizer's step with the transfers
+    overlap_cpu_optimizer: bool = field(default=False, metadata=flag(
+        "--overlap-cpu-optimizer-d2h-h2d", group="distributed",
+        help="with --cpu-offload: run the host's AdamW block by block on a thread, the next iteration's forward "
+             "starting on each block as soon as it is updated (clipping and the NaN check still need the whole "
+             "backward first)"))
     deepspeed_config: str | None = field(default=None, metadata=flag(  # the ds.json it came from, if any
         "--deepspeed_config", "--deepspeed-config", group="distributed",
         help="a DeepSpeed ds.json: zero_optimization, fp16/bf16, batch sizes and clipping are honoured"))

@@ -172,6 +172,10 @@ def test_initial_weights_are_equal_at_every_layout(tmp_path):
                                                                          "ZeRO-1"),
     (2, ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "2"],
      "--num-layers-per-virtual-pipeline-stage 2 does not divide the 1 layers of each pipeline stage"),
+    (2, ["--zero-stage", "2", "--overlap-cpu-optimizer-d2h-h2d"],
+     "--overlap-cpu-optimizer-d2h-h2d overlaps the host's optimizer step: it needs --cpu-offload"),
+    (2, ["--pipeline-model-parallel-size", "2", "--zero-stage", "1", "--cpu-offload", "--overlap-cpu-optimizer-d2h-h2d"],
+     "--overlap-cpu-optimizer-d2h-h2d with pipeline parallelism is not built yet"),
 ])
 def test_impossible_layouts_are_refused_with_their_numbers(world, flags, message):
     cfg, _ = parse_megatron_args(TINY + ["--train-iters", "1"] + flags, world_size=world)
@@ -312,3 +316,27 @@ def test_cpu_offload_on_one_process_equals_the_plain_run(tmp_path):
         offloaded = losses(out)
         assert offloaded.keys() == plain.keys() == {1, 2, 3}
         assert all(offloaded[k] == pytest.approx(plain[k], abs=1e-5) for k in plain), (offloaded, plain)
+
+
+@pytest.mark.slow
+def test_overlapped_host_optimizer_equals_the_plain_run_and_resumes_exactly(tmp_path):
+    """--overlap-cpu-optimizer-d2h-h2d: the host's AdamW on a thread, block by block, each block's next forward
+    waiting for its update: the same losses as the plain run (evaluations between steps included), and a run
+    resumed from its checkpoint in the middle equals the straight one (the save waits for the step in flight)."""
+    args = TINY + ["--train-iters", "4", "--eval-iters", "1", "--eval-interval", "2"]
+    plain = losses(single(args))
+    overlap = args + ["--zero-stage", "2", "--cpu-offload", "--overlap-cpu-optimizer-d2h-h2d"]
+    ckpt = str(tmp_path / "ckpt")
+    out = single(overlap + ["--save", ckpt, "--save-interval", "2"])
+    assert "host's AdamW on a thread" in out, out[-2000:]
+    straight = losses(out)
+    assert straight.keys() == plain.keys() == {1, 2, 3, 4}
+    assert all(straight[k] == pytest.approx(plain[k], abs=1e-5) for k in plain), (straight, plain)
+    assert _validation(out) == pytest.approx(_validation(single(args)), abs=1e-5)
+    (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").write_text("2")
+    resumed = losses(single(overlap + ["--load", ckpt]))
+    assert resumed.keys() == {3, 4} and all(resumed[k] == straight[k] for k in (3, 4)), (resumed, straight)
+
+
+def _validation(out: str) -> list[float]:
+    return [float(m) for m in re.findall(r"validation loss at iteration \d+ \| lm loss value: (\S+)", out)]

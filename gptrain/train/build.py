@@ -58,6 +58,7 @@ class TrainingParts:
     pipeline: Pipeline | None = None  # pipeline parallelism: the schedule runs forward and backward
     layout: ShardLayout = field(default_factory=ShardLayout)  # which parameter is split over tensor-parallel ranks
     grad_buckets: object = None  # --overlap-grad-reduce: parallel/grad_buckets.GradBuckets
+    host_step: object = None  # --overlap-cpu-optimizer-d2h-h2d: train/host_optimizer_step.OverlappedHostStep
 
 
 def parallel_dims(cfg: RunConfig, world_size: int) -> ParallelDims:
@@ -78,6 +79,11 @@ def parallel_dims(cfg: RunConfig, world_size: int) -> ParallelDims:
     if cfg.parallel.sequence_parallel and cfg.model.seq_length % dims.tp:
         raise ValueError(f"--sequence-parallel: --seq-length {cfg.model.seq_length} is not divisible by "
                          f"tensor-model-parallel size {dims.tp}")
+    if cfg.parallel.overlap_cpu_optimizer and not dims.cpu_offload:
+        raise ValueError("--overlap-cpu-optimizer-d2h-h2d overlaps the host's optimizer step: it needs --cpu-offload")
+    if cfg.parallel.overlap_cpu_optimizer and dims.pp > 1:
+        raise ValueError("--overlap-cpu-optimizer-d2h-h2d with pipeline parallelism is not built yet (the stages' "
+                         "forwards are the schedule's): leave it out or use --pipeline-model-parallel-size 1")
     if (dims.sharded or dims.tp > 1 or dims.pp > 1) and cfg.precision.fp8:
         raise ValueError("--fp8 with ZeRO, tensor or pipeline parallelism is not built yet (fp8 runs on one "
                          "device or with plain data parallelism)")
@@ -178,6 +184,13 @@ def build_training(cfg: RunConfig, device: torch.device, dims: ParallelDims, mes
     # AdamW's state exists from the start (what fused AdamW would create at its first step), so a
     # checkpoint written before the first update (fp16's first steps are skipped) holds it all
     init_optimizer_state(opt_params, optimizer)
+    host_step = None
+    if cfg.parallel.overlap_cpu_optimizer:
+        from gptrain.train.host_optimizer_step import OverlappedHostStep, block_order
+
+        host_step = OverlappedHostStep(optimizer, block_order(train_module, model, opt_params))
+        impls["optimizer"] = ("the host's AdamW on a thread, block by block, each block's next forward waiting "
+                              "for its update")
     pipeline = None
     if chunks:
         n_micro = cfg.train.micro_batches_per_step(dims.dp)
@@ -188,7 +201,7 @@ def build_training(cfg: RunConfig, device: torch.device, dims: ParallelDims, mes
                             shapes)
         impls["pipeline"] = pipeline.describe()
     return TrainingParts(model, train_module, forward, main, opt_params, optimizer, dims, mesh, impls, fp8_layers,
-                         pipeline, layout, buckets)
+                         pipeline, layout, buckets, host_step)
 
 
 def step_compile_mode(cfg: RunConfig, dims: ParallelDims, cuda: bool) -> str | None:

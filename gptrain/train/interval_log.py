@@ -23,6 +23,7 @@ def params_norm(trainer) -> float:
     """Megatron's ``calc_params_l2_norm``: the L2 norm of every parameter the optimizer updates, over all
     ranks (shards once, replicas once, the tied output copy of a last pipeline stage left out). Every
     rank must call it."""
+    trainer.settle()
     dims, layout = trainer.parts.dims, trainer.parts.layout
     named = list(trainer.opt_params.items())
     pipeline = trainer.pipeline

@@ -84,6 +84,7 @@ class Trainer(CheckpointLoading):
         self.linear_impl, self.attention_impl = parts.impls["linear layers"], parts.impls["attention"]
         self.opt_params = parts.opt_params
         self.optimizer = parts.optimizer
+        self.host_step = parts.host_step  # --overlap-cpu-optimizer-d2h-h2d: the step in flight on a thread
         self.schedule = LRSchedule.from_config(cfg.optim, cfg.train)
         self.scaler = LossScaler.from_config(cfg.precision)
         self.progress = TrainProgress()
@@ -171,9 +172,16 @@ class Trainer(CheckpointLoading):
                 "config": self.cfg.to_dict(), "layout": {"dp": self.dp_size, "tp": self.parts.dims.tp,
                                                          "pp": self.parts.dims.pp, "zero_stage": self.parts.dims.zero_stage}}
 
+    def settle(self) -> None:
+        """Wait for an optimizer step still running on the host (--overlap-cpu-optimizer-d2h-h2d), so the
+        parameters and the optimizer state are this iteration's."""
+        if self.host_step is not None:
+            self.host_step.join()
+
     def save(self) -> None:
         if not self.cfg.train.save:
             return
+        self.settle()
         heartbeat.progress(self.iteration, "checkpoint save")
         self.checkpointer.save(self.cfg.train.save, self.iteration, self.opt_params, self.optimizer, self.state(),
                                self.cfg.model.vocab_size, self.parts.layout)
@@ -223,6 +231,7 @@ class Trainer(CheckpointLoading):
         loss_acc = self._forward_backward(loader, scale if self.scaler else 1.0, n_micro)
         if self.straggler:
             self.straggler.stop()
+        self.settle()
         lr = self.schedule.lr()
         for group in self.optimizer.param_groups:
             group["lr"] = lr
@@ -273,14 +282,15 @@ class Trainer(CheckpointLoading):
                     if self.cfg.optim.clip_grad > 0 else torch.ones((), device=self.device)
                 self.optimizer.grad_scale = clip * scale
                 self.optimizer.found_inf = None
-                self.optimizer.step()
+                launched = self._optimizer_step()
                 self.schedule.step(gbs)
                 self._grad_norm = grad_norm.detach().float()
                 self._loss_sum += loss_acc
                 self._advanced += 1
             else:
+                launched = False
                 self._nan_count += float(not loss_is_finite)
-            self._end_step(updated=not skipped)
+            self._end_step(updated=not skipped, launched=launched)
             return skipped
         bad = (~torch.isfinite(grad_norm) | ~torch.isfinite(loss_acc)).float()
         # fused AdamW skips the update on the device when found_inf is set, and divides the gradients
@@ -289,8 +299,8 @@ class Trainer(CheckpointLoading):
         self.optimizer.found_inf = bad
         if self.cfg.optim.clip_grad > 0:
             self.optimizer.grad_scale = torch.clamp((grad_norm + 1e-6) / self.cfg.optim.clip_grad, min=1.0)
-        self.optimizer.step()
-        self._end_step(updated=True)  # a device-side skip left the main weights as they were
+        launched = self._optimizer_step()
+        self._end_step(updated=True, launched=launched)  # a device-side skip left the main weights as they were
         # the schedule advances now; the log interval takes back steps that turned out skipped
         self.schedule.step(gbs)
         good = 1.0 - bad
@@ -302,10 +312,26 @@ class Trainer(CheckpointLoading):
         self._grad_norm = torch.where(bad > 0, self._grad_norm, grad_norm.detach().float())
         return None
 
-    def _end_step(self, updated: bool) -> None:
-        """Drop the gradients; with half-precision parameters, copy the updated main weights in."""
+    def _optimizer_step(self) -> bool:
+        """The update; returns whether it was launched on the host's thread (which drops the gradients)."""
+        if self.parts.dims.cpu_offload:
+            # fused AdamW moves these scalars to the host without waiting for the device that computes them
+            for name in ("grad_scale", "found_inf"):
+                value = getattr(self.optimizer, name, None)
+                if value is not None:
+                    setattr(self.optimizer, name, value.cpu())
+        if self.host_step is not None:
+            self.host_step.launch()
+            return True
+        self.optimizer.step()
+        return False
+
+    def _end_step(self, updated: bool, launched: bool = False) -> None:
+        """Drop the gradients (the host's thread drops them itself, block by block, once it has used them);
+        with half-precision parameters, copy the updated main weights in."""
         # overlapped reduction keeps fp32 gradients as views of its buffer: zeroed, not dropped
-        self.optimizer.zero_grad(set_to_none=self.parts.grad_buckets is None or self.main is not None)
+        if not launched:
+            self.optimizer.zero_grad(set_to_none=self.parts.grad_buckets is None or self.main is not None)
         if self.main is not None:
             self.main.release_grads()
             if updated:
@@ -316,6 +342,7 @@ class Trainer(CheckpointLoading):
     def evaluate(self, dataset, consumed: int, iters: int) -> float:
         """Mean loss over ``iters`` global batches from ``consumed``, averaged over data-parallel ranks."""
         module = self.parts.train_module
+        self.settle()
         module.eval()
         loader = self.loader(dataset, consumed)
         total = torch.zeros((), device=self.device)
@@ -417,6 +444,7 @@ class Trainer(CheckpointLoading):
             raise
         finally:
             loader.close()
+            self.settle()
         # the final state, unless it is already saved or nothing ran since the checkpoint it came from
         if self.iteration and self.iteration != self.loaded_iteration \
                 and not (t.save_interval and self.iteration % t.save_interval == 0):

@@ -178,6 +178,8 @@ def _train_main(argv: list[str], log=None) -> TrainResult:
             log(f" > pipeline: {parts.impls['pipeline']}")
         if "gradient reduction" in parts.impls:
             log(f" > gradient reduction: {parts.impls['gradient reduction']}")
+        if "optimizer" in parts.impls:
+            log(f" > optimizer: {parts.impls['optimizer']}")
         log(f" > linear layers: {trainer.linear_impl.brief(cfg.train.verbose)}")
         log(f" > attention: {trainer.attention_impl.brief(cfg.train.verbose)}")
         trainer.load()

@@ -1,0 +1,103 @@
+"""train/host_optimizer_step.py: the host's AdamW run block by block on a thread equals the optimizer's own
+step (weight-decay groups, changing learning rates, the clipping factor, a skipped step), a block's
+forward waits for its own update and no other, and a failure on the thread reaches the main thread."""
+from __future__ import annotations
+
+import copy
+import threading
+
+import pytest
+import torch
+import torch.nn as nn
+
+from gptrain.train.host_optimizer_step import OverlappedHostStep, _BlockStep
+
+
+def _model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8), nn.Linear(8, 4))
+
+
+def _adamw(model: nn.Module) -> torch.optim.AdamW:
+    ps = list(model.parameters())
+    return torch.optim.AdamW([{"params": [p for p in ps if p.ndim > 1], "weight_decay": 0.1},
+                              {"params": [p for p in ps if p.ndim < 2], "weight_decay": 0.0}], lr=1e-2, fused=True)
+
+
+def _blocks(model: nn.Sequential):
+    return [(m, list(m.parameters())) for m in model]
+
+
+def test_equals_the_optimizers_own_step():
+    plain, threaded = _model(), _model()
+    threaded.load_state_dict(copy.deepcopy(plain.state_dict()))
+    opt, opt2 = _adamw(plain), _adamw(threaded)
+    host = OverlappedHostStep(opt2, _blocks(threaded))
+    x = torch.randn(5, 8)
+    for it in range(5):
+        for model, o in ((plain, opt), (threaded, opt2)):
+            model(x).square().mean().backward()  # the threaded model's forward waits for the last update
+            for g in o.param_groups:
+                g["lr"] = 1e-2 * (it + 1)
+            o.grad_scale = torch.tensor(1.5)  # the clipping factor fused AdamW divides the gradients by
+            o.found_inf = torch.tensor(float(it == 2))  # step 3 skipped
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        host.launch()
+    host.join()
+    assert all(torch.equal(a, b) for a, b in zip(plain.parameters(), threaded.parameters()))
+    assert all(p.grad is None for p in threaded.parameters())  # the thread drops the gradients it used
+    for p, q in zip(plain.parameters(), threaded.parameters()):
+        assert torch.equal(opt.state[p]["exp_avg_sq"], opt2.state[q]["exp_avg_sq"])
+        assert opt.state[p]["step"] == opt2.state[q]["step"]
+    host.close()
+
+
+def test_a_blocks_forward_waits_for_its_own_update_only(monkeypatch):
+    model = _model()
+    opt = _adamw(model)
+    host = OverlappedHostStep(opt, _blocks(model))
+    release, started_last = threading.Event(), threading.Event()
+    step = _BlockStep.step
+
+    def held(self, *args):
+        if self is host.steps[-1]:  # the last block's update waits for the test
+            started_last.set()
+            assert release.wait(10)
+        step(self, *args)
+
+    monkeypatch.setattr(_BlockStep, "step", held)
+    model(torch.randn(3, 8)).sum().backward()
+    host.launch()
+    assert started_last.wait(10)
+    model[0](torch.randn(3, 8))  # updated already: runs
+    reached = threading.Event()
+    later = threading.Thread(target=lambda: (model[2](torch.randn(3, 8)), reached.set()))
+    later.start()
+    assert not reached.wait(0.3)  # the last block's forward waits for its update
+    release.set()
+    assert reached.wait(10)
+    later.join()
+    host.close()
+
+
+def test_a_failure_on_the_thread_reaches_the_main_thread(monkeypatch):
+    model = _model()
+    host = OverlappedHostStep(_adamw(model), _blocks(model))
+
+    def broken(self, *args):
+        raise MemoryError("host memory")
+
+    monkeypatch.setattr(_BlockStep, "step", broken)
+    model(torch.randn(3, 8)).sum().backward()
+    host.launch()
+    with pytest.raises(RuntimeError, match="the host's optimizer step failed") as err:
+        model(torch.randn(3, 8))  # the first block's forward sees it
+    assert isinstance(err.value.__cause__, MemoryError)
+    host.join()  # reported once
+
+
+def test_every_parameter_is_covered():
+    model = _model()
+    with pytest.raises(ValueError, match="covers every parameter: 2 left out"):
+        OverlappedHostStep(_adamw(model), _blocks(model)[:2])

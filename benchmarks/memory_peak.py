@@ -4,7 +4,12 @@ allocated bytes peak, and the blocks live then grouped by where they were alloca
 gptrain or compiled-graph frame of each block's stack). Beside it `gptrain plan --evaluate`'s
 memory terms for the same flags, so a gap between the planner and a measurement has a name.
 
-    python3 benchmarks/memory_peak.py [--warmup 2] [--top 25] <gptrain train flags>
+    python3 benchmarks/memory_peak.py [--warmup 2] [--top 25] [--no-stacks] <gptrain train flags>
+
+--no-stacks records the allocations without their Python stacks and groups the live blocks by size: the
+stacks are what failed under FSDP2's CPU offload (``SystemError: ... returned NULL without setting an
+exception`` inside an autograd Function while the recording took a stack), and a block's size alone often
+names it (the word embeddings' fp32 gradient is vocabulary x hidden x 4 bytes).
 """
 from __future__ import annotations
 
@@ -64,6 +69,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--top", type=int, default=25)
+    p.add_argument("--no-stacks", action="store_true", help="no Python stacks; blocks grouped by size")
     args, flags = p.parse_known_args()
     from gptrain.bench import synthetic_trainer
 
@@ -74,7 +80,10 @@ def main() -> None:
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
-    torch.cuda.memory._record_memory_history(max_entries=1_000_000, stacks="python")
+    if args.no_stacks:
+        torch.cuda.memory._record_memory_history(max_entries=1_000_000, context=None)
+    else:
+        torch.cuda.memory._record_memory_history(max_entries=1_000_000, stacks="python")
     trainer.train_step(loader)
     torch.cuda.synchronize()
     snap = torch.cuda.memory._snapshot()
@@ -89,9 +98,10 @@ def main() -> None:
           f"GiB at event {at:,} of {len(trace):,}")
     groups: dict[str, list[int]] = defaultdict(lambda: [0, 0])
     for size, where in blocks.values():
+        where = f"a block of {size:,} bytes ({size / 2 ** 20:.1f} MiB)" if args.no_stacks else where
         groups[where][0] += size
         groups[where][1] += 1
-    print(f"| allocated at (first gptrain / compiled-graph frames) | GiB live at the peak | blocks |")
+    print("| allocated at (first gptrain / compiled-graph frames) | GiB live at the peak | blocks |")
     print("| --- | --- | --- |")
     for where, (size, count) in sorted(groups.items(), key=lambda kv: -kv[1][0])[:args.top]:
         print(f"| {where[:150]} | {size / GIB:.3f} | {count} |")

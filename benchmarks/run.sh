@@ -42,7 +42,8 @@
 #               same shape against nanoGPT's, micro-batch 8; then decode_llama.py (against HF's static cache)
 #   calibrate   gptrain plan --calibrate on this GPU (the table it writes is printed)
 #   memory      memory_peak.py: what is live at the peak of the 2.7B's step (full recompute) at micro-batch
-#               8 and 16 (MBS="8 16"), grouped by where it was allocated, beside the planner's terms
+#               8 and 16 (MBS="8 16"), grouped by where it was allocated, beside the planner's terms; then
+#               with ZeRO-2/3 offload at micro-batch 8 (OFFLOAD_STAGES="2 3"; blocks grouped by size)
 #   all         lane train ranks decode serve checkpoint preprocess scaling, in turn (no extra args)
 #
 # Extra args go to the suite's benchmark command(s) and, given last, override its defaults (e.g.
@@ -63,7 +64,7 @@ BENCH=("${M345[@]}" --hidden-dropout 0 --attention-dropout 0 --bf16 --compile)
 TORCHRUN=("$PY" -m torch.distributed.run --standalone --nproc-per-node)
 SERVER_PID=
 
-usage() { sed -n '2,53p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,54p' "$0" | sed 's/^# \{0,1\}//'; }
 
 # run LOG CMD...: print the command, run it, its output to the screen and to $OUT/LOG
 run() {
@@ -395,6 +396,11 @@ suite_memory() {
   for mbs in ${MBS:-8 16}; do
     run memory/2p7b_mbs$mbs.txt "$PY" benchmarks/memory_peak.py "${M27[@]}" --micro-batch-size "$mbs" \
       --global-batch-size "$mbs" "$@" || rc=1
+  done
+  # the offload rows' planned-over 0.4 GiB at one micro-batch (stacks fail under FSDP2's CPU offload)
+  for stage in ${OFFLOAD_STAGES:-2 3}; do
+    run memory/2p7b_offload_z$stage.txt "$PY" benchmarks/memory_peak.py --no-stacks "${M27[@]}" --micro-batch-size 8 \
+      --global-batch-size 8 --zero-stage "$stage" --cpu-offload "$@" || rc=1
   done
   return $rc
 }

@@ -23,7 +23,6 @@ def params_norm(trainer) -> float:
     """Megatron's ``calc_params_l2_norm``: the L2 norm of every parameter the optimizer updates, over all
     ranks (shards once, replicas once, the tied output copy of a last pipeline stage left out). Every
     rank must call it."""
-    trainer.settle()
     dims, layout = trainer.parts.dims, trainer.parts.layout
     named = list(trainer.opt_params.items())
     pipeline = trainer.pipeline
@@ -64,6 +63,8 @@ def log_interval(trainer, stats) -> None:
     tokens_per_s = stats.samples * self.cfg.model.seq_length / elapsed / world_size()
     tflops = tokens_per_s * self.flops_per_token / 1e12
     eta, by_limit = eta_seconds(self, ms)
+    if t.log_params_norm:
+        self.settle()  # the weights of this iteration: wait for an optimizer step still on the host's thread
     norm = params_norm(self) if t.log_params_norm else None
     line = metrics.iteration_line(self.iteration, t.train_iters, self.consumed_train, ms, self.schedule.lr(),
                                   self.global_batch, avg_loss, self.loss_scale,

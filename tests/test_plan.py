@@ -4,6 +4,7 @@ iteration time (arXiv 2205.05198 Table 5: GPT-3 175B, TP8 x PP8 on 64 A100s, glo
 sequence parallelism and selective recompute, 13.75 s)."""
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -219,3 +220,24 @@ def test_cpu_offload_moves_the_state_to_host_memory(capsys):
     assert offload["peak_gib"] < plain["peak_gib"]
     code, out = _plan(flags + ["--zero-stage", "3", "--cpu-offload"], capsys)
     assert code == 0 and "host memory per rank (--cpu-offload" in out and "as measured on one host" in out
+
+
+def test_the_largest_model_that_fits_with_offload_is_the_last_layer_count_that_fits(capsys):
+    """`gptrain plan --evaluate` with --cpu-offload names the most layers of the flags' width that fit the GPU
+    and the host (16 bytes a parameter on the host, HOST_USABLE of it): one more layer does not fit."""
+    from gptrain.plan.offload_fit import HOST_USABLE, largest_offload_model
+    from gptrain.plan.memory import offload_host_gib
+
+    flags = ("--mock-data --train-iters 1 --num-layers 4 --hidden-size 4096 --num-attention-heads 32 "
+             "--seq-length 1024 --max-position-embeddings 1024 --bf16 --micro-batch-size 8 --global-batch-size 8 "
+             "--recompute-granularity full --zero-stage 3 --cpu-offload").split()
+    cfg, _ = parse_megatron_args(flags, world_size=1)
+    cfg = cfg.with_tokenizer(50257, 50256)
+    gpu = load_gpu("h100")
+    fit = largest_offload_model(cfg, 1, gpu, 8, host_total=125.0)  # the s18 host: a 32 x 4096 trained there
+    assert fit is not None and fit.layers >= 32
+    dims = parallel_dims(cfg, 1)
+    over = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, num_layers=fit.layers + 1))
+    assert offload_host_gib(over, dims) > HOST_USABLE * 125.0 >= fit.host_gib  # the host is the limit here
+    code, out = _plan(flags + ["--world-size", "1", "--gpu", "h100", "--evaluate", "--host-memory-gib", "125"], capsys)
+    assert code == 0 and f"largest with --cpu-offload at this width: {fit.layers} layers x 4096" in out

@@ -27,6 +27,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--inter-node-gbps", type=float, default=None,
                    help="bandwidth per GPU across nodes, GB/s (default: the GPU's calibration)")
     p.add_argument("--evaluate", action="store_true", help="predict only the layout the training flags describe")
+    p.add_argument("--host-memory-gib", type=float, default=None,
+                   help="with --cpu-offload and --evaluate: the host memory of a node, for the largest model that fits "
+                   "(default: this machine's)")
     p.add_argument("--json", action="store_true", help="print a JSON list of layouts instead of the table")
     p.add_argument("--top", type=int, default=10, help="layouts to print (0: every one that fits; default 10)")
     p.add_argument("--calibrate", action="store_true",
@@ -83,11 +86,24 @@ def plan_main(argv: list[str]) -> int:
         host = offload_host_gib(cfg, parallel_dims(cfg, world))
         if host:
             print(f"host memory per rank (--cpu-offload: fp32 parameter, gradient and AdamW moment shards): {host:.2f} GiB")
+            print(_largest_offload_line(cfg, world, gpu, args))
             print("with --cpu-offload the optimizer's time is the host's AdamW and PCIe copies as measured on one "
                   "host (16 cores, PCIe 5): yours may differ (measure it: gptrain bench)")
     else:
         print(left_out(result, gpu))
     return 0
+
+
+def _largest_offload_line(cfg, world: int, gpu, args) -> str:
+    from gptrain.plan.offload_fit import host_memory_gib, largest_offload_model
+
+    total = args.host_memory_gib or host_memory_gib()
+    if not total:
+        return "largest with --cpu-offload: give --host-memory-gib (this machine's memory is not known)"
+    fit = largest_offload_model(cfg, world, gpu, args.gpus_per_node, total)
+    if fit is None:
+        return f"largest with --cpu-offload: none of this width fits {gpu.memory_gib:.0f} GiB and {total:.0f} GiB of host memory"
+    return fit.describe(cfg, gpu, total) + ("" if args.host_memory_gib else " (this machine's host memory)")
 
 
 def table(predictions) -> str:

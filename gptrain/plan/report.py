@@ -38,6 +38,12 @@ def dry_run_line(cfg: RunConfig, world: int) -> str | None:
 
     host = offload_host_gib(cfg, parallel_dims(cfg, world))
     offload = f", {host:.2f} GiB of host memory per rank (--cpu-offload)" if host else ""
+    if host:
+        from gptrain.plan.offload_fit import host_memory_gib, largest_offload_model
+
+        total = host_memory_gib()
+        fit = largest_offload_model(cfg, world, load_gpu(where), 8, total) if total else None
+        offload += f"; {fit.describe(cfg, load_gpu(where), total)} on this machine's host memory" if fit else ""
     return (f" > plan on {world} x {where}{note}: {p.tokens_per_s_per_gpu:,.0f} tokens/s per GPU, "
             f"{100 * p.mfu:.1f}% MFU, {p.step_s * 1000:.1f} ms per iteration, peak {p.peak_gib:.2f} GiB per GPU"
             f"{'' if p.fits else ' (does not fit)'}{offload}")

@@ -184,6 +184,13 @@ def build_training(cfg: RunConfig, device: torch.device, dims: ParallelDims, mes
     # AdamW's state exists from the start (what fused AdamW would create at its first step), so a
     # checkpoint written before the first update (fp16's first steps are skipped) holds it all
     init_optimizer_state(opt_params, optimizer)
+    if dims.cpu_offload:
+        from gptrain.train.host_threads import offload_threads
+
+        threads = offload_threads()
+        if threads is not None:
+            torch.set_num_threads(threads[0])
+            impls["host threads"] = f"{threads[0]} for the offloaded optimizer ({threads[1]})"
     host_step = None
     if cfg.parallel.overlap_cpu_optimizer:
         from gptrain.train.host_optimizer_step import OverlappedHostStep, block_order

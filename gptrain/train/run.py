@@ -180,6 +180,8 @@ def _train_main(argv: list[str], log=None) -> TrainResult:
             log(f" > gradient reduction: {parts.impls['gradient reduction']}")
         if "optimizer" in parts.impls:
             log(f" > optimizer: {parts.impls['optimizer']}")
+        if "host threads" in parts.impls:
+            log(f" > host threads: {parts.impls['host threads']}")
         log(f" > linear layers: {trainer.linear_impl.brief(cfg.train.verbose)}")
         log(f" > attention: {trainer.attention_impl.brief(cfg.train.verbose)}")
         trainer.load()

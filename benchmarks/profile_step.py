@@ -74,7 +74,11 @@ def main(argv):
     steps = 3
     trainer, loader = synthetic_trainer(M345 + argv, 100)
     cuda = trainer.device.type == "cuda"
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    device_sync = torch.cuda.synchronize if cuda else (lambda: None)
+
+    def sync():  # the device, and an optimizer step still on the host's thread (--overlap-cpu-optimizer-d2h-h2d)
+        trainer.settle()
+        device_sync()
     for _ in range(6):
         trainer.train_step(loader)
     sync()

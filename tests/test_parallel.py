@@ -324,7 +324,8 @@ def test_overlapped_host_optimizer_equals_the_plain_run_and_resumes_exactly(tmp_
     waiting for its update: the same losses as the plain run (evaluations between steps included), and a run
     resumed from its checkpoint in the middle equals the straight one (the save waits for the step in flight)."""
     args = TINY + ["--train-iters", "4", "--eval-iters", "1", "--eval-interval", "2"]
-    plain = losses(single(args))
+    plain_out = single(args)
+    plain = losses(plain_out)
     overlap = args + ["--zero-stage", "2", "--cpu-offload", "--overlap-cpu-optimizer-d2h-h2d"]
     ckpt = str(tmp_path / "ckpt")
     out = single(overlap + ["--save", ckpt, "--save-interval", "2"])
@@ -332,7 +333,7 @@ def test_overlapped_host_optimizer_equals_the_plain_run_and_resumes_exactly(tmp_
     straight = losses(out)
     assert straight.keys() == plain.keys() == {1, 2, 3, 4}
     assert all(straight[k] == pytest.approx(plain[k], abs=1e-5) for k in plain), (straight, plain)
-    assert _validation(out) == pytest.approx(_validation(single(args)), abs=1e-5)
+    assert len(_validation(out)) == 2 and _validation(out) == pytest.approx(_validation(plain_out), abs=1e-5)
     (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").write_text("2")
     resumed = losses(single(overlap + ["--load", ckpt]))
     assert resumed.keys() == {3, 4} and all(resumed[k] == straight[k] for k in (3, 4)), (resumed, straight)

@@ -93,13 +93,15 @@ def synthetic_trainer(argv: list[str], iters: int) -> tuple[Trainer, MicroBatchL
     return trainer, trainer.loader(data, 0)
 
 
-def count_launches(step, device: torch.device, micro_batches: int) -> str:
-    """Kernel launches per micro-batch of one ``step`` (on a GPU; elsewhere the operators run)."""
+def count_launches(step, device: torch.device, micro_batches: int, settle=lambda: None) -> str:
+    """Kernel launches per micro-batch of one ``step`` (on a GPU; elsewhere the operators run); ``settle``
+    waits for host work the step leaves running."""
     from torch.profiler import ProfilerActivity, profile
 
     cuda = device.type == "cuda"
     with profile(activities=[ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]) as prof:
         step()
+        settle()
         _sync(device)
     if cuda:
         n = sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
@@ -114,8 +116,9 @@ def bench_gptrain(argv: list[str], warmup: int, iters: int):
     step = lambda: trainer.train_step(loader)  # noqa: E731
     try:
         timing = _measure(step, warmup, iters, device, "gptrain", settle=trainer.settle)
-        launches = count_launches(step, device, cfg.train.micro_batches_per_step(trainer.dp_size))
+        launches = count_launches(step, device, cfg.train.micro_batches_per_step(trainer.dp_size), trainer.settle)
     finally:
+        trainer.settle()
         loader.close()
     dims = trainer.parts.dims
     tokens = cfg.train.global_batch_size * cfg.model.seq_length // dims.world_size  # per device

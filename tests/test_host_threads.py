@@ -8,8 +8,10 @@ from gptrain.train.host_threads import offload_threads
 
 
 def test_torchruns_single_thread_default_becomes_the_ranks_share_of_the_cpus():
-    threads, why = offload_threads({"OMP_NUM_THREADS": "1", "LOCAL_WORLD_SIZE": "4"}, cpus=64)
+    threads, why = offload_threads({"OMP_NUM_THREADS": "1", "LOCAL_WORLD_SIZE": "4"}, total=64, affinity=64)
     assert threads == 16 and "64 CPUs shared by 4 ranks" in why
+    # a launcher that bound each rank to its own 8 CPUs: those 8, not a quarter of them
+    assert offload_threads({"OMP_NUM_THREADS": "1", "LOCAL_WORLD_SIZE": "4"}, total=64, affinity=8)[0] == 8
 
 
 @pytest.mark.parametrize("environ", [
@@ -19,11 +21,11 @@ def test_torchruns_single_thread_default_becomes_the_ranks_share_of_the_cpus():
     {"OMP_NUM_THREADS": "1", "LOCAL_WORLD_SIZE": "8"},  # no more than one CPU each anyway (8 CPUs)
 ])
 def test_left_alone_elsewhere(environ):
-    assert offload_threads(environ, cpus=8) is None
+    assert offload_threads(environ, total=8, affinity=8) is None
 
 
 def test_gptrain_host_threads_decides():
     assert offload_threads({"GPTRAIN_HOST_THREADS": "6", "OMP_NUM_THREADS": "1", "LOCAL_WORLD_SIZE": "4"},
-                           cpus=64) == (6, "GPTRAIN_HOST_THREADS")
+                           total=64) == (6, "GPTRAIN_HOST_THREADS")
     with pytest.raises(ValueError, match="GPTRAIN_HOST_THREADS=0"):
         offload_threads({"GPTRAIN_HOST_THREADS": "0"})

@@ -241,3 +241,21 @@ def test_the_largest_model_that_fits_with_offload_is_the_last_layer_count_that_f
     assert offload_host_gib(over, dims) > HOST_USABLE * 125.0 >= fit.host_gib  # the host is the limit here
     code, out = _plan(flags + ["--world-size", "1", "--gpu", "h100", "--evaluate", "--host-memory-gib", "125"], capsys)
     assert code == 0 and f"largest with --cpu-offload at this width: {fit.layers} layers x 4096" in out
+
+
+def test_the_largest_offload_model_steps_over_layer_counts_the_layout_refuses():
+    """An uneven first stage takes only some layer counts (the rest must split over the other stages): the
+    search lands on one it takes, and no larger count fits."""
+    from gptrain.plan.offload_fit import _fits, _with_layers, largest_offload_model
+
+    flags = ("--mock-data --train-iters 1 --num-layers 12 --hidden-size 1024 --num-attention-heads 16 "
+             "--seq-length 1024 --max-position-embeddings 1024 --bf16 --micro-batch-size 4 --global-batch-size 64 "
+             "--zero-stage 1 --cpu-offload --pipeline-model-parallel-size 4 --decoder-first-pipeline-num-layers 3").split()
+    cfg, _ = parse_megatron_args(flags, world_size=4)
+    cfg = cfg.with_tokenizer(50257, 50256)
+    gpu = load_gpu("h100")
+    fit = largest_offload_model(cfg, 4, gpu, 8, host_total=125.0)
+    assert fit is not None and (fit.layers - 3) % 3 == 0
+    for more in range(fit.layers + 1, fit.layers + 7):
+        got = _fits(_with_layers(cfg, more), 4, gpu, 8, 125.0)
+        assert got is None or not got[0], more

@@ -61,15 +61,23 @@ def _fits(cfg: RunConfig, world: int, gpu: Gpu, gpus_per_node: int, host_total: 
 def largest_offload_model(cfg: RunConfig, world: int, gpu: Gpu, gpus_per_node: int,
                           host_total: float) -> OffloadFit | None:
     """The most layers (the flags' other settings kept) that fit the GPU and the host with --cpu-offload,
-    None if not even the smallest layout does. Memory grows with the layers, so a bisection finds it;
-    layer counts the layout refuses (a pipeline's divisibility) are stepped over."""
-    step = parallel_dims(cfg, world).pp
-    lo, hi = 0, MAX_LAYERS // step  # in units of ``step`` layers
-    best = None
+    None if no layer count does. Memory grows with the layers, so a bisection finds it; a count the layout
+    refuses (a pipeline's stages, virtual stages, an uneven first or last stage) is replaced by the nearest
+    smaller count it takes, within one round of the layout's granularity."""
+    window = 2 * cfg.parallel.pipeline_parallel * max(1, cfg.parallel.layers_per_virtual_stage or 1)
+
+    def probe(layers: int):
+        for n in range(layers, max(layers - window, 0), -1):
+            got = _fits(_with_layers(cfg, n), world, gpu, gpus_per_node, host_total)
+            if got is not None:
+                return got
+        return None
+
+    lo, hi, best = 0, MAX_LAYERS, None
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        got = _fits(_with_layers(cfg, mid * step), world, gpu, gpus_per_node, host_total)
-        if got is not None and got[0]:
+        got = probe(mid)
+        if got is not None and got[0]:  # it, or the counts the layout takes below it, fit
             lo, best = mid, got[1]
         else:
             hi = mid - 1

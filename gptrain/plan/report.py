@@ -42,6 +42,7 @@ def dry_run_line(cfg: RunConfig, world: int) -> str | None:
         from gptrain.plan.offload_fit import host_memory_gib, largest_offload_model
 
         total = host_memory_gib()
+        # 8 GPUs a node, as `gptrain plan`'s default --gpus-per-node: the ranks sharing one host's memory
         fit = largest_offload_model(cfg, world, load_gpu(where), 8, total) if total else None
         offload += f"; {fit.describe(cfg, load_gpu(where), total)} on this machine's host memory" if fit else ""
     return (f" > plan on {world} x {where}{note}: {p.tokens_per_s_per_gpu:,.0f} tokens/s per GPU, "

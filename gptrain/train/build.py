@@ -195,7 +195,7 @@ def build_training(cfg: RunConfig, device: torch.device, dims: ParallelDims, mes
     if cfg.parallel.overlap_cpu_optimizer:
         from gptrain.train.host_optimizer_step import OverlappedHostStep, block_order
 
-        host_step = OverlappedHostStep(optimizer, block_order(train_module, model, opt_params))
+        host_step = OverlappedHostStep(optimizer, block_order(train_module, model, opt_params), device)
         impls["optimizer"] = ("the host's AdamW on a thread, block by block, each block's next forward waiting "
                               "for its update")
     pipeline = None

@@ -57,8 +57,10 @@ class OverlappedHostStep:
     each module's forward waits for its own update. ``launch`` after the backward, ``join`` before
     anything else reads the parameters or the state."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, blocks: list[tuple[nn.Module, list[torch.Tensor]]]):
+    def __init__(self, optimizer: torch.optim.Optimizer, blocks: list[tuple[nn.Module, list[torch.Tensor]]],
+                 device: torch.device | None = None):
         self.optimizer = optimizer
+        self.device = device  # the rank's GPU: a new thread's current device is GPU 0, whatever the rank's
         covered = {id(p) for _, ps in blocks for p in ps}
         missing = [p for g in optimizer.param_groups for p in g["params"] if id(p) not in covered]
         if missing:
@@ -93,6 +95,8 @@ class OverlappedHostStep:
         self.thread.start()
 
     def _run(self, grad_scale, found_inf) -> None:
+        if self.device is not None and self.device.type == "cuda":
+            torch.cuda.set_device(self.device)  # else the step's stream checks open a context on GPU 0
         try:
             for step, done in zip(self.steps, self.done):
                 step.step(grad_scale, found_inf)

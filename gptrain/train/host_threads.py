@@ -9,8 +9,10 @@ from __future__ import annotations
 import os
 
 
-def offload_threads(environ=os.environ, cpus: int | None = None) -> tuple[int, str] | None:
-    """(threads, why) for this rank's offloaded optimizer, or None to leave torch's setting as it is."""
+def offload_threads(environ=os.environ, total: int | None = None, affinity: int | None = None) -> tuple[int, str] | None:
+    """(threads, why) for this rank's offloaded optimizer, or None to leave torch's setting as it is.
+    ``total``: the node's CPUs; ``affinity``: those this rank may run on (a launcher may bind each rank to
+    its own), both read from the OS when not given."""
     chosen = environ.get("GPTRAIN_HOST_THREADS")
     if chosen:
         threads = int(chosen)
@@ -20,9 +22,11 @@ def offload_threads(environ=os.environ, cpus: int | None = None) -> tuple[int, s
     local = int(environ.get("LOCAL_WORLD_SIZE", "1"))
     if environ.get("OMP_NUM_THREADS") != "1" or local <= 1:
         return None
-    cpus = cpus or len(os.sched_getaffinity(0))
-    threads = cpus // local
+    total = total or os.cpu_count() or 1
+    if affinity is None and hasattr(os, "sched_getaffinity"):
+        affinity = len(os.sched_getaffinity(0))
+    threads = min(total // local, affinity or total)
     if threads <= 1:
         return None
-    return threads, (f"{cpus} CPUs shared by {local} ranks on this node, instead of torchrun's OMP_NUM_THREADS=1; "
+    return threads, (f"{total} CPUs shared by {local} ranks on this node, instead of torchrun's OMP_NUM_THREADS=1; "
                      "GPTRAIN_HOST_THREADS sets it")

@@ -4,7 +4,6 @@ iteration time (arXiv 2205.05198 Table 5: GPT-3 175B, TP8 x PP8 on 64 A100s, glo
 sequence parallelism and selective recompute, 13.75 s)."""
 from __future__ import annotations
 
-import dataclasses
 import json
 
 import pytest
@@ -225,20 +224,16 @@ def test_cpu_offload_moves_the_state_to_host_memory(capsys):
 def test_the_largest_model_that_fits_with_offload_is_the_last_layer_count_that_fits(capsys):
     """`gptrain plan --evaluate` with --cpu-offload names the most layers of the flags' width that fit the GPU
     and the host (16 bytes a parameter on the host, HOST_USABLE of it): one more layer does not fit."""
-    from gptrain.plan.offload_fit import HOST_USABLE, largest_offload_model
+    from gptrain.plan.offload_fit import HOST_USABLE, _with_layers
     from gptrain.plan.memory import offload_host_gib
 
     flags = ("--mock-data --train-iters 1 --num-layers 4 --hidden-size 4096 --num-attention-heads 32 "
              "--seq-length 1024 --max-position-embeddings 1024 --bf16 --micro-batch-size 8 --global-batch-size 8 "
              "--recompute-granularity full --zero-stage 3 --cpu-offload").split()
-    cfg, _ = parse_megatron_args(flags, world_size=1)
-    cfg = cfg.with_tokenizer(50257, 50256)
-    gpu = load_gpu("h100")
-    fit = largest_offload_model(cfg, 1, gpu, 8, host_total=125.0)  # the s18 host: a 32 x 4096 trained there
+    cfg, fit = _largest_offload_fit(flags, 1)  # the s18 host: a 32 x 4096 trained there
     assert fit is not None and fit.layers >= 32
-    dims = parallel_dims(cfg, 1)
-    over = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, num_layers=fit.layers + 1))
-    assert offload_host_gib(over, dims) > HOST_USABLE * 125.0 >= fit.host_gib  # the host is the limit here
+    over = _with_layers(cfg, fit.layers + 1)
+    assert offload_host_gib(over, parallel_dims(cfg, 1)) > HOST_USABLE * 125.0 >= fit.host_gib  # the host limits
     code, out = _plan(flags + ["--world-size", "1", "--gpu", "h100", "--evaluate", "--host-memory-gib", "125"], capsys)
     assert code == 0 and f"largest with --cpu-offload at this width: {fit.layers} layers x 4096" in out
 
@@ -246,16 +241,22 @@ def test_the_largest_model_that_fits_with_offload_is_the_last_layer_count_that_f
 def test_the_largest_offload_model_steps_over_layer_counts_the_layout_refuses():
     """An uneven first stage takes only some layer counts (the rest must split over the other stages): the
     search lands on one it takes, and no larger count fits."""
-    from gptrain.plan.offload_fit import _fits, _with_layers, largest_offload_model
+    from gptrain.plan.offload_fit import _fits, _with_layers
 
     flags = ("--mock-data --train-iters 1 --num-layers 12 --hidden-size 1024 --num-attention-heads 16 "
              "--seq-length 1024 --max-position-embeddings 1024 --bf16 --micro-batch-size 4 --global-batch-size 64 "
              "--zero-stage 1 --cpu-offload --pipeline-model-parallel-size 4 --decoder-first-pipeline-num-layers 3").split()
-    cfg, _ = parse_megatron_args(flags, world_size=4)
-    cfg = cfg.with_tokenizer(50257, 50256)
-    gpu = load_gpu("h100")
-    fit = largest_offload_model(cfg, 4, gpu, 8, host_total=125.0)
+    cfg, fit = _largest_offload_fit(flags, 4)
     assert fit is not None and (fit.layers - 3) % 3 == 0
     for more in range(fit.layers + 1, fit.layers + 7):
-        got = _fits(_with_layers(cfg, more), 4, gpu, 8, 125.0)
+        got = _fits(_with_layers(cfg, more), 4, load_gpu("h100"), 8, 125.0)
         assert got is None or not got[0], more
+
+
+def _largest_offload_fit(flags: list[str], world: int, host_total: float = 125.0):
+    """The flags' config and the largest model with --cpu-offload on H100s with ``host_total`` GiB of host memory."""
+    from gptrain.plan.offload_fit import largest_offload_model
+
+    cfg, _ = parse_megatron_args(flags, world_size=world)
+    cfg = cfg.with_tokenizer(50257, 50256)
+    return cfg, largest_offload_model(cfg, world, load_gpu("h100"), 8, host_total=host_total)

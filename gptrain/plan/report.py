@@ -43,8 +43,9 @@ def dry_run_line(cfg: RunConfig, world: int) -> str | None:
 
         total = host_memory_gib()
         # 8 GPUs a node, as `gptrain plan`'s default --gpus-per-node: the ranks sharing one host's memory
-        fit = largest_offload_model(cfg, world, load_gpu(where), 8, total) if total else None
-        offload += f"; {fit.describe(cfg, load_gpu(where), total)} on this machine's host memory" if fit else ""
+        gpu_table = load_gpu(where)
+        fit = largest_offload_model(cfg, world, gpu_table, 8, total) if total else None
+        offload += f"; {fit.describe(cfg, gpu_table, total)} on this machine's host memory" if fit else ""
     return (f" > plan on {world} x {where}{note}: {p.tokens_per_s_per_gpu:,.0f} tokens/s per GPU, "
             f"{100 * p.mfu:.1f}% MFU, {p.step_s * 1000:.1f} ms per iteration, peak {p.peak_gib:.2f} GiB per GPU"
             f"{'' if p.fits else ' (does not fit)'}{offload}")

@@ -1,6 +1,7 @@
 """The host's side of ZeRO-Offload, measured: torch's fused CPU AdamW over fp32 parameters (what
-``--cpu-offload`` runs on the host each step) at several thread counts, and the pinned host <-> GPU copy
-bandwidth of the step's gradient and parameter transfers, in fp32 and bf16.
+``--cpu-offload`` runs on the host each step) at several thread counts, and the other passes an offload step
+can make over the host's gradients and parameters (the gradient norm, casts between bf16 and fp32), and
+the pinned host <-> GPU copy bandwidth of the step's gradient and parameter transfers, in fp32 and bf16.
 
     python3 benchmarks/host_adamw.py [--params 500e6] [--threads 8 16 32]
 
@@ -33,6 +34,23 @@ def adamw_rate(n: int, threads: int, repeats: int = 3) -> float:
     return sum(sizes) / best
 
 
+def pass_rate(n: int, what: str, repeats: int = 3) -> float:
+    """Parameters per second of one host pass over ``n`` values in 64 tensors: ``norm`` (the fp32 gradients'
+    L2 norm, torch._foreach_norm), ``upcast`` (bf16 -> fp32 into existing tensors) or ``downcast``."""
+    sizes = [n // 64] * 64
+    src = [torch.randn(s, dtype=torch.bfloat16 if what == "upcast" else torch.float32) for s in sizes]
+    dst = [torch.empty(s, dtype=torch.float32 if what == "upcast" else torch.bfloat16) for s in sizes]
+    best = float("inf")
+    for _ in range(repeats + 1):
+        start = time.perf_counter()
+        if what == "norm":
+            torch.stack(torch._foreach_norm(src)).square().sum().sqrt().item()
+        else:
+            torch._foreach_copy_(dst, src)
+        best = min(best, time.perf_counter() - start)
+    return sum(sizes) / best
+
+
 def copy_rate(nbytes: int, dtype: torch.dtype, to_device: bool, repeats: int = 5) -> float:
     """GB/s of one pinned host <-> GPU copy of ``nbytes``."""
     n = nbytes // torch.tensor([], dtype=dtype).element_size()
@@ -59,6 +77,11 @@ def main() -> None:
         rate = adamw_rate(n, t)
         print(f"fused CPU AdamW, {n / 1e6:.0f}M fp32 parameters, {t} threads: {n / rate:.3f} s a step, "
               f"{rate / 1e9:.2f} G parameters/s")
+    torch.set_num_threads(max(args.threads))
+    for what in ("norm", "upcast", "downcast"):
+        rate = pass_rate(n, what)
+        print(f"host pass '{what}', {n / 1e6:.0f}M values, {max(args.threads)} threads: {n / rate:.3f} s, "
+              f"{rate / 1e9:.2f} G values/s")
     if torch.cuda.is_available():
         for dtype in (torch.float32, torch.bfloat16):
             for to_device in (True, False):

@@ -6,7 +6,10 @@ DTensor dispatches and compiled-region calls per step. Under torchrun rank 0 pri
     python benchmarks/profile_step.py --micro-batch-size 16 --bf16 --compile [model flags]
     torchrun --nproc-per-node 2 benchmarks/profile_step.py ... --tensor-model-parallel-size 2
     python benchmarks/profile_step.py ... --tensor-model-parallel-size 2 --simulate-world-size 2  # one rank alone
+
+PROFILE_TRACE=path.json.gz also writes the profiled steps' Chrome trace (host threads and GPU streams).
 """
+import gzip
 import os
 import sys
 import time
@@ -70,6 +73,17 @@ def timeline(prof, steps: int) -> None:
           f"({len(comm) / steps:.0f} communication kernels per step, {ms(_union(comm)):.1f} ms in them)")
 
 
+def write_trace(prof, path: str) -> None:
+    """The Chrome trace, gzipped when the path ends in .gz (a multi-second step's trace is tens of MB)."""
+    plain = path.removesuffix(".gz")
+    prof.export_chrome_trace(plain)
+    if plain != path:
+        with open(plain, "rb") as src, gzip.open(path, "wb") as dst:
+            dst.write(src.read())
+        os.remove(plain)
+    print(f"trace written to {path}")
+
+
 def main(argv):
     steps = 3
     trainer, loader = synthetic_trainer(M345 + argv, 100)
@@ -94,6 +108,8 @@ def main(argv):
     loader.close()
     if int(os.environ.get("RANK", "0")) != 0:
         return
+    if os.environ.get("PROFILE_TRACE"):
+        write_trace(prof, os.environ["PROFILE_TRACE"])
     host = {e.key: e.count for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CPU}
     print(f"wall time per step (unprofiled): {wall * 1000:.1f} ms")
     for key in ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaMemcpyAsync", "aten::item",

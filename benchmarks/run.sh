@@ -393,12 +393,12 @@ suite_memory() {
   # planner's memory terms (benchmarks/memory_peak.py)
   need_gpu memory || return
   local rc=0 mbs
-  for mbs in ${MBS:-8 16}; do
+  for mbs in ${MBS-8 16}; do
     run memory/2p7b_mbs$mbs.txt "$PY" benchmarks/memory_peak.py "${M27[@]}" --micro-batch-size "$mbs" \
       --global-batch-size "$mbs" "$@" || rc=1
   done
   # the offload rows' planned-over 0.4 GiB at one micro-batch (stacks fail under FSDP2's CPU offload)
-  for stage in ${OFFLOAD_STAGES:-2 3}; do
+  for stage in ${OFFLOAD_STAGES-2 3}; do
     run memory/2p7b_offload_z$stage.txt "$PY" benchmarks/memory_peak.py --no-stacks "${M27[@]}" --micro-batch-size 8 \
       --global-batch-size 8 --zero-stage "$stage" --cpu-offload "$@" || rc=1
   done

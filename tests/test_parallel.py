@@ -300,43 +300,40 @@ def test_initial_weights_equal_one_process_bitwise(tmp_path, one_process_initial
 
 
 @pytest.mark.slow
-def test_cpu_offload_on_one_process_equals_the_plain_run(tmp_path):
-    """ZeRO-Offload at one data-parallel rank (FSDP2 over a group of one): the plain run's losses, by the flags
-    and by a DeepSpeed config's offload_optimizer at stage 3 and 2, with several micro-batches per step (the
-    gradients accumulate on the device)."""
-    args = TINY + ["--train-iters", "3", "--eval-iters", "0"]
-    plain = losses(single(args))
+def test_cpu_offload_on_one_process_equals_the_plain_run_overlapped_too_and_resumes_exactly(tmp_path):
+    """ZeRO-Offload at one data-parallel rank (FSDP2 over a group of one): the plain run's losses, gradient norms
+    (summed on the device before the host copies, parallel/reduced_grad_norm.py) and validation losses, by the
+    flags and by a DeepSpeed config's offload_optimizer at stage 3 and 2, with several micro-batches per step
+    (the gradients accumulate on the device). With --overlap-cpu-optimizer-d2h-h2d (the host's AdamW on a
+    thread, block by block, each block's next forward waiting for its update) the same, and a run resumed from
+    its checkpoint in the middle equals the straight one (the save waits for the step in flight)."""
+    args = TINY + ["--train-iters", "4", "--eval-iters", "1", "--eval-interval", "2"]
+    plain_out = single(args)
+    plain, plain_norms = losses(plain_out), _grad_norms(plain_out)
+    assert plain.keys() == {1, 2, 3, 4} and len(plain_norms) == 4 and len(_validation(plain_out)) == 2
     ds2 = tmp_path / "ds2.json"
     ds2.write_text('{"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}')
+    ckpt = str(tmp_path / "ckpt")
+    overlap = ["--zero-stage", "2", "--cpu-offload", "--overlap-cpu-optimizer-d2h-h2d"]
     # ds.json's stage-3 offload_optimizer maps onto the same flags (tests/test_deepspeed_config.py)
-    for stage, extra in ((3, ["--zero-stage", "3", "--cpu-offload"]), (2, ["--deepspeed", "--deepspeed_config", str(ds2)])):
+    for stage, extra in ((3, ["--zero-stage", "3", "--cpu-offload"]), (2, ["--deepspeed", "--deepspeed_config", str(ds2)]),
+                         (2, overlap + ["--save", ckpt, "--save-interval", "2"])):
         out = single(args + extra)
         assert f"ZeRO-{stage} over 1 rank on FSDP2" in out and "in host memory" in out, out[-2000:]
         assert re.search(r"> host memory \(--cpu-offload\): peak resident [0-9.]+ GiB on rank 0", out)
         offloaded = losses(out)
-        assert offloaded.keys() == plain.keys() == {1, 2, 3}
-        assert all(offloaded[k] == pytest.approx(plain[k], abs=1e-5) for k in plain), (offloaded, plain)
-
-
-@pytest.mark.slow
-def test_overlapped_host_optimizer_equals_the_plain_run_and_resumes_exactly(tmp_path):
-    """--overlap-cpu-optimizer-d2h-h2d: the host's AdamW on a thread, block by block, each block's next forward
-    waiting for its update: the same losses as the plain run (evaluations between steps included), and a run
-    resumed from its checkpoint in the middle equals the straight one (the save waits for the step in flight)."""
-    args = TINY + ["--train-iters", "4", "--eval-iters", "1", "--eval-interval", "2"]
-    plain_out = single(args)
-    plain = losses(plain_out)
-    overlap = args + ["--zero-stage", "2", "--cpu-offload", "--overlap-cpu-optimizer-d2h-h2d"]
-    ckpt = str(tmp_path / "ckpt")
-    out = single(overlap + ["--save", ckpt, "--save-interval", "2"])
+        assert offloaded.keys() == plain.keys()
+        assert all(offloaded[k] == pytest.approx(plain[k], abs=1e-5) for k in plain), (extra, offloaded, plain)
+        assert _grad_norms(out) == pytest.approx(plain_norms, rel=1e-5), extra
+        assert _validation(out) == pytest.approx(_validation(plain_out), abs=1e-5)
     assert "host's AdamW on a thread" in out, out[-2000:]
-    straight = losses(out)
-    assert straight.keys() == plain.keys() == {1, 2, 3, 4}
-    assert all(straight[k] == pytest.approx(plain[k], abs=1e-5) for k in plain), (straight, plain)
-    assert len(_validation(out)) == 2 and _validation(out) == pytest.approx(_validation(plain_out), abs=1e-5)
     (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").write_text("2")
-    resumed = losses(single(overlap + ["--load", ckpt]))
-    assert resumed.keys() == {3, 4} and all(resumed[k] == straight[k] for k in (3, 4)), (resumed, straight)
+    resumed = losses(single(args + overlap + ["--load", ckpt]))
+    assert resumed.keys() == {3, 4} and all(resumed[k] == offloaded[k] for k in (3, 4)), (resumed, offloaded)
+
+
+def _grad_norms(out: str) -> list[float]:
+    return [float(m) for m in re.findall(r"\| grad norm: (\S+) \|", out)]
 
 
 def _validation(out: str) -> list[float]:

@@ -39,16 +39,18 @@ def _replicas(t: torch.Tensor, pp: int, tp_split: bool, tp: int) -> int:
 
 
 def global_norm_and_sum(grads: list[torch.Tensor], value: torch.Tensor, pp: int = 1,
-                        tp_split: list[bool] | None = None, tp: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+                        tp_split: list[bool] | None = None, tp: int = 1,
+                        squares: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The L2 norm of all gradients over every process, and ``value`` summed over every process,
     in one all-reduce over the world. Shards count once; replicated copies are divided by their
     number; each pipeline stage contributes its own parameters (a tied copy must be left out of
     ``grads`` by the caller on all but one stage). ``tp_split[i]``: ``grads[i]`` is a
-    tensor-parallel shard."""
+    tensor-parallel shard. ``squares``: this process's sum of squares taken already (``grads`` then holds
+    none of those gradients)."""
     by_replicas: dict[int, list[torch.Tensor]] = {}
     for g, split in zip(grads, tp_split or [False] * len(grads)):
         by_replicas.setdefault(_replicas(g, pp, split, tp), []).append(local(g))
-    squares = torch.zeros((), device=value.device, dtype=torch.float32)
+    squares = torch.zeros((), device=value.device, dtype=torch.float32) if squares is None else squares
     for replicas, tensors in by_replicas.items():
         norms = torch._foreach_norm(tensors)
         squares = squares + torch.stack(norms).float().square().sum().to(value.device) / replicas

@@ -59,6 +59,7 @@ class TrainingParts:
     layout: ShardLayout = field(default_factory=ShardLayout)  # which parameter is split over tensor-parallel ranks
     grad_buckets: object = None  # --overlap-grad-reduce: parallel/grad_buckets.GradBuckets
     host_step: object = None  # --overlap-cpu-optimizer-d2h-h2d: train/host_optimizer_step.OverlappedHostStep
+    grad_squares: object = None  # --cpu-offload: parallel/reduced_grad_norm.ReducedGradSquares
 
 
 def parallel_dims(cfg: RunConfig, world_size: int) -> ParallelDims:
@@ -191,6 +192,11 @@ def build_training(cfg: RunConfig, device: torch.device, dims: ParallelDims, mes
         if threads is not None:
             torch.set_num_threads(threads[0])
             impls["host threads"] = f"{threads[0]} for the offloaded optimizer ({threads[1]})"
+    grad_squares = None
+    if dims.cpu_offload and dims.tp == 1 and not chunks:
+        from gptrain.parallel.reduced_grad_norm import ReducedGradSquares
+
+        grad_squares = ReducedGradSquares([*model.layers.values(), train_module], device)
     host_step = None
     if cfg.parallel.overlap_cpu_optimizer:
         from gptrain.train.host_optimizer_step import OverlappedHostStep, block_order
@@ -208,7 +214,7 @@ def build_training(cfg: RunConfig, device: torch.device, dims: ParallelDims, mes
                             shapes)
         impls["pipeline"] = pipeline.describe()
     return TrainingParts(model, train_module, forward, main, opt_params, optimizer, dims, mesh, impls, fp8_layers,
-                         pipeline, layout, buckets, host_step)
+                         pipeline, layout, buckets, host_step, grad_squares)
 
 
 def step_compile_mode(cfg: RunConfig, dims: ParallelDims, cuda: bool) -> str | None:

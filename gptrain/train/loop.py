@@ -264,6 +264,8 @@ class Trainer(CheckpointLoading):
                 named = [(n, g) for n, g in named if g is not tied]
         if self.main is not None and dims.tp == 1 and dims.pp == 1:  # whole main gradients, equal on every replica
             grad_norm, loss_sum = self.main.grad_norm(), all_reduce_(loss_acc.clone())
+        elif self.parts.grad_squares is not None:  # --cpu-offload: summed on the GPU before the host copies
+            grad_norm, loss_sum = global_norm_and_sum([], loss_acc, squares=self.parts.grad_squares.take())
         else:  # one all-reduce gives every rank the global gradient norm and the global batch's loss
             grad_norm, loss_sum = global_norm_and_sum([g for _, g in named], loss_acc, dims.pp,
                                                       [layout.is_split(n) for n, _ in named], dims.tp)

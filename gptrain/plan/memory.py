@@ -130,6 +130,8 @@ def stage_memory(cfg: RunConfig, dims: ParallelDims, params: int, layers: int, s
     mem.activations, mem.logits = act, logits
     if overlap_grad_reduce(cfg, dims) and cfg.parallel.grad_reduce_in_bf16:
         mem.buckets = 2.0 * (cfg.parallel.ddp_bucket_size or 40_000_000)  # the bf16 copy of a bucket
+    if dims.cpu_offload and dims.pp == 1:
+        _offload_peak(mem, cfg, dims, params, layers, act, logits, sp)
     if dims.pp == 1 and half and not dims.sharded and not overlap_grad_reduce(cfg, dims):
         # gradients move into the fp32 buffer after the backward, when the activations are gone: the
         # first forward's end holds no gradients, the backward's end the half-precision ones and the
@@ -141,6 +143,26 @@ def stage_memory(cfg: RunConfig, dims: ParallelDims, params: int, layers: int, s
         else:
             mem.grads = held
     return mem
+
+
+def _offload_peak(mem: Memory, cfg: RunConfig, dims: ParallelDims, params: int, layers: int, act: float,
+                  logits: float, sp: bool) -> None:
+    """With --cpu-offload the GPU holds no optimizer state, and its peak (measured, benchmarks/memory_peak.py) is
+    either the forward's end (the saved block inputs and the logits) or the first blocks' backward, after the
+    logits are freed: the recomputed block's working set, a block's fp32 gradients on their way to the host, and
+    the root's gradient (the tied embedding's, from the loss on), which the root reduces last. With several
+    micro-batches the whole fp32 gradients they accumulate into are held through both."""
+    m, b = cfg.model, cfg.train.micro_batch_size
+    working = activation_units(cfg, dims.tp, sp, None) * m.seq_length * b * m.hidden_size \
+        if cfg.kernels.recompute == "full" else 0.0
+    root_grad = (2.0 if cfg.precision.half_params else 4.0) * (params - layers * block_params(cfg, dims.tp))
+    held = mem.grads if cfg.train.micro_batches_per_step(dims.dp) > 1 else 0.0
+    backward = mem.grads + act + root_grad
+    forward_end = held + act - working + logits
+    if backward >= forward_end:
+        mem.grads, mem.activations, mem.logits = mem.grads + root_grad, act, 0.0
+    else:
+        mem.grads, mem.activations, mem.logits = held, act - working, logits
 
 
 def offload_host_gib(cfg: RunConfig, dims: ParallelDims) -> float:

@@ -53,10 +53,10 @@ HOST_DEVICE_SHARPNESS = 8.0  # how fast the wall time approaches max(device, hos
 BF16_REDUCE_CAST_BYTES = 12.0  # per parameter: fp32 read and bf16 written, bf16 read and fp32 written back
 GATHER_EFFICIENCY = 0.83  # all-gather / reduce-scatter bus bandwidth over all-reduce's (NCCL, 2 x H200)
 COLLECTIVE_HOST_S = 30e-6  # the host's time to launch an NCCL collective, beyond the simulator's fake one
-# --cpu-offload, per fp32 parameter of the rank (s18, a 2.7B at ZeRO-2 and ZeRO-3 with 1 and 8 micro-batches):
+# --cpu-offload, per fp32 parameter of the rank (s25, a 2.7B at ZeRO-2 and ZeRO-3 with 1 and 8 micro-batches):
 # the host's fused AdamW with the step's gradient and parameter copies, none overlapped with the GPU
-OFFLOAD_STEP_S_PER_PARAM = 0.76e-9
-OFFLOAD_FETCH_S_PER_PARAM = 0.16e-9  # ZeRO-3: the shards copied in again for each micro-batch
+OFFLOAD_STEP_S_PER_PARAM = 0.30e-9
+OFFLOAD_FETCH_S_PER_PARAM = 0.15e-9  # ZeRO-3: the shards copied in again for each micro-batch
 # per parameter of a block, FSDP2's copies around each all-gather (the fp32 shard cast to half
 # precision, the gathered buffer split into the parameters) and each reduce-scatter (the gradients
 # cast to fp32 and copied into its input)

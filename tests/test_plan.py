@@ -221,6 +221,23 @@ def test_cpu_offload_moves_the_state_to_host_memory(capsys):
     assert code == 0 and "host memory per rank (--cpu-offload" in out and "as measured on one host" in out
 
 
+def test_offload_with_a_host_norm_is_planned_slower(capsys):
+    """With tensor or pipeline parallelism the offload step still takes the gradient norm over the host's copies
+    (train/build.py sums it on the GPU only without them): the planner counts that pass."""
+    from gptrain.plan.timing import OFFLOAD_FETCH_S_PER_PARAM, OFFLOAD_HOST_NORM_S_PER_PARAM, OFFLOAD_STEP_S_PER_PARAM
+
+    flags = ("--num-layers 4 --hidden-size 256 --num-attention-heads 4 --seq-length 128 --max-position-embeddings 128 "
+             "--micro-batch-size 2 --global-batch-size 8 --mock-data --train-iters 1 --bf16 --gpu h100 --evaluate "
+             "--json --cpu-offload").split()
+    one = json.loads(_plan(flags + ["--world-size", "1", "--zero-stage", "3"], capsys)[1])[0]
+    two = json.loads(_plan(flags + ["--world-size", "2", "--zero-stage", "1", "--pipeline-model-parallel-size", "2"],
+                           capsys)[1])[0]
+    per_param_one = one["time_split_s"]["optimizer"] / (OFFLOAD_STEP_S_PER_PARAM + 4 * OFFLOAD_FETCH_S_PER_PARAM)
+    per_param_two = two["time_split_s"]["optimizer"] / (OFFLOAD_STEP_S_PER_PARAM + OFFLOAD_HOST_NORM_S_PER_PARAM)
+    # the same parameter count: the whole model on one GPU, the larger stage (the embeddings) of the pipeline
+    assert per_param_one > per_param_two > per_param_one / 2
+
+
 def test_the_largest_model_that_fits_with_offload_is_the_last_layer_count_that_fits(capsys):
     """`gptrain plan --evaluate` with --cpu-offload names the most layers of the flags' width that fit the GPU
     and the host (16 bytes a parameter on the host, HOST_USABLE of it): one more layer does not fit."""

@@ -1,6 +1,7 @@
 """parallel/reduced_grad_norm.py: the squares FSDP2's all-reduce hook sums while it reduces the gradients (before
 --cpu-offload copies them to the host) are the squared norm of the gradients the optimizer then reads, on one
-rank and summed over two data-parallel ranks, step after step."""
+rank and summed over two data-parallel ranks, step after step, with the gradients accumulated over micro-batches
+before the one reduction."""
 from __future__ import annotations
 
 import os
@@ -32,8 +33,10 @@ def _worker(rank: int, world: int, port: int, errors) -> None:
         fully_shard(model, mesh=mesh, offload_policy=CPUOffloadPolicy(pin_memory=False))
         squares = ReducedGradSquares([*blocks, model], torch.device("cpu"))
         for step in range(3):
-            torch.manual_seed(100 + 10 * step + rank)  # each rank its own data
-            model(torch.randn(6, 7)).square().mean().backward()
+            for micro in range(2):  # as train/loop.py under offload: reduced once, in the last micro-batch
+                model.set_requires_gradient_sync(micro == 1)
+                torch.manual_seed(100 + 10 * step + 2 * rank + micro)  # each rank its own data
+                model(torch.randn(6, 7)).square().mean().backward()
             from_hook = squares.take()
             dist.all_reduce(from_hook)
             own = sum(p.grad.to_local().double().square().sum() for p in model.parameters())

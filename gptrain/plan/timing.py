@@ -57,6 +57,9 @@ COLLECTIVE_HOST_S = 30e-6  # the host's time to launch an NCCL collective, beyon
 # the host's fused AdamW with the step's gradient and parameter copies, none overlapped with the GPU
 OFFLOAD_STEP_S_PER_PARAM = 0.30e-9
 OFFLOAD_FETCH_S_PER_PARAM = 0.15e-9  # ZeRO-3: the shards copied in again for each micro-batch
+# with tensor or pipeline parallelism the gradient norm is still taken over the host's copies (train/build.py): the
+# s18 rows' step beyond the s25 ones (0.76e-9 then, before the norm moved to the GPU)
+OFFLOAD_HOST_NORM_S_PER_PARAM = 0.46e-9
 # per parameter of a block, FSDP2's copies around each all-gather (the fp32 shard cast to half
 # precision, the gathered buffer split into the parameters) and each reduce-scatter (the gradients
 # cast to fp32 and copied into its input)
@@ -266,7 +269,9 @@ def grad_accumulation_s(cfg: RunConfig, dims: ParallelDims, gpu: Gpu, params: fl
     return gpu.memory_s(extra * params)
 
 
-def offload_s(local_params: float, zero_stage: int, n_micro: int) -> float:
-    """Seconds a step of --cpu-offload spends on the host and the PCIe bus (the optimizer's share)."""
+def offload_s(local_params: float, zero_stage: int, n_micro: int, host_norm: bool = False) -> float:
+    """Seconds a step of --cpu-offload spends on the host and the PCIe bus (the optimizer's share); ``host_norm``:
+    the gradient norm is taken on the host."""
     fetch = OFFLOAD_FETCH_S_PER_PARAM * n_micro if zero_stage == 3 else 0.0
-    return local_params * (OFFLOAD_STEP_S_PER_PARAM + fetch)
+    norm = OFFLOAD_HOST_NORM_S_PER_PARAM if host_norm else 0.0
+    return local_params * (OFFLOAD_STEP_S_PER_PARAM + fetch + norm)

@@ -35,7 +35,7 @@
 #   offload     ZeRO-Offload on one GPU (--zero-stage 3 --cpu-offload): a GPT-2-shaped 2.7B (seq 1024,
 #               full recompute) at micro-batch 8 with 1 and 8 micro-batches per step beside the same model
 #               without offload, at ZeRO-3 and ZeRO-2; then the largest of SIZES ("layers:hidden ...",
-#               default 6.7B, 5.2B, 4.0B) that trains; z2_overlap / z2x8_overlap add
+#               default 7.5B, 6.7B, 5.2B) that trains at ZeRO-2; z2_overlap / z2x8_overlap add
 #               --overlap-cpu-optimizer-d2h-h2d; ONLY="plain z3 z3x8 z2 z2x8 z2_overlap z2x8_overlap largest" picks rows
 #   llama       a ~1B Llama-style model (16 x 2048, 32 heads, 8 K/V groups, SwiGLU 5632, RMSNorm, RoPE,
 #               untied, seq 2048) against torchtitan-style plain PyTorch, the GPT-2-style model of the
@@ -419,11 +419,11 @@ suite_offload() {
     run "offload/2p7b_offload_$row.txt" "$PY" benchmarks/train_throughput.py "${M27[@]}" --global-batch-size $gbs \
       "${OFFLOAD[@]/3/$stage}" "${overlap[@]}" --warmup 2 --iters 3 "$@" || rc=1
   done
-  for size in ${SIZES:-32:4096 40:3200 32:3200}; do
+  for size in ${SIZES:-36:4096 32:4096 40:3200}; do
     selected largest || break
     layers=${size%%:*} hidden=${size##*:}
     if run "offload/largest_${layers}x${hidden}.txt" "$PY" benchmarks/train_throughput.py "${M27[@]/2560/$hidden}" \
-        --num-layers "$layers" --num-attention-heads 32 --global-batch-size 8 "${OFFLOAD[@]}" --warmup 1 --iters 2 "$@"; then
+        --num-layers "$layers" --num-attention-heads 32 --global-batch-size 8 "${OFFLOAD[@]/3/2}" --warmup 1 --iters 2 "$@"; then
       break
     fi
   done

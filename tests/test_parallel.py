@@ -33,19 +33,23 @@ def _weights(ckpt_dir, argv) -> dict[str, torch.Tensor]:
 def one_process(tmp_path_factory):
     path = tmp_path_factory.mktemp("single")
     out = single(TINY + STEPS + ["--save", str(path)])
-    return losses(out), _weights(path, TINY)
+    return losses(out), _weights(path, TINY), _grad_norms(out)
 
 
-@pytest.mark.parametrize("flags", [[], ["--use-distributed-optimizer"], ["--zero-stage", "2"], ["--zero-stage", "3"]],
-                         ids=["dp2", "zero1", "zero2", "zero3"])
+@pytest.mark.parametrize("flags", [[], ["--use-distributed-optimizer"], ["--zero-stage", "2"], ["--zero-stage", "3"],
+                                   ["--zero-stage", "2", "--cpu-offload"]],
+                         ids=["dp2", "zero1", "zero2", "zero3", "zero2-offload"])
 @pytest.mark.slow
 def test_data_parallel_and_zero_equal_one_process(flags, one_process, tmp_path):
-    ref_losses, ref_weights = one_process
+    """Every data-parallel layout equals one process: losses, gradient norms (with offload summed on each rank's
+    GPU side before the host copies, then over the ranks) and the saved weights."""
+    ref_losses, ref_weights, ref_norms = one_process
     out = torchrun(2, TINY + STEPS + flags + ["--save", str(tmp_path)])
     got = losses(out)
     assert sorted(got) == [1, 2, 3, 4, 5]
     for it, loss in ref_losses.items():
         assert got[it] == pytest.approx(loss, rel=1e-5), it
+    assert len(ref_norms) == 5 and _grad_norms(out) == pytest.approx(ref_norms, rel=1e-5)
     assert "using world size: 2, data-parallel-size: 2" in out
     assert " > number of parameters on (tensor, pipeline) model parallel rank (0, 0): 1636224" in out
     weights = _weights(tmp_path, TINY)

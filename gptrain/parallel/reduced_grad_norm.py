@@ -17,6 +17,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from gptrain.parallel.dims import ParallelDims
+
+
+def sums_on_device(dims: ParallelDims) -> bool:
+    """Whether the layout's offloaded step takes its gradient norm here (train/build.py) rather than over the
+    host's copies (what the planner counts, plan/search.py)."""
+    return dims.cpu_offload and dims.tp == 1 and dims.pp == 1
+
 
 class ReducedGradSquares:
     """Sums the squared L2 norm of every gradient FSDP2 reduces on this rank; ``take()`` returns the sum so far

@@ -119,8 +119,9 @@ def stage_memory(cfg: RunConfig, dims: ParallelDims, params: int, layers: int, s
     recompute = cfg.kernels.recompute
     half = cfg.precision.half_params
     act = activation_units(cfg, t, sp, recompute) * s * b * h * layers * in_flight(dims.pp, stage, n_micro, virtual)
-    if recompute == "full":  # the block being recomputed holds its whole working set
-        act += activation_units(cfg, t, sp, None) * s * b * h
+    # the block being recomputed holds its whole working set
+    working = activation_units(cfg, t, sp, None) * s * b * h if recompute == "full" else 0.0
+    act += working
     last = stage == dims.pp - 1
     logits = 0.0
     if last and not cfg.kernels.fused_cross_entropy:
@@ -131,7 +132,7 @@ def stage_memory(cfg: RunConfig, dims: ParallelDims, params: int, layers: int, s
     if overlap_grad_reduce(cfg, dims) and cfg.parallel.grad_reduce_in_bf16:
         mem.buckets = 2.0 * (cfg.parallel.ddp_bucket_size or 40_000_000)  # the bf16 copy of a bucket
     if dims.cpu_offload and dims.pp == 1:
-        _offload_peak(mem, cfg, dims, params, layers, act, logits, sp)
+        _offload_peak(mem, cfg, dims, params, layers, act, working, logits)
     if dims.pp == 1 and half and not dims.sharded and not overlap_grad_reduce(cfg, dims):
         # gradients move into the fp32 buffer after the backward, when the activations are gone: the
         # first forward's end holds no gradients, the backward's end the half-precision ones and the
@@ -146,15 +147,13 @@ def stage_memory(cfg: RunConfig, dims: ParallelDims, params: int, layers: int, s
 
 
 def _offload_peak(mem: Memory, cfg: RunConfig, dims: ParallelDims, params: int, layers: int, act: float,
-                  logits: float, sp: bool) -> None:
+                  working: float, logits: float) -> None:
     """With --cpu-offload the GPU holds no optimizer state, and its peak (measured, benchmarks/memory_peak.py) is
     either the forward's end (the saved block inputs and the logits) or the first blocks' backward, after the
     logits are freed: the recomputed block's working set, a block's fp32 gradients on their way to the host, and
     the root's gradient (the tied embedding's, from the loss on), which the root reduces last. With several
-    micro-batches the whole fp32 gradients they accumulate into are held through both."""
-    m, b = cfg.model, cfg.train.micro_batch_size
-    working = activation_units(cfg, dims.tp, sp, None) * m.seq_length * b * m.hidden_size \
-        if cfg.kernels.recompute == "full" else 0.0
+    micro-batches the whole fp32 gradients they accumulate into are held through both. ``working``: the
+    recomputed block's share of ``act``."""
     root_grad = (2.0 if cfg.precision.half_params else 4.0) * (params - layers * block_params(cfg, dims.tp))
     held = mem.grads if cfg.train.micro_batches_per_step(dims.dp) > 1 else 0.0
     backward = mem.grads + act + root_grad

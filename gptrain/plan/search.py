@@ -14,6 +14,7 @@ from gptrain.parallel.layout import parameter_counts
 from gptrain.parallel.pipeline import stage_layer_counts, virtual_stages
 from gptrain.plan.hardware import Gpu
 from gptrain.plan.memory import GIB, Memory, fits, stage_memory
+from gptrain.parallel.reduced_grad_norm import sums_on_device
 from gptrain.plan.timing import (OPTIMIZER_BYTES, StepTime, all_reduce_s, data_parallel_s, grad_accumulation_s, offload_s, p2p_s,
                                  stage_time)
 from gptrain.train.build import parallel_dims
@@ -112,7 +113,7 @@ def predict(cfg: RunConfig, world: int, gpu: Gpu, gpus_per_node: int) -> Predict
     time.compute += grad_accumulation_s(cfg, dims, gpu, params[biggest], n_micro)
     local_params = params[biggest] / (dims.dp if dims.sharded else 1)
     if dims.cpu_offload:  # the gradient norm on the host where train/build.py cannot sum it on the GPU
-        time.optimizer = offload_s(local_params, dims.zero_stage, n_micro, host_norm=dims.tp > 1 or dims.pp > 1)
+        time.optimizer = offload_s(local_params, dims.zero_stage, n_micro, host_norm=not sums_on_device(dims))
     else:
         time.optimizer = gpu.memory_s(OPTIMIZER_BYTES * local_params, gpu.optimizer_efficiency)
     memories = [stage_memory(cfg, dims, params[r], layer_counts[r], r, virtual, sp) for r in range(dims.pp)]

@@ -196,8 +196,9 @@ def build_training(cfg: RunConfig, device: torch.device, dims: ParallelDims, mes
     # the squares FSDP2's hook sees are this rank's share of the norm only where nothing changes the reduced
     # gradients after it (train/loop.py: sequence parallelism's sums and a pipeline's tied embedding do) and
     # FSDP2 divides them inside the collective (fp32 reduction, parallelize.apply_fsdp: no post-division)
-    if dims.cpu_offload and dims.tp == 1 and not chunks:
-        from gptrain.parallel.reduced_grad_norm import ReducedGradSquares
+    from gptrain.parallel.reduced_grad_norm import ReducedGradSquares, sums_on_device
+
+    if sums_on_device(dims):
 
         grad_squares = ReducedGradSquares([*model.layers.values(), train_module], device)
     host_step = None

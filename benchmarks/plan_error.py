@@ -237,6 +237,28 @@ ROWS = [
     Row("ZeRO-2 DP2, mbs 16, --linear-impl cublaslt", "h200", 2,
         f"{mb(16, 32)} --zero-stage 2 --linear-impl cublaslt", 86_478, 16.45,
         "s24 2xH200 call 4", excluded=ZERO_CUBLASLT),
+    # two H200s, one machine held over five calls (s26), beside Megatron-LM's own step (RESULTS.md)
+    Row("1 GPU, mbs 16", "h200", 1, mb(16, 16), 211_766, 18.38, "s26 2xH200 call 1"),
+    Row("TP2, mbs 16 (CUDA graphs by default)", "h200", 2, f"{mb(16, 16)} {TP2}", 137_480, None, "s26 2xH200 call 1"),
+    Row("TP2+SP, mbs 16 (CUDA graphs by default)", "h200", 2, f"{mb(16, 16)} {TP2} {SP}", 128_795, None,
+        "s26 2xH200 call 1"),
+    Row("1 GPU, mbs 16", "h200", 1, mb(16, 16), 207_071, 18.38, "s26 2xH200 call 2"),
+    Row("TP2, mbs 16 (CUDA graphs by default)", "h200", 2, f"{mb(16, 16)} {TP2}", 138_245, None, "s26 2xH200 call 2"),
+    Row("1 GPU, mbs 16", "h200", 1, mb(16, 16), 212_387, 18.38, "s26 2xH200 call 3"),
+    Row("DP2, mbs 16", "h200", 2, mb(16, 32), 195_835, 18.38, "s26 2xH200 call 3"),
+    Row("ZeRO-1 DP2, mbs 16", "h200", 2, f"{mb(16, 32)} --zero-stage 1", 125_346, 16.43, "s26 2xH200 call 3"),
+    Row("ZeRO-1 DP2, mbs 16, --linear-impl cublaslt", "h200", 2,
+        f"{mb(16, 32)} --zero-stage 1 --linear-impl cublaslt", 116_833, 16.45, "s26 2xH200 call 3",
+        excluded=ZERO_CUBLASLT),
+    Row("PP2 1F1B 14+10, mbs 16", "h200", 2, f"{mb(16, 128)} {PP2} --decoder-last-pipeline-num-layers 10",
+        153_400, 18.23, "s26 2xH200 call 4", excluded="the same row on the same machine ran in 363.5 ms in the next "
+        "call (427.2 here): a stall of this run, which a planner of steady steps does not model"),
+    Row("1 GPU, mbs 64", "h200", 1, mb(64, 64), 224_038, 59.27, "s26 2xH200 call 4"),
+    Row("TP2, mbs 64 (CUDA graphs by default)", "h200", 2, f"{mb(64, 64)} {TP2}", 162_796, None, "s26 2xH200 call 4"),
+    Row("PP2 1F1B 14+10, mbs 16", "h200", 2, f"{mb(16, 128)} {PP2} --decoder-last-pipeline-num-layers 10",
+        180_310, 18.23, "s26 2xH200 call 5"),
+    Row("PP2 interleaved 2 x 6, mbs 16", "h200", 2,
+        f"{mb(16, 128)} {PP2} --num-layers-per-virtual-pipeline-stage 6", 170_348, 19.37, "s26 2xH200 call 5"),
     # one H200, one call (s17)
     Row("1 GPU, mbs 64", "h200", 1, mb(64, 64), 217_298, 59.27, "s17 H200"),
     Row("2.7B, 1 GPU, mbs 16, full recompute", "h200", 1, f"{mb(16, 16)} --recompute-granularity full "

@@ -9,7 +9,9 @@
 #               micro-batch 16 and 64 (benchmarks/train_throughput.py = `gptrain bench`)
 #   scaling     train_throughput.py under torchrun at the DP/ZeRO/TP/PP layouts beside a 1-GPU row of the
 #               same run (nccl_bench.py first); 2-GPU layouts from 2 GPUs, 4-GPU layouts from 4; with
-#               one GPU it says so and exits 0; ONLY="1gpu dp2 ..." picks layouts (and nccl)
+#               one GPU it says so and exits 0; ONLY="1gpu dp2 ..." picks layouts (and nccl); with
+#               MEGATRON_LM=<a Megatron-LM checkout> also Megatron-LM's own step (megatron_lm_throughput.py:
+#               megatron_1gpu megatron_dp2 megatron_tp2 megatron_tp2_sp megatron_pp2)
 #   ranks       the rank simulator on one GPU: one rank of DP2 (one all-reduce after the backward, and
 #               --overlap-grad-reduce at two bucket sizes) and of TP2 / TP2+SP (345M, micro-batch 16; TP
 #               with and without CUDA graphs, their default under TP) beside the 1-GPU step, a TP8+SP rank
@@ -152,6 +154,12 @@ LAYOUTS4=("4:16:128:dp4:--no-baseline" "4:32:64:tp2_dp2:--tensor-model-parallel-
           "4:32:32:tp4:--tensor-model-parallel-size 4 --no-baseline"
           "4:8:128:pp4:--pipeline-model-parallel-size 4 --decoder-last-pipeline-num-layers 3 --no-baseline"
           "4:16:128:zero3_dp4:--zero-stage 3 --no-baseline")
+# Megatron-LM's own step on the same model (benchmarks/megatron_lm_throughput.py), where MEGATRON_LM names a
+# source checkout: its local path (no TransformerEngine or apex; unfused attention)
+MEGATRON2=("1:16:16:megatron_1gpu:" "2:16:32:megatron_dp2:"
+           "2:16:16:megatron_tp2:--tensor-model-parallel-size 2"
+           "2:16:16:megatron_tp2_sp:--tensor-model-parallel-size 2 --sequence-parallel"
+           "2:16:128:megatron_pp2:--pipeline-model-parallel-size 2")
 
 # ONLY="1gpu dp2 ..." runs those layouts alone (a long suite split over calls; keep a 1-GPU row in each)
 selected() { [ -z "${ONLY:-}" ] || [[ " $ONLY " == *" $1 "* ]]; }
@@ -181,12 +189,22 @@ suite_scaling() {
         --micro-batch-size "$mbs" --global-batch-size "$gbs" $flags "$@" || rc=1
     fi
   done
+  if [ -n "${MEGATRON_LM:-}" ]; then
+    for v in "${MEGATRON2[@]}"; do
+      IFS=: read -r gpus mbs gbs name flags <<< "$v"
+      selected "$name" || continue
+      # shellcheck disable=SC2086
+      run scaling/$name.txt "$PY" benchmarks/megatron_lm_throughput.py --megatron-lm "$MEGATRON_LM" --nproc "$gpus" \
+        --micro-batch-size "$mbs" --global-batch-size "$gbs" -- $flags || rc=1
+    done
+  fi
   echo "== scaling (tokens/s per GPU)"
   for v in "${layouts[@]}"; do
     IFS=: read -r gpus mbs gbs name flags <<< "$v"
     selected "$name" || continue
     echo "-- $name ($gpus GPUs, micro-batch $mbs, global batch $gbs)"; bench_rows "$OUT/scaling/$name.txt"
   done
+  [ -n "${MEGATRON_LM:-}" ] && grep -h "^| Megatron-LM" "$OUT"/scaling/megatron_*.txt 2>/dev/null
   return $rc
 }
 

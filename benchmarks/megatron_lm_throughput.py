@@ -35,6 +35,15 @@ THROUGHPUT = re.compile(r"throughput per GPU \(TFLOP/s/GPU\): ([\d.]+)")
 MEMORY = re.compile(r"max allocated: ([\d.]+)")
 
 
+def read_log(out: str) -> tuple[dict[int, float], list[float], float]:
+    """Megatron's printed step times (ms, by iteration), its TFLOP/s per GPU, and the largest "max
+    allocated" of its memory reports in GiB (nan without one)."""
+    steps = {int(m.group(1)): float(m.group(2)) for m in ITERATION.finditer(out)}
+    tflops = [float(x) for x in THROUGHPUT.findall(out)]
+    peak = max((float(x) for x in MEMORY.findall(out)), default=float("nan")) / 1024
+    return steps, tflops, peak
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--megatron-lm", default=os.environ.get("MEGATRON_LM"),
@@ -63,7 +72,7 @@ def main() -> int:
     proc = subprocess.run(cmd, cwd=args.megatron_lm, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                           text=True, timeout=args.timeout)
     out = proc.stdout
-    steps = {int(m.group(1)): float(m.group(2)) for m in ITERATION.finditer(out)}
+    steps, tflops, peak = read_log(out)
     if proc.returncode != 0 or len(steps) < total:
         print(out[-6000:])
         print(f"megatron_lm_throughput: exit {proc.returncode}, {len(steps)} of {total} iterations logged")
@@ -71,8 +80,7 @@ def main() -> int:
     timed = [steps[i] for i in range(args.warmup + 1, total + 1)]
     ms = statistics.median(timed)
     tokens = args.global_batch_size * 1024 / (ms / 1e3) / args.nproc
-    tflops = [float(x) for x in THROUGHPUT.findall(out)][args.warmup:]
-    peak = max((float(x) for x in MEMORY.findall(out)), default=float("nan")) / 1024
+    tflops = tflops[args.warmup:]
     for line in out.splitlines():  # Megatron's own lines behind the row: its memory report, the last iteration
         if "memory (MB)" in line:
             print(line.strip())

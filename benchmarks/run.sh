@@ -38,7 +38,9 @@
 #               full recompute) at micro-batch 8 with 1 and 8 micro-batches per step beside the same model
 #               without offload, at ZeRO-3 and ZeRO-2; then the largest of SIZES ("layers:hidden ...",
 #               default 7.5B, 6.7B, 5.2B) that trains at ZeRO-2; z2_overlap / z2x8_overlap add
-#               --overlap-cpu-optimizer-d2h-h2d; ONLY="plain z3 z3x8 z2 z2x8 z2_overlap z2x8_overlap largest" picks rows
+#               --overlap-cpu-optimizer-d2h-h2d; deepspeed_z2 / deepspeed_z2x8: DeepSpeed's ZeRO-2 offload on the
+#               same model where deepspeed is installed (deepspeed_offload.py); ONLY="plain z3 z3x8 z2 z2x8
+#               z2_overlap z2x8_overlap deepspeed_z2 deepspeed_z2x8 largest" picks rows
 #   llama       a ~1B Llama-style model (16 x 2048, 32 heads, 8 K/V groups, SwiGLU 5632, RMSNorm, RoPE,
 #               untied, seq 2048) against torchtitan-style plain PyTorch, the GPT-2-style model of the
 #               same shape against nanoGPT's, micro-batch 8; then decode_llama.py (against HF's static cache)
@@ -437,6 +439,12 @@ suite_offload() {
     run "offload/2p7b_offload_$row.txt" "$PY" benchmarks/train_throughput.py "${M27[@]}" --global-batch-size $gbs \
       "${OFFLOAD[@]/3/$stage}" "${overlap[@]}" --warmup 2 --iters 3 "$@" || rc=1
   done
+  # DeepSpeed's ZeRO-Offload on the same model, where deepspeed is installed (benchmarks/deepspeed_offload.py)
+  for row in deepspeed_z2 deepspeed_z2x8; do
+    selected $row || continue
+    gbs=1; [[ $row == *x8 ]] && gbs=8
+    run "offload/$row.txt" timeout 400 "${TORCHRUN[@]}" 1 benchmarks/deepspeed_offload.py --micro-batches $gbs || rc=1
+  done
   for size in ${SIZES:-36:4096 32:4096 40:3200}; do
     selected largest || break
     layers=${size%%:*} hidden=${size##*:}
@@ -445,7 +453,7 @@ suite_offload() {
       break
     fi
   done
-  echo "== offload"; bench_rows "$OUT"/offload/*.txt
+  echo "== offload"; bench_rows "$OUT"/offload/*.txt; grep -h "^| DeepSpeed" "$OUT"/offload/deepspeed_*.txt 2>/dev/null
   return $rc
 }
 

@@ -1,0 +1,116 @@
+"""DeepSpeed's ZeRO-Offload on the model `run.sh offload` trains, as the reference beside gptrain's rows in
+the same call: a GPT-2-shaped model (plain PyTorch: nn.Linear, LayerNorm, SDPA, tied head; gptrain bench's
+baseline module) with each block's activations recomputed (torch.utils.checkpoint), bf16, ZeRO-2 (or 3) with
+``offload_optimizer: cpu`` (DeepSpeed's own CPU Adam, which it builds on first use), gradient clipping 1.0.
+Needs deepspeed installed (`pip install deepspeed`); without it, says so and exits 0.
+
+    torchrun --standalone --nproc-per-node 1 benchmarks/deepspeed_offload.py --num-layers 32 --hidden-size 2560 \
+        --num-attention-heads 32 --micro-batch-size 8
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from gptrain.bench_models import BaselineGPT  # noqa: E402
+
+VOCAB = 50304  # GPT-2's 50257 padded to a multiple of 128, as gptrain's and Megatron's runs pad it
+
+
+class CheckpointedGPT(BaselineGPT):
+    """The baseline GPT with every block's activations recomputed in the backward (full recompute)."""
+
+    def _block(self, blk, x):
+        b, s, _ = x.shape
+        q, k, v = blk["qkv"](blk["ln1"](x)).view(b, s, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + blk["proj"](y.transpose(1, 2).reshape(b, s, -1))
+        return x + blk["out"](F.gelu(blk["fc"](blk["ln2"](x)), approximate="tanh"))
+
+    def forward(self, idx, targets):
+        s = idx.shape[1]
+        x = self.wte(idx) + self.wpe(torch.arange(s, device=idx.device))
+        for blk in self.blocks:
+            x = checkpoint(self._block, blk, x, use_reentrant=False)
+        logits = F.linear(self.ln_f(x), self.wte.weight)
+        return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def ds_config(args) -> dict:
+    return {
+        "train_micro_batch_size_per_gpu": args.micro_batch_size,
+        "gradient_accumulation_steps": args.micro_batches,
+        "bf16": {"enabled": True},
+        "gradient_clipping": 1.0,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "betas": [0.9, 0.95], "eps": 1e-8,
+                                                  "weight_decay": 0.01}},
+        "zero_optimization": {"stage": args.zero_stage, "offload_optimizer": {"device": "cpu", "pin_memory": True},
+                              "contiguous_gradients": True, "overlap_comm": True},
+        "steps_per_print": 10 ** 9,
+        "wall_clock_breakdown": False,
+    }
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--num-layers", type=int, default=32)
+    p.add_argument("--hidden-size", type=int, default=2560)
+    p.add_argument("--num-attention-heads", type=int, default=32)
+    p.add_argument("--seq-length", type=int, default=1024)
+    p.add_argument("--micro-batch-size", type=int, default=8)
+    p.add_argument("--micro-batches", type=int, default=1, help="micro-batches per step")
+    p.add_argument("--zero-stage", type=int, default=2, choices=(2, 3))
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--iters", type=int, default=5)
+    args = p.parse_args()
+    try:
+        import deepspeed
+    except ImportError as err:
+        print(f"deepspeed_offload: deepspeed is not installed ({err}); nothing run")
+        return 0
+    import psutil
+
+    torch.manual_seed(1234)
+    with torch.device("cuda"):
+        model = CheckpointedGPT(VOCAB, args.seq_length, args.hidden_size, args.num_attention_heads, args.num_layers)
+    n_params = sum(t.numel() for t in model.parameters())
+    started = time.monotonic()
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config(args))
+    print(f"deepspeed {deepspeed.__version__}: initialized in {time.monotonic() - started:.1f} s "
+          f"(its CPU Adam built or loaded), {n_params / 1e9:.2f} B parameters", flush=True)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    times, losses = [], []
+    for step in range(args.warmup + args.iters):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(args.micro_batches):
+            ids = torch.randint(0, 50257, (args.micro_batch_size, args.seq_length + 1), device="cuda", generator=gen)
+            loss = engine(ids[:, :-1], ids[:, 1:])
+            engine.backward(loss)
+            engine.step()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+        losses.append(loss.item())
+        print(f"step {step + 1}: {1e3 * times[-1]:.1f} ms, loss {losses[-1]:.4f}", flush=True)
+    step_s = statistics.median(times[args.warmup:])
+    tokens = args.micro_batch_size * args.micro_batches * args.seq_length / step_s
+    flops = 6 * n_params + 12 * args.num_layers * args.hidden_size * args.seq_length  # per token, as gptrain counts
+    host_gib = psutil.Process(os.getpid()).memory_info().rss / 2 ** 30
+    print("| run | micro-batches a step | ms/step | tokens/s | model TFLOP/s | GPU GiB (max allocated) | host RSS GiB |")
+    print(f"| DeepSpeed {deepspeed.__version__} ZeRO-{args.zero_stage} offload_optimizer cpu | {args.micro_batches} | "
+          f"{1e3 * step_s:.1f} | {tokens:,.0f} | {tokens * flops / 1e12:.1f} | "
+          f"{torch.cuda.max_memory_allocated() / 2 ** 30:.2f} | {host_gib:.1f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from bench_script import load
+
 import pytest
 import torch
 
@@ -16,10 +18,7 @@ SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "deepspeed_offload
 
 
 def _module():
-    spec = importlib.util.spec_from_file_location("deepspeed_offload", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load("deepspeed_offload")
 
 
 def test_recomputed_model_equals_the_baseline():

@@ -3,10 +3,11 @@ written by pretrain_gpt.py at commit d98e8a6 for the checkpoint fixtures), and r
 pretrain_gpt.py under torchrun with the 345M's flags."""
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
 from pathlib import Path
+
+from bench_script import load
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "megatron_lm_throughput.py"
@@ -14,10 +15,7 @@ MEGATRON_LOG = ROOT.parent / "shared" / "fixtures" / "megatron-ckpt" / "dev_tp1.
 
 
 def _module():
-    spec = importlib.util.spec_from_file_location("megatron_lm_throughput", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load("megatron_lm_throughput")
 
 
 def test_megatron_log_read():

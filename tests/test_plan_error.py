@@ -2,22 +2,14 @@
 not excluded within 10% on tokens/s and 5% on peak memory where memory was measured, on a CPU."""
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
 
 import pytest
-
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "plan_error.py"
+from bench_script import load
 
 
 @pytest.fixture(scope="module")
 def plan_error():
-    spec = importlib.util.spec_from_file_location("plan_error", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["plan_error"] = module  # its dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
+    return load("plan_error")
 
 
 def test_every_held_measurement_within_10_percent_time_and_5_percent_memory(plan_error):

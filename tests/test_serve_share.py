@@ -2,10 +2,8 @@
 decode_speed.py printed them on an H100 in s22)."""
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
+from bench_script import load
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "serve_share.py"
 LOAD = ("waited 1.8 s for the server's warm-up\n"
         "32 clients, 30.1 s: 5961 requests, 197.96 requests/s, 12657.4 generated tokens/s, latency p50 154 ms, "
         "p99 314 ms, errors 0, same text alone as under load: 8/8\n")
@@ -15,10 +13,7 @@ ENGINE = ("batch  32: gptrain (fused)    24047.5 tokens/s (1.331 ms/step, prefil
 
 
 def _module():
-    spec = importlib.util.spec_from_file_location("serve_share", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load("serve_share")
 
 
 def test_the_share_of_the_sampled_engine():

@@ -85,6 +85,7 @@ def main() -> int:
     n_params = sum(t.numel() for t in model.parameters())
     started = time.monotonic()
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config(args))
+    torch.cuda.reset_peak_memory_stats()  # the fp32 model built on the GPU before the set-up is not the step's
     print(f"deepspeed {deepspeed.__version__}: initialized in {time.monotonic() - started:.1f} s "
           f"(its CPU Adam built or loaded), {n_params / 1e9:.2f} B parameters", flush=True)
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -105,7 +106,8 @@ def main() -> int:
     tokens = args.micro_batch_size * args.micro_batches * args.seq_length / step_s
     flops = 6 * n_params + 12 * args.num_layers * args.hidden_size * args.seq_length  # per token, as gptrain counts
     host_gib = psutil.Process(os.getpid()).memory_info().rss / 2 ** 30
-    print("| run | micro-batches a step | ms/step | tokens/s | model TFLOP/s | GPU GiB (max allocated) | host RSS GiB |")
+    print("| run | micro-batches a step | ms/step | tokens/s | model TFLOP/s | GPU GiB (max allocated in the steps) "
+          "| host RSS GiB |")
     print(f"| DeepSpeed {deepspeed.__version__} ZeRO-{args.zero_stage} offload_optimizer cpu | {args.micro_batches} | "
           f"{1e3 * step_s:.1f} | {tokens:,.0f} | {tokens * flops / 1e12:.1f} | "
           f"{torch.cuda.max_memory_allocated() / 2 ** 30:.2f} | {host_gib:.1f} |")

@@ -1,17 +1,20 @@
-"""benchmarks/megatron_lm_throughput.py reads the step times and memory Megatron-LM prints (its own log,
-written by pretrain_gpt.py at commit d98e8a6 for the checkpoint fixtures), and runs a checkout's
-pretrain_gpt.py under torchrun with the 345M's flags."""
+"""benchmarks/megatron_lm_throughput.py reads the step times and memory Megatron-LM prints (lines of its own
+log, written by pretrain_gpt.py at commit d98e8a6 for ../shared's checkpoint fixtures, kept in tests/fixtures),
+and runs a checkout's pretrain_gpt.py under torchrun with the 345M's flags."""
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 from bench_script import load
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "megatron_lm_throughput.py"
-MEGATRON_LOG = ROOT.parent / "shared" / "fixtures" / "megatron-ckpt" / "dev_tp1.log"
+MEGATRON_LOG = ROOT / "tests" / "fixtures" / "megatron_lm_iterations.log"
 
 
 def _module():
@@ -54,6 +57,28 @@ def test_a_checkout_run_under_torchrun(tmp_path):
     median = (timed[4] + timed[5]) / 2
     # the row's columns: label, GPUs, micro-batch (global), ms, tokens/s per GPU (seq 1024), TFLOP/s, GiB
     assert row[4].strip() == f"{median:.1f}" and row[5].strip() == f"{8 * 1024 / (median / 1e3):,.0f}"
+
+
+def _stand_in(folder: Path, body: str) -> list[str]:
+    (folder / "pretrain_gpt.py").write_text(body)
+    return [sys.executable, str(SCRIPT), "--megatron-lm", str(folder)]
+
+
+def test_a_layout_megatron_refuses_is_said(tmp_path):
+    cmd = _stand_in(tmp_path, "raise AssertionError('sequence parallel not supported by torch LayerNorm when "
+                              "instantiating TransformerLayer')\n")
+    out = subprocess.run(cmd + ["--", "--sequence-parallel"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "refused by Megatron-LM: sequence parallel not supported by torch LayerNorm" in out.stdout
+
+
+def test_a_run_past_its_time_is_stopped_with_its_workers(tmp_path):
+    cmd = _stand_in(tmp_path, "import os, time\nopen('pid', 'w').write(str(os.getpid()))\ntime.sleep(300)\n")
+    out = subprocess.run(cmd + ["--timeout", "5"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1 and "stopped after 5 s" in out.stdout, out.stdout + out.stderr
+    pid = int((tmp_path / "pid").read_text())
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
 
 
 def test_no_checkout_runs_nothing():

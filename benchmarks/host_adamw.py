@@ -1,9 +1,12 @@
 """The host's side of ZeRO-Offload, measured: torch's fused CPU AdamW over fp32 parameters (what
 ``--cpu-offload`` runs on the host each step) at several thread counts, and the other passes an offload step
 can make over the host's gradients and parameters (the gradient norm, casts between bf16 and fp32), and
-the pinned host <-> GPU copy bandwidth of the step's gradient and parameter transfers, in fp32 and bf16.
+the pinned host <-> GPU copy bandwidth of the step's gradient and parameter transfers, in fp32 and bf16; and
+AdamW on a worker thread, as ``--overlap-cpu-optimizer-d2h-h2d`` runs it, beside what the main thread does
+during the next forward: nothing, pure Python (the GIL), pinned copies to the GPU (host memory bandwidth),
+small GPU kernels launched back to back (a core busy driving the GPU).
 
-    python3 benchmarks/host_adamw.py [--params 500e6] [--threads 8 16 32]
+    python3 benchmarks/host_adamw.py [--params 500e6] [--threads 8 16 32] [--beside nothing python copies launches]
 
 Prints seconds per step and the parameters per second each rate gives, so a step's host time for a model
 of P parameters is about P / rate (the planner's OFFLOAD constants, gptrain/plan/timing.py, are per
@@ -51,6 +54,52 @@ def pass_rate(n: int, what: str, repeats: int = 3) -> float:
     return sum(sizes) / best
 
 
+def adamw_beside(n: int, threads: int, beside: str, repeats: int = 3) -> float:
+    """Seconds of one fused CPU AdamW step over ``n`` fp32 parameters run on a worker thread while the main
+    thread does ``beside`` until the worker is done: ``nothing`` (waits), ``python`` (a pure-Python loop),
+    ``copies`` (pinned host -> GPU copies of 256 MiB), ``launches`` (tiny GPU kernels from Python)."""
+    import threading
+
+    if beside not in ("nothing", "python", "copies", "launches"):
+        raise ValueError(f"beside: nothing, python, copies or launches, not {beside!r}")
+    torch.set_num_threads(threads)
+    params = [torch.randn(n // 64).requires_grad_() for _ in range(64)]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.1, fused=True)
+    opt.step()
+    times: list[float] = []
+
+    def worker():
+        torch.set_num_threads(threads)  # a new thread's own OpenMP setting
+        for _ in range(repeats):
+            start = time.perf_counter()
+            opt.step()
+            times.append(time.perf_counter() - start)
+
+    if beside == "copies":
+        host = torch.empty(64 << 20, dtype=torch.float32, pin_memory=True)
+        dev = torch.empty_like(host, device="cuda")
+    elif beside == "launches":
+        x = torch.zeros(1024, device="cuda")
+    thread = threading.Thread(target=worker)
+    thread.start()
+    while thread.is_alive():
+        if beside == "nothing":
+            thread.join()
+        elif beside == "python":
+            sum(i * i for i in range(10_000))
+        elif beside == "copies":
+            dev.copy_(host, non_blocking=True)
+            torch.cuda.synchronize()
+        elif beside == "launches":
+            for _ in range(100):
+                x.mul_(1.0001)
+            torch.cuda.synchronize()
+    thread.join()
+    return min(times)
+
+
 def copy_rate(nbytes: int, dtype: torch.dtype, to_device: bool, repeats: int = 5) -> float:
     """GB/s of one pinned host <-> GPU copy of ``nbytes``."""
     n = nbytes // torch.tensor([], dtype=dtype).element_size()
@@ -70,6 +119,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--params", type=float, default=500e6)
     p.add_argument("--threads", type=int, nargs="+", default=[8, 16, 32])
+    p.add_argument("--beside", nargs="*", default=["nothing", "python", "copies", "launches"],
+                   help="what the main thread does while a worker thread runs AdamW (copies and launches need a GPU)")
     args = p.parse_args()
     n = int(args.params)
     print(f"host: {torch.get_num_threads()} threads by default, torch {torch.__version__}")
@@ -82,6 +133,12 @@ def main() -> None:
         rate = pass_rate(n, what)
         print(f"host pass '{what}', {n / 1e6:.0f}M values, {max(args.threads)} threads: {n / rate:.3f} s, "
               f"{rate / 1e9:.2f} G values/s")
+    for beside in args.beside:
+        if beside in ("copies", "launches") and not torch.cuda.is_available():
+            continue
+        seconds = adamw_beside(n, max(args.threads), beside)
+        print(f"fused CPU AdamW on a worker thread, {n / 1e6:.0f}M parameters, {max(args.threads)} threads, the main "
+              f"thread doing '{beside}': {seconds:.3f} s, {n / seconds / 1e9:.2f} G parameters/s")
     if torch.cuda.is_available():
         for dtype in (torch.float32, torch.bfloat16):
             for to_device in (True, False):

@@ -1,6 +1,7 @@
 """The host's side of ZeRO-Offload, measured: torch's fused CPU AdamW over fp32 parameters (what
 ``--cpu-offload`` runs on the host each step) at several thread counts, and the other passes an offload step
-can make over the host's gradients and parameters (the gradient norm, casts between bf16 and fp32), and
+can make over the host's gradients and parameters (the gradient norm, casts between bf16 and fp32), DeepSpeed's
+CPU Adam beside torch's where deepspeed is installed, and
 the pinned host <-> GPU copy bandwidth of the step's gradient and parameter transfers, in fp32 and bf16; and
 AdamW on a worker thread, as ``--overlap-cpu-optimizer-d2h-h2d`` runs it, beside what the main thread does
 during the next forward: nothing, pure Python (the GIL), pinned copies to the GPU (host memory bandwidth),
@@ -15,19 +16,26 @@ parameter too).
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import time
 
 import torch
 
 
-def adamw_rate(n: int, threads: int, repeats: int = 3) -> float:
-    """Parameters per second of one fused CPU AdamW step over ``n`` fp32 parameters in 64 tensors."""
+def adamw_rate(n: int, threads: int, repeats: int = 3, deepspeed: bool = False) -> float:
+    """Parameters per second of one fused CPU AdamW step over ``n`` fp32 parameters in 64 tensors (or of
+    DeepSpeed's CPU Adam, its C++ kernel built on first use, with ``deepspeed``)."""
     torch.set_num_threads(threads)
     sizes = [n // 64] * 64
     params = [torch.randn(s).requires_grad_() for s in sizes]
     for p in params:
         p.grad = torch.randn_like(p)
-    opt = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.1, fused=True)
+    if deepspeed:
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+        opt = DeepSpeedCPUAdam(params, lr=1e-4, weight_decay=0.1, adamw_mode=True)
+    else:
+        opt = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.1, fused=True)
     opt.step()  # the moments allocated
     best = float("inf")
     for _ in range(repeats):
@@ -128,6 +136,11 @@ def main() -> None:
         rate = adamw_rate(n, t)
         print(f"fused CPU AdamW, {n / 1e6:.0f}M fp32 parameters, {t} threads: {n / rate:.3f} s a step, "
               f"{rate / 1e9:.2f} G parameters/s")
+    if importlib.util.find_spec("deepspeed") is not None:
+        for t in args.threads:
+            rate = adamw_rate(n, t, deepspeed=True)
+            print(f"DeepSpeed's CPU Adam (AdamW mode), {n / 1e6:.0f}M fp32 parameters, {t} threads: {n / rate:.3f} s a "
+                  f"step, {rate / 1e9:.2f} G parameters/s")
     torch.set_num_threads(max(args.threads))
     for what in ("norm", "upcast", "downcast"):
         rate = pass_rate(n, what)

@@ -5,9 +5,9 @@ CPU Adam beside torch's where deepspeed is installed, and
 the pinned host <-> GPU copy bandwidth of the step's gradient and parameter transfers, in fp32 and bf16; and
 AdamW on a worker thread, as ``--overlap-cpu-optimizer-d2h-h2d`` runs it, beside what the main thread does
 during the next forward: nothing, pure Python (the GIL), pinned copies to the GPU (host memory bandwidth),
-small GPU kernels launched back to back (a core busy driving the GPU).
+small GPU kernels launched back to back (a core busy driving the GPU), waited for by spinning or by sleeping.
 
-    python3 benchmarks/host_adamw.py [--params 500e6] [--threads 8 16 32] [--beside nothing python copies launches]
+    python3 benchmarks/host_adamw.py [--params 500e6] [--threads 8 16 32] [--beside nothing python copies ...]
 
 Prints seconds per step and the parameters per second each rate gives, so a step's host time for a model
 of P parameters is about P / rate (the planner's OFFLOAD constants, gptrain/plan/timing.py, are per
@@ -62,14 +62,18 @@ def pass_rate(n: int, what: str, repeats: int = 3) -> float:
     return sum(sizes) / best
 
 
+BESIDE = ("nothing", "python", "copies", "launches", "launches_blocking")
+
+
 def adamw_beside(n: int, threads: int, beside: str, repeats: int = 3) -> float:
     """Seconds of one fused CPU AdamW step over ``n`` fp32 parameters run on a worker thread while the main
     thread does ``beside`` until the worker is done: ``nothing`` (waits), ``python`` (a pure-Python loop),
-    ``copies`` (pinned host -> GPU copies of 256 MiB), ``launches`` (tiny GPU kernels from Python)."""
+    ``copies`` (pinned host -> GPU copies of 256 MiB), ``launches`` (tiny GPU kernels from Python, waited for
+    as torch.cuda.synchronize waits: spinning), ``launches_blocking`` (the same, waited for on a blocking event)."""
     import threading
 
-    if beside not in ("nothing", "python", "copies", "launches"):
-        raise ValueError(f"beside: nothing, python, copies or launches, not {beside!r}")
+    if beside not in BESIDE:
+        raise ValueError(f"beside: one of {', '.join(BESIDE)}, not {beside!r}")
     torch.set_num_threads(threads)
     params = [torch.randn(n // 64).requires_grad_() for _ in range(64)]
     for p in params:
@@ -88,7 +92,7 @@ def adamw_beside(n: int, threads: int, beside: str, repeats: int = 3) -> float:
     if beside == "copies":
         host = torch.empty(64 << 20, dtype=torch.float32, pin_memory=True)
         dev = torch.empty_like(host, device="cuda")
-    elif beside == "launches":
+    elif beside.startswith("launches"):
         x = torch.zeros(1024, device="cuda")
     thread = threading.Thread(target=worker)
     thread.start()
@@ -100,10 +104,15 @@ def adamw_beside(n: int, threads: int, beside: str, repeats: int = 3) -> float:
         elif beside == "copies":
             dev.copy_(host, non_blocking=True)
             torch.cuda.synchronize()
-        elif beside == "launches":
+        elif beside in ("launches", "launches_blocking"):
             for _ in range(100):
                 x.mul_(1.0001)
-            torch.cuda.synchronize()
+            if beside == "launches":
+                torch.cuda.synchronize()  # CUDA's default wait: the main thread spins on its core
+            else:
+                done = torch.cuda.Event(blocking=True)  # the main thread sleeps until the kernels end
+                done.record()
+                done.synchronize()
     thread.join()
     return min(times)
 
@@ -127,8 +136,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--params", type=float, default=500e6)
     p.add_argument("--threads", type=int, nargs="+", default=[8, 16, 32])
-    p.add_argument("--beside", nargs="*", default=["nothing", "python", "copies", "launches"],
-                   help="what the main thread does while a worker thread runs AdamW (copies and launches need a GPU)")
+    p.add_argument("--beside", nargs="*", default=list(BESIDE), choices=BESIDE,
+                   help="what the main thread does while a worker thread runs AdamW (copies, launches need a GPU)")
     args = p.parse_args()
     n = int(args.params)
     print(f"host: {torch.get_num_threads()} threads by default, torch {torch.__version__}")
@@ -147,7 +156,7 @@ def main() -> None:
         print(f"host pass '{what}', {n / 1e6:.0f}M values, {max(args.threads)} threads: {n / rate:.3f} s, "
               f"{rate / 1e9:.2f} G values/s")
     for beside in args.beside:
-        if beside in ("copies", "launches") and not torch.cuda.is_available():
+        if beside.startswith(("copies", "launches")) and not torch.cuda.is_available():
             continue
         seconds = adamw_beside(n, max(args.threads), beside)
         print(f"fused CPU AdamW on a worker thread, {n / 1e6:.0f}M parameters, {max(args.threads)} threads, the main "

@@ -17,32 +17,11 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from gptrain.bench_models import BaselineGPT  # noqa: E402
+from gptrain.bench_models import BaselineGPT  # noqa: E402  (recompute=True: every block recomputed)
 
 VOCAB = 50304  # GPT-2's 50257 padded to a multiple of 128, as gptrain's and Megatron's runs pad it
-
-
-class CheckpointedGPT(BaselineGPT):
-    """The baseline GPT with every block's activations recomputed in the backward (full recompute)."""
-
-    def _block(self, blk, x):
-        b, s, _ = x.shape
-        q, k, v = blk["qkv"](blk["ln1"](x)).view(b, s, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + blk["proj"](y.transpose(1, 2).reshape(b, s, -1))
-        return x + blk["out"](F.gelu(blk["fc"](blk["ln2"](x)), approximate="tanh"))
-
-    def forward(self, idx, targets):
-        s = idx.shape[1]
-        x = self.wte(idx) + self.wpe(torch.arange(s, device=idx.device))
-        for blk in self.blocks:
-            x = checkpoint(self._block, blk, x, use_reentrant=False)
-        logits = F.linear(self.ln_f(x), self.wte.weight)
-        return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1))
 
 
 def ds_config(args) -> dict:
@@ -81,7 +60,8 @@ def main() -> int:
 
     torch.manual_seed(1234)
     with torch.device("cuda"):
-        model = CheckpointedGPT(VOCAB, args.seq_length, args.hidden_size, args.num_attention_heads, args.num_layers)
+        model = BaselineGPT(VOCAB, args.seq_length, args.hidden_size, args.num_attention_heads, args.num_layers,
+                            recompute=True)
     n_params = sum(t.numel() for t in model.parameters())
     started = time.monotonic()
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config(args))
@@ -89,7 +69,7 @@ def main() -> int:
     print(f"deepspeed {deepspeed.__version__}: initialized in {time.monotonic() - started:.1f} s "
           f"(its CPU Adam built or loaded), {n_params / 1e9:.2f} B parameters", flush=True)
     gen = torch.Generator(device="cuda").manual_seed(0)
-    times, losses = [], []
+    times = []
     for step in range(args.warmup + args.iters):
         torch.cuda.synchronize()
         t0 = time.perf_counter()
@@ -100,8 +80,7 @@ def main() -> int:
             engine.step()
         torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
-        losses.append(loss.item())
-        print(f"step {step + 1}: {1e3 * times[-1]:.1f} ms, loss {losses[-1]:.4f}", flush=True)
+        print(f"step {step + 1}: {1e3 * times[-1]:.1f} ms, loss {loss.item():.4f}", flush=True)
     step_s = statistics.median(times[args.warmup:])
     tokens = args.micro_batch_size * args.micro_batches * args.seq_length / step_s
     flops = 6 * n_params + 12 * args.num_layers * args.hidden_size * args.seq_length  # per token, as gptrain counts

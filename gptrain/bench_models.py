@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 
 def model_kind(m) -> str:
@@ -24,11 +25,12 @@ def baseline_for(m) -> nn.Module:
 
 
 class BaselineGPT(nn.Module):
-    """The simplest strong GPT-2: nn.Linear/LayerNorm/SDPA, tied head, plain cross-entropy."""
+    """The simplest strong GPT-2: nn.Linear/LayerNorm/SDPA, tied head, plain cross-entropy; ``recompute``:
+    each block's activations recomputed in the backward (torch.utils.checkpoint)."""
 
-    def __init__(self, vocab: int, seq: int, hidden: int, heads: int, layers: int):
+    def __init__(self, vocab: int, seq: int, hidden: int, heads: int, layers: int, recompute: bool = False):
         super().__init__()
-        self.heads = heads
+        self.heads, self.recompute = heads, recompute
         self.wte, self.wpe = nn.Embedding(vocab, hidden), nn.Embedding(seq, hidden)
         self.blocks = nn.ModuleList(nn.ModuleDict(dict(
             ln1=nn.LayerNorm(hidden), qkv=nn.Linear(hidden, 3 * hidden), proj=nn.Linear(hidden, hidden),
@@ -38,14 +40,17 @@ class BaselineGPT(nn.Module):
         for p in self.parameters():
             nn.init.normal_(p, std=0.02) if p.ndim == 2 else None
 
+    def _block(self, blk, x):
+        b, s, _ = x.shape
+        q, k, v = blk["qkv"](blk["ln1"](x)).view(b, s, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + blk["proj"](y.transpose(1, 2).reshape(b, s, -1))
+        return x + blk["out"](F.gelu(blk["fc"](blk["ln2"](x)), approximate="tanh"))
+
     def forward(self, idx, targets):
-        b, s = idx.shape
-        x = self.wte(idx) + self.wpe(torch.arange(s, device=idx.device))
+        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))
         for blk in self.blocks:
-            q, k, v = blk["qkv"](blk["ln1"](x)).view(b, s, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-            x = x + blk["proj"](y.transpose(1, 2).reshape(b, s, -1))
-            x = x + blk["out"](F.gelu(blk["fc"](blk["ln2"](x)), approximate="tanh"))
+            x = checkpoint(self._block, blk, x, use_reentrant=False) if self.recompute else self._block(blk, x)
         logits = F.linear(self.ln_f(x), self.wte.weight)
         return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1))
 

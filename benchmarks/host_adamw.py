@@ -65,11 +65,13 @@ def pass_rate(n: int, what: str, repeats: int = 3) -> float:
 BESIDE = ("nothing", "python", "copies", "launches", "launches_blocking")
 
 
-def adamw_beside(n: int, threads: int, beside: str, repeats: int = 3) -> float:
+def adamw_beside(n: int, threads: int, beside: str, repeats: int = 3) -> tuple[float, float | None]:
     """Seconds of one fused CPU AdamW step over ``n`` fp32 parameters run on a worker thread while the main
     thread does ``beside`` until the worker is done: ``nothing`` (waits), ``python`` (a pure-Python loop),
     ``copies`` (pinned host -> GPU copies of 256 MiB), ``launches`` (tiny GPU kernels from Python, waited for
-    as torch.cuda.synchronize waits: spinning), ``launches_blocking`` (the same, waited for on a blocking event)."""
+    as torch.cuda.synchronize waits: spinning), ``launches_blocking`` (the same, waited for on a blocking event).
+    Returns the best step's seconds and, for ``copies``, the GB/s the main thread's copies ran at meanwhile
+    (how much of the PCIe bandwidth the step leaves to the forward's copies in)."""
     import threading
 
     if beside not in BESIDE:
@@ -95,6 +97,7 @@ def adamw_beside(n: int, threads: int, beside: str, repeats: int = 3) -> float:
     elif beside.startswith("launches"):
         x = torch.zeros(1024, device="cuda")
     thread = threading.Thread(target=worker)
+    copied, start = 0, time.perf_counter()
     thread.start()
     while thread.is_alive():
         if beside == "nothing":
@@ -104,6 +107,7 @@ def adamw_beside(n: int, threads: int, beside: str, repeats: int = 3) -> float:
         elif beside == "copies":
             dev.copy_(host, non_blocking=True)
             torch.cuda.synchronize()
+            copied += host.numel() * host.element_size()
         elif beside in ("launches", "launches_blocking"):
             for _ in range(100):
                 x.mul_(1.0001)
@@ -114,7 +118,7 @@ def adamw_beside(n: int, threads: int, beside: str, repeats: int = 3) -> float:
                 done.record()
                 done.synchronize()
     thread.join()
-    return min(times)
+    return min(times), (copied / (time.perf_counter() - start) / 1e9 if beside == "copies" else None)
 
 
 def copy_rate(nbytes: int, dtype: torch.dtype, to_device: bool, repeats: int = 5) -> float:
@@ -138,6 +142,8 @@ def main() -> None:
     p.add_argument("--threads", type=int, nargs="+", default=[8, 16, 32])
     p.add_argument("--beside", nargs="*", default=list(BESIDE), choices=BESIDE,
                    help="what the main thread does while a worker thread runs AdamW (copies, launches need a GPU)")
+    p.add_argument("--beside-threads", type=int, nargs="*", default=None,
+                   help="the worker's thread counts for the --beside rows (default: the largest of --threads)")
     args = p.parse_args()
     n = int(args.params)
     print(f"host: {torch.get_num_threads()} threads by default, torch {torch.__version__}")
@@ -155,12 +161,14 @@ def main() -> None:
         rate = pass_rate(n, what)
         print(f"host pass '{what}', {n / 1e6:.0f}M values, {max(args.threads)} threads: {n / rate:.3f} s, "
               f"{rate / 1e9:.2f} G values/s")
-    for beside in args.beside:
-        if beside.startswith(("copies", "launches")) and not torch.cuda.is_available():
-            continue
-        seconds = adamw_beside(n, max(args.threads), beside)
-        print(f"fused CPU AdamW on a worker thread, {n / 1e6:.0f}M parameters, {max(args.threads)} threads, the main "
-              f"thread doing '{beside}': {seconds:.3f} s, {n / seconds / 1e9:.2f} G parameters/s")
+    for threads in args.beside_threads or [max(args.threads)]:
+        for beside in args.beside:
+            if beside.startswith(("copies", "launches")) and not torch.cuda.is_available():
+                continue
+            seconds, gbps = adamw_beside(n, threads, beside)
+            print(f"fused CPU AdamW on a worker thread, {n / 1e6:.0f}M parameters, {threads} threads, the main "
+                  f"thread doing '{beside}': {seconds:.3f} s, {n / seconds / 1e9:.2f} G parameters/s"
+                  + (f"; its copies meanwhile {gbps:.1f} GB/s" if gbps is not None else ""))
     if torch.cuda.is_available():
         for dtype in (torch.float32, torch.bfloat16):
             for to_device in (True, False):

@@ -101,3 +101,64 @@ def test_every_parameter_is_covered():
     model = _model()
     with pytest.raises(ValueError, match="covers every parameter: 2 left out"):
         OverlappedHostStep(_adamw(model), _blocks(model)[:2])
+
+
+def _main_thread_progress(through_dtensor: bool) -> float:
+    """Operator calls the main thread makes per millisecond (each lets go of the GIL and takes it back, as the
+    forward's do) while the host step updates DTensor parameters on its thread (one OpenMP thread, so the
+    two threads need no more than two cores): through the optimizer's own step (DTensor's Python dispatch
+    around the kernel) or the host step's."""
+    import time
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=1)
+    mesh = init_device_mesh("cpu", (1,))
+    torch.set_num_threads(1)
+    blocks = []
+    for _ in range(3):
+        m = nn.Module()
+        m.w = nn.Parameter(distribute_tensor(torch.zeros(1 << 22), mesh, [Shard(0)]))
+        blocks.append((m, [m.w]))
+    opt = torch.optim.AdamW([m.w for m, _ in blocks], lr=1e-3, fused=True)
+    host = OverlappedHostStep(opt, blocks)
+    rates, x = [], torch.zeros(4)
+    for _ in range(3):
+        for m, _ in blocks:
+            m.w.grad = torch.ones_like(m.w)
+        if through_dtensor:
+            worker = threading.Thread(target=opt.step)
+            worker.start()
+            busy = worker.is_alive
+        else:
+            host.launch()
+            busy = lambda: not host.idle.is_set()  # noqa: E731
+        n, start = 0, time.perf_counter()
+        while busy():
+            x.add_(1)
+            n += 1
+        rates.append(n / (1000 * (time.perf_counter() - start)))
+        worker.join() if through_dtensor else host.join()
+    host.close()
+    dist.destroy_process_group()
+    return max(rates)
+
+
+def test_the_forward_runs_while_the_thread_updates_dtensor_parameters():
+    """DTensor's dispatch holds the GIL through the fused kernel, which stopped the main thread (the next
+    forward) for each block's update; the host step calls the kernel on the local tensors instead."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    here = Path(__file__).parent
+    code = ("import test_host_optimizer_step as t; "
+            "print(t._main_thread_progress(True), t._main_thread_progress(False))")
+    env = {"PYTHONPATH": f"{here}:{here.parent}", "PATH": "/usr/bin:/bin", "PYTHONWARNINGS": "ignore"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    through_dtensor, host_step = map(float, out.stdout.split())
+    assert host_step > 20 * through_dtensor, (through_dtensor, host_step)

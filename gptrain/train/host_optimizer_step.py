@@ -9,47 +9,72 @@ waits for that block's update (its pre-forward hook, run before FSDP2 copies the
 the GPU). Everything that reads the parameters or the optimizer state outside a forward (the next
 step, checkpoints, evaluation's hooks aside, the parameter norm) joins the worker first.
 
-The update itself is torch's fused AdamW on the same state as the one optimizer (sub-optimizers over
-each block's parameters share its ``state`` and copy its hyperparameters each step), so the numbers,
-the step counts and the checkpoints are those of the ordinary step.
+The update is torch's fused AdamW kernel, the optimizer's own, over the optimizer's own state and
+hyperparameters, so the numbers, the step counts and the checkpoints are those of the ordinary step. The
+thread calls it on the parameters' local tensors: through DTensor, the kernel runs inside DTensor's Python
+dispatch, which holds the GIL for the whole update and so stops the main thread, and with it the forward
+this step is meant to overlap, for each block's update (benchmarks/RESULTS.md, the offload section).
+One thread serves the whole run, so its OpenMP team is made once.
 """
 from __future__ import annotations
 
+import queue
 import threading
 
 import torch
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 
-_HYPERPARAMETERS = ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize", "foreach", "capturable",
-                    "differentiable", "fused", "decoupled_weight_decay")
+from gptrain.train.checkpoint import init_optimizer_state
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t  # (under no_grad: the local tensor itself)
 
 
 class _BlockStep:
-    """The optimizer's step over one module's parameters: one sub-optimizer whose groups are the
-    parts of the optimizer's groups that hold them."""
+    """The optimizer's step over one module's parameters: per optimizer group, the fused kernel's call
+    over the parameters of the group that the module holds."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, params: set[int]):
         self.optimizer = optimizer
-        wholes, parts = [], []
+        self.groups = []  # (the optimizer's group, its parameters that this module holds)
         for group in optimizer.param_groups:
             mine = [p for p in group["params"] if id(p) in params]
             if mine:
-                wholes.append(group)
-                parts.append({**{k: v for k, v in group.items() if k != "params"}, "params": mine})
-        self.sub = type(optimizer)(parts, fused=optimizer.defaults.get("fused"))
-        self.pairs = list(zip(wholes, self.sub.param_groups))  # (the optimizer's group, this block's part)
-        self.params = [p for part in parts for p in part["params"]]
+                unsupported = [k for k in ("amsgrad", "maximize", "capturable", "differentiable") if group.get(k)]
+                if not group.get("fused") or unsupported:
+                    raise ValueError("the overlapped host step runs fused AdamW without "
+                                     f"{', '.join(unsupported) or 'other options'}: the optimizer's group differs")
+                self.groups.append((group, mine))
+        self.params = [p for _, ps in self.groups for p in ps]
+        # torch.optim.AdamW decouples the weight decay (Adam's flag, or the class in older torch)
+        self.decoupled = optimizer.defaults.get("decoupled_weight_decay", isinstance(optimizer, torch.optim.AdamW))
 
-    def step(self, grad_scale, found_inf) -> None:
-        for whole, part in self.pairs:
-            for key in _HYPERPARAMETERS:
-                if key in whole:
-                    part[key] = whole[key]
-        self.sub.state = self.optimizer.state  # shared (a checkpoint load may have replaced the dict)
-        self.sub.grad_scale, self.sub.found_inf = grad_scale, found_inf
-        self.sub.step()
+    def step(self, grad_scale: torch.Tensor | None, found_inf: torch.Tensor | None) -> None:
+        """torch.optim.adam._fused_adam's calls, on the local tensors (the state read now: a checkpoint load
+        may have replaced it)."""
+        kernel = torch._fused_adamw_ if self.decoupled else torch._fused_adam_
+        with torch.no_grad():
+            self._step(kernel, grad_scale, found_inf)
         for p in self.params:
             p.grad = None
+
+    def _step(self, kernel, grad_scale, found_inf) -> None:
+        for group, ps in self.groups:
+            ps = [p for p in ps if p.grad is not None]
+            if not ps:
+                continue
+            states = [self.optimizer.state[p] for p in ps]
+            steps = [s["step"] for s in states]
+            torch._foreach_add_(steps, 1)
+            beta1, beta2 = group["betas"]
+            kernel([_local(p) for p in ps], [_local(p.grad) for p in ps], [_local(s["exp_avg"]) for s in states],
+                   [_local(s["exp_avg_sq"]) for s in states], [], steps, amsgrad=False, lr=group["lr"],
+                   beta1=float(beta1), beta2=float(beta2), weight_decay=group["weight_decay"], eps=group["eps"],
+                   maximize=False, grad_scale=grad_scale, found_inf=found_inf)
+            if found_inf is not None:
+                torch._foreach_sub_(steps, [found_inf] * len(steps))
 
 
 class OverlappedHostStep:
@@ -66,9 +91,14 @@ class OverlappedHostStep:
         if missing:
             raise ValueError(f"the overlapped host step covers every parameter: {len(missing)} left out")
         self.steps = [_BlockStep(optimizer, {id(p) for p in ps}) for _, ps in blocks]
+        # the kernel updates the state in place: it exists from here on, as fused AdamW's first step makes it
+        init_optimizer_state({str(i): p for i, p in enumerate(p for _, ps in blocks for p in ps)}, optimizer)
         self.done = [threading.Event() for _ in blocks]
         for e in self.done:
             e.set()
+        self.idle = threading.Event()  # no step in flight
+        self.idle.set()
+        self.work: queue.SimpleQueue = queue.SimpleQueue()  # (grad_scale, found_inf) per step; None ends the thread
         self.thread: threading.Thread | None = None
         self.error: BaseException | None = None
         self.hooks = [module.register_forward_pre_hook(self._waiter(i), prepend=True)
@@ -90,36 +120,44 @@ class OverlappedHostStep:
         found_inf = getattr(self.optimizer, "found_inf", None)
         for e in self.done:
             e.clear()
-        self.thread = threading.Thread(target=self._run, args=(grad_scale, found_inf), name="gptrain-host-adamw",
-                                       daemon=True)
-        self.thread.start()
+        self.idle.clear()
+        if self.thread is None:
+            self.thread = threading.Thread(target=self._serve, name="gptrain-host-adamw", daemon=True)
+            self.thread.start()
+        self.work.put((grad_scale, found_inf))
 
-    def _run(self, grad_scale, found_inf) -> None:
+    def _serve(self) -> None:
         if self.device is not None and self.device.type == "cuda":
             torch.cuda.set_device(self.device)  # else the step's stream checks open a context on GPU 0
-        try:
-            for step, done in zip(self.steps, self.done):
-                step.step(grad_scale, found_inf)
-                done.set()
-        except BaseException as e:  # noqa: BLE001 (handed to the main thread by join)
-            self.error = e
-        finally:
-            for done in self.done:
-                done.set()
+        while (item := self.work.get()) is not None:
+            try:
+                for step, done in zip(self.steps, self.done):
+                    step.step(*item)
+                    done.set()
+            except BaseException as e:  # noqa: BLE001 (handed to the main thread by join)
+                self.error = e
+            finally:
+                for done in self.done:
+                    done.set()
+                self.idle.set()
 
     def join(self) -> None:
         """Wait for the step in flight, if any; raise what it raised."""
-        if self.thread is not None:
-            self.thread.join()
-            self.thread = None
+        self.idle.wait()
         if self.error is not None:
             error, self.error = self.error, None
             raise RuntimeError("the host's optimizer step failed") from error
 
     def close(self) -> None:
-        self.join()
-        for h in self.hooks:
-            h.remove()
+        try:
+            self.join()
+        finally:
+            for h in self.hooks:
+                h.remove()
+            if self.thread is not None:
+                self.work.put(None)
+                self.thread.join()
+                self.thread = None
 
 
 def block_order(train_module: nn.Module, model, params: dict[str, torch.Tensor]) -> list[tuple[nn.Module, list]]:

@@ -3,6 +3,8 @@
 can make over the host's gradients and parameters (the gradient norm, casts between bf16 and fp32), DeepSpeed's
 CPU Adam beside torch's where deepspeed is installed, and
 the pinned host <-> GPU copy bandwidth of the step's gradient and parameter transfers, in fp32 and bf16; and
+how much of the main thread a worker's AdamW leaves (the forward's operator calls beside it, the kernel called
+on plain tensors or on DTensors, whose dispatch holds the GIL through the kernel); and
 AdamW on a worker thread, as ``--overlap-cpu-optimizer-d2h-h2d`` runs it, beside what the main thread does
 during the next forward: nothing, pure Python (the GIL), pinned copies to the GPU (host memory bandwidth),
 small GPU kernels launched back to back (a core busy driving the GPU), waited for by spinning or by sleeping.
@@ -121,6 +123,53 @@ def adamw_beside(n: int, threads: int, beside: str, repeats: int = 3) -> tuple[f
     return min(times), (copied / (time.perf_counter() - start) / 1e9 if beside == "copies" else None)
 
 
+def main_thread_rate(n: int, threads: int, through: str, seconds: float = 0.3) -> float:
+    """Operator calls per millisecond the main thread makes (each lets go of the GIL and takes it back, as the
+    forward's do) while a worker thread runs fused AdamW over ``n`` parameters in 4 tensors, called
+    ``through`` "plain" tensors, "dtensor" (FSDP2's parameters: the kernel inside DTensor's Python dispatch)
+    or "nothing" (no worker: the main thread alone)."""
+    import threading
+
+    torch.set_num_threads(threads)
+    params, created = [torch.zeros(n // 4) for _ in range(4)], False
+    if through == "dtensor":
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import Shard, distribute_tensor
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+
+        if not dist.is_initialized():
+            dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=1)
+            created = True
+        mesh = init_device_mesh("cpu", (1,))
+        params = [distribute_tensor(p, mesh, [Shard(0)]) for p in params]
+    params = [torch.nn.Parameter(p) for p in params]
+    for p in params:
+        p.grad = torch.ones_like(p)
+    opt = torch.optim.AdamW(params, lr=1e-4, fused=True)
+    opt.step()
+    stop = threading.Event()
+
+    def worker():
+        while not stop.is_set():
+            opt.step()
+
+    thread = threading.Thread(target=worker) if through != "nothing" else None
+    if thread is not None:
+        thread.start()
+    x, calls, start = torch.zeros(4), 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        x.add_(1)
+        calls += 1
+    rate = calls / (1000 * (time.perf_counter() - start))
+    stop.set()
+    if thread is not None:
+        thread.join()
+    if created:
+        torch.distributed.destroy_process_group()
+    return rate
+
+
 def copy_rate(nbytes: int, dtype: torch.dtype, to_device: bool, repeats: int = 5) -> float:
     """GB/s of one pinned host <-> GPU copy of ``nbytes``."""
     n = nbytes // torch.tensor([], dtype=dtype).element_size()
@@ -169,6 +218,11 @@ def main() -> None:
             print(f"fused CPU AdamW on a worker thread, {n / 1e6:.0f}M parameters, {threads} threads, the main "
                   f"thread doing '{beside}': {seconds:.3f} s, {n / seconds / 1e9:.2f} G parameters/s"
                   + (f"; its copies meanwhile {gbps:.1f} GB/s" if gbps is not None else ""))
+    for through in ("nothing", "plain", "dtensor"):
+        rate = main_thread_rate(n, max(args.threads), through)
+        print(f"main thread's operator calls beside fused CPU AdamW on a worker thread, {n / 1e6:.0f}M parameters, "
+              f"{max(args.threads)} threads, called on {through if through != 'nothing' else '(no worker)'}"
+              f"{' tensors' if through == 'plain' else 's' if through == 'dtensor' else ''}: {rate:,.1f} per ms")
     if torch.cuda.is_available():
         for dtype in (torch.float32, torch.bfloat16):
             for to_device in (True, False):

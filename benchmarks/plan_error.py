@@ -287,6 +287,14 @@ ROWS = [
     *(Row(f"{size} offload ZeRO-2, mbs 8, full recompute", "h100", 1, f"{mb(8, 8)} --recompute-granularity full "
           f"--zero-stage 2 --cpu-offload --num-layers {layers} --hidden-size 4096", tokens, gib, "s25 H100", model="2.7B")
       for size, layers, tokens, gib in (("6.7B", 32, 3_017, 16.53), ("7.5B", 36, 2_652, 18.28))),
+    # one H100 each (s26, s27): the ZeRO-2 row beside DeepSpeed's in the same call; s27 with the host's AdamW
+    # overlapped with the next forward (its saving fitted to these two s27 rows and the s27 probe's pair)
+    Row("2.7B offload ZeRO-2, mbs 8, full recompute", "h100", 1, f"{mb(8, 8)} --recompute-granularity full "
+        "--zero-stage 2 --cpu-offload", 6_685, 7.43, "s26 H100", model="2.7B"),
+    Row("2.7B offload ZeRO-2, mbs 8, full recompute", "h100", 1, f"{mb(8, 8)} --recompute-granularity full "
+        "--zero-stage 2 --cpu-offload", 7_033, 7.43, "s27 H100", model="2.7B"),
+    Row("2.7B offload ZeRO-2 overlapped, mbs 8, full recompute", "h100", 1, f"{mb(8, 8)} --recompute-granularity "
+        "full --zero-stage 2 --cpu-offload --overlap-cpu-optimizer-d2h-h2d", 7_534, 7.43, "s27 H100", model="2.7B"),
 ]
 
 

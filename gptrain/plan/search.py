@@ -113,7 +113,8 @@ def predict(cfg: RunConfig, world: int, gpu: Gpu, gpus_per_node: int) -> Predict
     time.compute += grad_accumulation_s(cfg, dims, gpu, params[biggest], n_micro)
     local_params = params[biggest] / (dims.dp if dims.sharded else 1)
     if dims.cpu_offload:  # the gradient norm on the host where train/build.py cannot sum it on the GPU
-        time.optimizer = offload_s(local_params, dims.zero_stage, n_micro, host_norm=not sums_on_device(dims))
+        time.optimizer = offload_s(local_params, dims.zero_stage, n_micro, host_norm=not sums_on_device(dims),
+                                   overlapped=cfg.parallel.overlap_cpu_optimizer)
     else:
         time.optimizer = gpu.memory_s(OPTIMIZER_BYTES * local_params, gpu.optimizer_efficiency)
     memories = [stage_memory(cfg, dims, params[r], layer_counts[r], r, virtual, sp) for r in range(dims.pp)]

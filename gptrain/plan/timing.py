@@ -28,7 +28,8 @@ prints each against its prediction):
   slows it where the two are close;
 - --cpu-offload: the host's AdamW over the rank's fp32 shards and the step's PCIe copies, per parameter,
   and at ZeRO-3 the shards fetched again for every micro-batch; measured on one host (the H100
-  machines': 16 cores, PCIe 5), so another host's CPU and bus move it.
+  machines': 16 cores, PCIe 5), so another host's CPU and bus move it; with
+  --overlap-cpu-optimizer-d2h-h2d the share of it the next forward hides.
 """
 from __future__ import annotations
 
@@ -60,6 +61,9 @@ OFFLOAD_FETCH_S_PER_PARAM = 0.15e-9  # ZeRO-3: the shards copied in again for ea
 # with tensor or pipeline parallelism the gradient norm is still taken over the host's copies (train/build.py): the
 # s18 rows' step beyond the s25 ones (0.76e-9 then, before the norm moved to the GPU)
 OFFLOAD_HOST_NORM_S_PER_PARAM = 0.46e-9
+# --overlap-cpu-optimizer-d2h-h2d: the share of that time the first micro-batch's forward hides, beside the
+# host's AdamW slowed by the forward's copies (s27, the 2.7B at ZeRO-2, one micro-batch: 77 and 86 ms of 1.16-1.18 s)
+OFFLOAD_OVERLAP_SAVING = 0.10
 # per parameter of a block, FSDP2's copies around each all-gather (the fp32 shard cast to half
 # precision, the gathered buffer split into the parameters) and each reduce-scatter (the gradients
 # cast to fp32 and copied into its input)
@@ -269,9 +273,11 @@ def grad_accumulation_s(cfg: RunConfig, dims: ParallelDims, gpu: Gpu, params: fl
     return gpu.memory_s(extra * params)
 
 
-def offload_s(local_params: float, zero_stage: int, n_micro: int, host_norm: bool = False) -> float:
+def offload_s(local_params: float, zero_stage: int, n_micro: int, host_norm: bool = False,
+              overlapped: bool = False) -> float:
     """Seconds a step of --cpu-offload spends on the host and the PCIe bus (the optimizer's share); ``host_norm``:
     the gradient norm is taken on the host."""
     fetch = OFFLOAD_FETCH_S_PER_PARAM * n_micro if zero_stage == 3 else 0.0
     norm = OFFLOAD_HOST_NORM_S_PER_PARAM if host_norm else 0.0
-    return local_params * (OFFLOAD_STEP_S_PER_PARAM + fetch + norm)
+    step = OFFLOAD_STEP_S_PER_PARAM * (1 - OFFLOAD_OVERLAP_SAVING if overlapped else 1)
+    return local_params * (step + fetch + norm)

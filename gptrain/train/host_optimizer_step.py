@@ -46,6 +46,10 @@ class _BlockStep:
                 if not group.get("fused") or unsupported:
                     raise ValueError("the overlapped host step runs fused AdamW without "
                                      f"{', '.join(unsupported) or 'other options'}: the optimizer's group differs")
+                with torch.no_grad():
+                    kinds = {(_local(p).device, p.dtype) for p in mine}
+                if len(kinds) > 1:
+                    raise ValueError("the overlapped host step's kernel call takes one device and dtype per group")
                 self.groups.append((group, mine))
         self.params = [p for _, ps in self.groups for p in ps]
         # torch.optim.AdamW decouples the weight decay (Adam's flag, or the class in older torch)
@@ -67,14 +71,17 @@ class _BlockStep:
                 continue
             states = [self.optimizer.state[p] for p in ps]
             steps = [s["step"] for s in states]
+            device = _local(ps[0]).device  # the scalars where the kernel reads them, as torch's step moves them
+            scale = grad_scale.to(device) if grad_scale is not None else None
+            skip = found_inf.to(device) if found_inf is not None else None
             torch._foreach_add_(steps, 1)
             beta1, beta2 = group["betas"]
             kernel([_local(p) for p in ps], [_local(p.grad) for p in ps], [_local(s["exp_avg"]) for s in states],
                    [_local(s["exp_avg_sq"]) for s in states], [], steps, amsgrad=False, lr=group["lr"],
                    beta1=float(beta1), beta2=float(beta2), weight_decay=group["weight_decay"], eps=group["eps"],
-                   maximize=False, grad_scale=grad_scale, found_inf=found_inf)
-            if found_inf is not None:
-                torch._foreach_sub_(steps, [found_inf] * len(steps))
+                   maximize=False, grad_scale=scale, found_inf=skip)
+            if skip is not None:
+                torch._foreach_sub_(steps, [skip] * len(steps))
 
 
 class OverlappedHostStep:

@@ -154,20 +154,21 @@ def main_thread_rate(n: int, threads: int, through: str, seconds: float = 0.3) -
         while not stop.is_set():
             opt.step()
 
-    thread = threading.Thread(target=worker) if through != "nothing" else None
-    if thread is not None:
-        thread.start()
-    x, calls, start = torch.zeros(4), 0, time.perf_counter()
-    while time.perf_counter() - start < seconds:
-        x.add_(1)
-        calls += 1
-    rate = calls / (1000 * (time.perf_counter() - start))
-    stop.set()
-    if thread is not None:
-        thread.join()
-    if created:
-        torch.distributed.destroy_process_group()
-    return rate
+    thread = threading.Thread(target=worker, daemon=True) if through != "nothing" else None
+    try:
+        if thread is not None:
+            thread.start()
+        x, calls, start = torch.zeros(4), 0, time.perf_counter()
+        while time.perf_counter() - start < seconds:
+            x.add_(1)
+            calls += 1
+        return calls / (1000 * (time.perf_counter() - start))
+    finally:
+        stop.set()
+        if thread is not None and thread.is_alive():
+            thread.join()
+        if created:
+            torch.distributed.destroy_process_group()
 
 
 def copy_rate(nbytes: int, dtype: torch.dtype, to_device: bool, repeats: int = 5) -> float:

@@ -363,7 +363,7 @@ class ParallelConfig:
         "--overlap-cpu-optimizer-d2h-h2d", group="distributed",
         help="with --cpu-offload: run the host's AdamW block by block on a thread, the next iteration's forward "
              "starting on each block as soon as it is updated (clipping and the NaN check still need the whole "
-             "backward first); the same numbers; measured 7%% faster than without it on one H100 host at one "
+             "backward first); the same numbers; measured about 7%% faster than without it on one H100 host at one "
              "micro-batch a step (benchmarks/RESULTS.md)"))
     deepspeed_config: str | None = field(default=None, metadata=flag(  # the ds.json it came from, if any
         "--deepspeed_config", "--deepspeed-config", group="distributed",

@@ -153,14 +153,66 @@ def test_the_thread_hands_the_kernel_local_tensors_of_dtensor_parameters():
     """Fused AdamW on DTensors runs the kernel inside DTensor's Python dispatch, which holds the GIL through it:
     the forward the step overlaps stopped for each block's update (benchmarks/RESULTS.md). The host step hands
     the kernel the local tensors instead, with the same result as the optimizer's own step."""
+    import os
     import subprocess
     import sys
     from pathlib import Path
 
     here = Path(__file__).parent
     code = "import test_host_optimizer_step as t; print(' '.join(t._kernel_arguments_on_dtensor_parameters()))"
-    env = {"PYTHONPATH": f"{here}:{here.parent}", "PATH": "/usr/bin:/bin", "PYTHONWARNINGS": "ignore"}
+    env = {**os.environ, "PYTHONPATH": f"{here}:{here.parent}", "PYTHONWARNINGS": "ignore"}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
     assert out.returncode == 0, out.stderr[-2000:]
     # the optimizer's own step hands the kernel DTensors (so the check sees the kernel), the host step plain tensors
     assert out.stdout.split() == ["optimizer:DTensor", "host_step:Tensor", "equal=True"], out.stdout
+
+
+def test_a_group_of_its_own_weight_decay_kind():
+    """Adam with one group's weight decay decoupled (AdamW's) and one not: each group's kernel, as torch's step."""
+    plain, threaded = _model(), _model()
+    threaded.load_state_dict(copy.deepcopy(plain.state_dict()))
+
+    def adam(model):
+        ps = list(model.parameters())
+        return torch.optim.Adam([{"params": ps[:2], "weight_decay": 0.1, "decoupled_weight_decay": True},
+                                 {"params": ps[2:], "weight_decay": 0.1}], lr=1e-2, fused=True)
+    opt, opt2 = adam(plain), adam(threaded)
+    host = OverlappedHostStep(opt2, _blocks(threaded))
+    for _ in range(3):
+        x = torch.randn(5, 8)
+        for model in (plain, threaded):
+            model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        host.launch()
+        host.join()
+    assert all(torch.equal(a, b) for a, b in zip(plain.parameters(), threaded.parameters()))
+    host.close()
+
+
+def test_the_thread_ends_with_the_step_and_holds_no_state_alive():
+    """The worker holds the host step weakly: once the step (with its model) is gone, so are the thread and the
+    optimizer's state; close() with a step in flight waits for it, then ends the thread."""
+    import gc
+    import weakref
+
+    model = _model()
+    opt = _adamw(model)
+    host = OverlappedHostStep(opt, _blocks(model))
+    model(torch.randn(3, 8)).sum().backward()
+    host.launch()
+    host.join()
+    thread, gone = host.thread, weakref.ref(opt)
+    assert thread.is_alive()
+    del host, opt, model
+    gc.collect()
+    thread.join(10)
+    assert not thread.is_alive() and gone() is None
+
+    model = _model()
+    host = OverlappedHostStep(_adamw(model), _blocks(model))
+    model(torch.randn(3, 8)).sum().backward()
+    host.launch()
+    thread = host.thread
+    host.close()  # a step in flight
+    assert not thread.is_alive() and host.idle.is_set() and all(p.grad is None for p in model.parameters())

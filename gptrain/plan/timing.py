@@ -62,7 +62,8 @@ OFFLOAD_FETCH_S_PER_PARAM = 0.15e-9  # ZeRO-3: the shards copied in again for ea
 # s18 rows' step beyond the s25 ones (0.76e-9 then, before the norm moved to the GPU)
 OFFLOAD_HOST_NORM_S_PER_PARAM = 0.46e-9
 # --overlap-cpu-optimizer-d2h-h2d: the share of that time the first micro-batch's forward hides, beside the
-# host's AdamW slowed by the forward's copies (s27, the 2.7B at ZeRO-2, one micro-batch: 77 and 86 ms of 1.16-1.18 s)
+# host's AdamW slowed by the forward's copies (s27, the 2.7B at ZeRO-2, one micro-batch: 77 and 86 ms saved, of
+# the 0.79 s of offload time this model gives it)
 OFFLOAD_OVERLAP_SAVING = 0.10
 # per parameter of a block, FSDP2's copies around each all-gather (the fp32 shard cast to half
 # precision, the gathered buffer split into the parameters) and each reduce-scatter (the gradients

@@ -14,12 +14,14 @@ hyperparameters, so the numbers, the step counts and the checkpoints are those o
 thread calls it on the parameters' local tensors: through DTensor, the kernel runs inside DTensor's Python
 dispatch, which holds the GIL for the whole update and so stops the main thread, and with it the forward
 this step is meant to overlap, for each block's update (benchmarks/RESULTS.md, the offload section).
-One thread serves the whole run, so its OpenMP team is made once.
+One thread serves the run (the one measured); it holds the step weakly and ends when the step is collected
+or closed, so the optimizer's host state is not kept alive by it.
 """
 from __future__ import annotations
 
 import queue
 import threading
+import weakref
 
 import torch
 import torch.nn as nn
@@ -52,20 +54,21 @@ class _BlockStep:
                     raise ValueError("the overlapped host step's kernel call takes one device and dtype per group")
                 self.groups.append((group, mine))
         self.params = [p for _, ps in self.groups for p in ps]
-        # torch.optim.AdamW decouples the weight decay (Adam's flag, or the class in older torch)
+        # torch.optim.AdamW decouples the weight decay (Adam's flag, per group; the class in older torch)
         self.decoupled = optimizer.defaults.get("decoupled_weight_decay", isinstance(optimizer, torch.optim.AdamW))
 
     def step(self, grad_scale: torch.Tensor | None, found_inf: torch.Tensor | None) -> None:
         """torch.optim.adam._fused_adam's calls, on the local tensors (the state read now: a checkpoint load
         may have replaced it)."""
-        kernel = torch._fused_adamw_ if self.decoupled else torch._fused_adam_
         with torch.no_grad():
-            self._step(kernel, grad_scale, found_inf)
+            self._step(grad_scale, found_inf)
         for p in self.params:
             p.grad = None
 
-    def _step(self, kernel, grad_scale, found_inf) -> None:
+    def _step(self, grad_scale, found_inf) -> None:
         for group, ps in self.groups:
+            decoupled = group.get("decoupled_weight_decay", self.decoupled)
+            kernel = torch._fused_adamw_ if decoupled else torch._fused_adam_
             ps = [p for p in ps if p.grad is not None]
             if not ps:
                 continue
@@ -99,6 +102,7 @@ class OverlappedHostStep:
             raise ValueError(f"the overlapped host step covers every parameter: {len(missing)} left out")
         self.steps = [_BlockStep(optimizer, {id(p) for p in ps}) for _, ps in blocks]
         # the kernel updates the state in place: it exists from here on, as fused AdamW's first step makes it
+        # (train/build.py makes it already; this is for optimizers made elsewhere, the tests')
         init_optimizer_state({str(i): p for i, p in enumerate(p for _, ps in blocks for p in ps)}, optimizer)
         self.done = [threading.Event() for _ in blocks]
         for e in self.done:
@@ -129,24 +133,25 @@ class OverlappedHostStep:
             e.clear()
         self.idle.clear()
         if self.thread is None:
-            self.thread = threading.Thread(target=self._serve, name="gptrain-host-adamw", daemon=True)
+            self.thread = threading.Thread(target=_serve, args=(weakref.ref(self), self.work),
+                                           name="gptrain-host-adamw", daemon=True)
+            weakref.finalize(self, self.work.put, None)  # the thread ends with this object
             self.thread.start()
         self.work.put((grad_scale, found_inf))
 
-    def _serve(self) -> None:
-        if self.device is not None and self.device.type == "cuda":
-            torch.cuda.set_device(self.device)  # else the step's stream checks open a context on GPU 0
-        while (item := self.work.get()) is not None:
-            try:
-                for step, done in zip(self.steps, self.done):
-                    step.step(*item)
-                    done.set()
-            except BaseException as e:  # noqa: BLE001 (handed to the main thread by join)
-                self.error = e
-            finally:
-                for done in self.done:
-                    done.set()
-                self.idle.set()
+    def _run(self, grad_scale, found_inf) -> None:
+        try:
+            if self.device is not None and self.device.type == "cuda":
+                torch.cuda.set_device(self.device)  # else the step's stream checks open a context on GPU 0
+            for step, done in zip(self.steps, self.done):
+                step.step(grad_scale, found_inf)
+                done.set()
+        except BaseException as e:  # noqa: BLE001 (handed to the main thread by join)
+            self.error = e
+        finally:
+            for done in self.done:
+                done.set()
+            self.idle.set()
 
     def join(self) -> None:
         """Wait for the step in flight, if any; raise what it raised."""
@@ -165,6 +170,16 @@ class OverlappedHostStep:
                 self.work.put(None)
                 self.thread.join()
                 self.thread = None
+
+
+def _serve(host_ref: weakref.ref, work: queue.SimpleQueue) -> None:
+    """The worker's loop: each step on the host step it is given, holding it only while a step runs."""
+    while (item := work.get()) is not None:
+        host = host_ref()
+        if host is None:
+            return
+        host._run(*item)
+        del host
 
 
 def block_order(train_module: nn.Module, model, params: dict[str, torch.Tensor]) -> list[tuple[nn.Module, list]]:

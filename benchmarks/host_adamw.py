@@ -11,7 +11,9 @@ small GPU kernels launched back to back (a core busy driving the GPU), waited fo
 
     python3 benchmarks/host_adamw.py [--params 500e6] [--threads 8 16 32] [--beside nothing python copies ...]
 
-Prints seconds per step and the parameters per second each rate gives, so a step's host time for a model
+Beside each AdamW rate, the host memory bandwidth a streaming pass gets on as many threads: an AdamW well
+below it is bound by its arithmetic, not by memory, and a faster kernel could help. Prints seconds per step
+and the parameters per second each rate gives, so a step's host time for a model
 of P parameters is about P / rate (the planner's OFFLOAD constants, gptrain/plan/timing.py, are per
 parameter too).
 """
@@ -45,6 +47,19 @@ def adamw_rate(n: int, threads: int, repeats: int = 3, deepspeed: bool = False) 
         opt.step()
         best = min(best, time.perf_counter() - start)
     return sum(sizes) / best
+
+
+def stream_gbps(n: int, threads: int, repeats: int = 3) -> float:
+    """GB/s of an in-place scale of ``n`` fp32 values (8 bytes an element: read and written), the host memory
+    bandwidth a streaming pass gets: the ceiling of a memory-bound AdamW, which moves 28 bytes a parameter."""
+    torch.set_num_threads(threads)
+    a = torch.ones(n)
+    best = float("inf")
+    for _ in range(repeats + 1):
+        start = time.perf_counter()
+        a.mul_(1.0000001)
+        best = min(best, time.perf_counter() - start)
+    return 8 * n / best / 1e9
 
 
 def pass_rate(n: int, what: str, repeats: int = 3) -> float:
@@ -200,7 +215,8 @@ def main() -> None:
     for t in args.threads:
         rate = adamw_rate(n, t)
         print(f"fused CPU AdamW, {n / 1e6:.0f}M fp32 parameters, {t} threads: {n / rate:.3f} s a step, "
-              f"{rate / 1e9:.2f} G parameters/s")
+              f"{rate / 1e9:.2f} G parameters/s ({28 * rate / 1e9:.0f} GB/s at 28 bytes a parameter; a streaming "
+              f"pass on {t} threads: {stream_gbps(n, t):.0f} GB/s)")
     if importlib.util.find_spec("deepspeed") is not None:
         for t in args.threads:
             rate = adamw_rate(n, t, deepspeed=True)

@@ -22,3 +22,8 @@ def test_the_main_threads_calls_beside_a_worker_adamw_on_plain_tensors_and_dtens
     import torch.distributed as dist
 
     assert not dist.is_initialized()  # the one-rank group it made for the DTensors is gone
+
+
+def test_the_streaming_bandwidth_beside_the_adamw_rate():
+    host_adamw = load("host_adamw")
+    assert host_adamw.stream_gbps(1 << 16, 1, repeats=1) > 0

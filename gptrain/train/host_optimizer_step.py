@@ -25,13 +25,9 @@ import weakref
 
 import torch
 import torch.nn as nn
-from torch.distributed.tensor import DTensor
 
+from gptrain.parallel.collectives import local  # under no_grad: a DTensor's local tensor itself
 from gptrain.train.checkpoint import init_optimizer_state
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t  # (under no_grad: the local tensor itself)
 
 
 class _BlockStep:
@@ -49,7 +45,7 @@ class _BlockStep:
                     raise ValueError("the overlapped host step runs fused AdamW without "
                                      f"{', '.join(unsupported) or 'other options'}: the optimizer's group differs")
                 with torch.no_grad():
-                    kinds = {(_local(p).device, p.dtype) for p in mine}
+                    kinds = {(local(p).device, p.dtype) for p in mine}
                 if len(kinds) > 1:
                     raise ValueError("the overlapped host step's kernel call takes one device and dtype per group")
                 self.groups.append((group, mine))
@@ -74,13 +70,13 @@ class _BlockStep:
                 continue
             states = [self.optimizer.state[p] for p in ps]
             steps = [s["step"] for s in states]
-            device = _local(ps[0]).device  # the scalars where the kernel reads them, as torch's step moves them
+            device = local(ps[0]).device  # the scalars where the kernel reads them, as torch's step moves them
             scale = grad_scale.to(device) if grad_scale is not None else None
             skip = found_inf.to(device) if found_inf is not None else None
             torch._foreach_add_(steps, 1)
             beta1, beta2 = group["betas"]
-            kernel([_local(p) for p in ps], [_local(p.grad) for p in ps], [_local(s["exp_avg"]) for s in states],
-                   [_local(s["exp_avg_sq"]) for s in states], [], steps, amsgrad=False, lr=group["lr"],
+            kernel([local(p) for p in ps], [local(p.grad) for p in ps], [local(s["exp_avg"]) for s in states],
+                   [local(s["exp_avg_sq"]) for s in states], [], steps, amsgrad=False, lr=group["lr"],
                    beta1=float(beta1), beta2=float(beta2), weight_decay=group["weight_decay"], eps=group["eps"],
                    maximize=False, grad_scale=scale, found_inf=skip)
             if skip is not None:

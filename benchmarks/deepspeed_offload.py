@@ -32,7 +32,9 @@ def ds_config(args) -> dict:
         "gradient_clipping": 1.0,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "betas": [0.9, 0.95], "eps": 1e-8,
                                                   "weight_decay": 0.01}},
-        "zero_optimization": {"stage": args.zero_stage, "offload_optimizer": {"device": "cpu", "pin_memory": True},
+        # ratio: ZeRO-Offload++'s share of the optimizer state on the CPU (DeepSpeed takes it at ZeRO-3 only)
+        "zero_optimization": {"stage": args.zero_stage,
+                              "offload_optimizer": {"device": "cpu", "pin_memory": True, "ratio": args.offload_ratio},
                               "contiguous_gradients": True, "overlap_comm": True},
         "steps_per_print": 10 ** 9,
         "wall_clock_breakdown": False,
@@ -48,9 +50,13 @@ def main() -> int:
     p.add_argument("--micro-batch-size", type=int, default=8)
     p.add_argument("--micro-batches", type=int, default=1, help="micro-batches per step")
     p.add_argument("--zero-stage", type=int, default=2, choices=(2, 3))
+    p.add_argument("--offload-ratio", type=float, default=1.0,
+                   help="the share of the optimizer state on the CPU (ZeRO-3 only, as DeepSpeed takes it)")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--iters", type=int, default=5)
     args = p.parse_args()
+    if args.offload_ratio != 1.0 and args.zero_stage != 3:
+        p.error("--offload-ratio: DeepSpeed offloads part of the optimizer state at ZeRO-3 only")
     try:
         import deepspeed
     except ImportError as err:
@@ -87,7 +93,8 @@ def main() -> int:
     host_gib = psutil.Process(os.getpid()).memory_info().rss / 2 ** 30
     print("| run | micro-batches a step | ms/step | tokens/s | model TFLOP/s | GPU GiB (max allocated in the steps) "
           "| host RSS GiB |")
-    print(f"| DeepSpeed {deepspeed.__version__} ZeRO-{args.zero_stage} offload_optimizer cpu | {args.micro_batches} | "
+    ratio = f" ratio {args.offload_ratio:g}" if args.offload_ratio != 1.0 else ""
+    print(f"| DeepSpeed {deepspeed.__version__} ZeRO-{args.zero_stage} offload_optimizer cpu{ratio} | {args.micro_batches} | "
           f"{1e3 * step_s:.1f} | {tokens:,.0f} | {tokens * flops / 1e12:.1f} | "
           f"{torch.cuda.max_memory_allocated() / 2 ** 30:.2f} | {host_gib:.1f} |")
     return 0

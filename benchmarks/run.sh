@@ -38,9 +38,11 @@
 #               full recompute) at micro-batch 8 with 1 and 8 micro-batches per step beside the same model
 #               without offload, at ZeRO-3 and ZeRO-2; then the largest of SIZES ("layers:hidden ...",
 #               default 7.5B, 6.7B, 5.2B) that trains at ZeRO-2; z2_overlap / z2x8_overlap add
-#               --overlap-cpu-optimizer-d2h-h2d; deepspeed_z2 / deepspeed_z2x8: DeepSpeed's ZeRO-2 offload on the
-#               same model where deepspeed is installed (deepspeed_offload.py); ONLY="plain z3 z3x8 z2 z2x8
-#               z2_overlap z2x8_overlap deepspeed_z2 deepspeed_z2x8 largest" picks rows
+#               --overlap-cpu-optimizer-d2h-h2d, z2_overlap_f90/f75/f50 --optimizer-offload-fraction 0.9/0.75/0.5;
+#               deepspeed_z2 / deepspeed_z2x8: DeepSpeed's ZeRO-2 offload on the same model where deepspeed is
+#               installed (deepspeed_offload.py), deepspeed_z3_r50 its ZeRO-3 with offload ratio 0.5;
+#               ONLY="plain z3 z3x8 z2 z2x8 z2_overlap z2x8_overlap z2_overlap_f90 z2_overlap_f75 z2_overlap_f50
+#               deepspeed_z2 deepspeed_z2x8 deepspeed_z3_r50 largest" picks rows
 #   llama       a ~1B Llama-style model (16 x 2048, 32 heads, 8 K/V groups, SwiGLU 5632, RMSNorm, RoPE,
 #               untied, seq 2048) against torchtitan-style plain PyTorch, the GPT-2-style model of the
 #               same shape against nanoGPT's, micro-batch 8; then decode_llama.py (against HF's static cache)
@@ -374,7 +376,7 @@ suite_lane() {
   fi
   run lane/gpu_lane.txt "$PY" -m pytest -m gpu -q -rs -p no:cacheprovider --durations=10 \
     tests/test_gpu_kernels.py tests/test_row_decode.py tests/test_slot_join.py tests/test_server_inflight.py \
-    tests/test_llama.py tests/test_dcp_direct.py "$@"
+    tests/test_llama.py tests/test_dcp_direct.py tests/test_offload_split.py "$@"
   local lane=$?
   run lane/demo.txt "$PY" -m gptrain demo --out "$WORK/demo_out"
   local demo=$?
@@ -431,19 +433,24 @@ suite_offload() {
   selected plain && { run offload/2p7b_plain.txt "$PY" benchmarks/train_throughput.py "${M27[@]}" --global-batch-size 8 \
     --no-baseline --warmup 3 --iters 5 "$@" || rc=1; }
   # ZeRO stage, 8 micro-batches per step, and _overlap: the host's AdamW overlapped with the next forward
-  for row in z3 z3x8 z2 z2x8 z2_overlap z2x8_overlap; do
+  # _fNN: --optimizer-offload-fraction 0.NN (the last blocks offloaded, the rest updated on the GPU)
+  for row in z3 z3x8 z2 z2x8 z2_overlap z2x8_overlap z2_overlap_f90 z2_overlap_f75 z2_overlap_f50; do
     selected $row || continue
-    stage=${row:1:1} gbs=8 overlap=()
+    stage=${row:1:1} gbs=8 overlap=() fraction=()
     [[ $row == *x8* ]] && gbs=64
-    [[ $row == *_overlap ]] && overlap=(--overlap-cpu-optimizer-d2h-h2d)
+    [[ $row == *_overlap* ]] && overlap=(--overlap-cpu-optimizer-d2h-h2d)
+    [[ $row == *_f* ]] && fraction=(--optimizer-offload-fraction "0.${row##*_f}")
     run "offload/2p7b_offload_$row.txt" "$PY" benchmarks/train_throughput.py "${M27[@]}" --global-batch-size $gbs \
-      "${OFFLOAD[@]/3/$stage}" "${overlap[@]}" --warmup 2 --iters 3 "$@" || rc=1
+      "${OFFLOAD[@]/3/$stage}" "${overlap[@]}" "${fraction[@]}" --warmup 2 --iters 3 "$@" || rc=1
   done
-  # DeepSpeed's ZeRO-Offload on the same model, where deepspeed is installed (benchmarks/deepspeed_offload.py)
-  for row in deepspeed_z2 deepspeed_z2x8; do
+  # DeepSpeed's ZeRO-Offload on the same model, where deepspeed is installed (benchmarks/deepspeed_offload.py);
+  # deepspeed_z3_r50: ZeRO-3 with half the optimizer state offloaded (DeepSpeed's ratio, ZeRO-3 only)
+  for row in deepspeed_z2 deepspeed_z2x8 deepspeed_z3_r50; do
     selected $row || continue
-    gbs=1; [[ $row == *x8 ]] && gbs=8
-    run "offload/$row.txt" timeout 400 "${TORCHRUN[@]}" 1 benchmarks/deepspeed_offload.py --micro-batches $gbs || rc=1
+    gbs=1 ds=(); [[ $row == *x8 ]] && gbs=8
+    [[ $row == *_r* ]] && ds=(--zero-stage 3 --offload-ratio "0.${row##*_r}")
+    run "offload/$row.txt" timeout 400 "${TORCHRUN[@]}" 1 benchmarks/deepspeed_offload.py --micro-batches $gbs \
+      "${ds[@]}" || rc=1
   done
   for size in ${SIZES:-36:4096 32:4096 40:3200}; do
     selected largest || break

@@ -355,8 +355,18 @@ class ParallelConfig:
         help="ZeRO sharding on FSDP2: 1 optimizer state, 2 + gradients, 3 + parameters"))
     # FSDP2's CPUOffloadPolicy at any ZeRO stage
     cpu_offload: bool = field(default=False, metadata=flag(
-        "--cpu-offload", group="distributed",
-        help="with --zero-stage 1/2/3: fp32 parameters, gradients and optimizer state in host memory"))
+        "--cpu-offload", "--optimizer-cpu-offload", group="distributed",
+        help="with --zero-stage 1/2/3 (or --use-distributed-optimizer): fp32 parameters, gradients and optimizer "
+             "state in host memory, updated there by torch's fused AdamW (--optimizer-cpu-offload: Megatron-LM's "
+             "name; Megatron keeps the bf16 parameters on the GPU, gptrain copies them in for each step)"))
+    # Megatron-LM's hybrid-device optimizer: the share of the parameters whose state is offloaded
+    # (parallel/offload_split.py picks whole FSDP2 units, the last blocks first)
+    offload_fraction: float = field(default=1.0, metadata=flag(
+        "--optimizer-offload-fraction", group="distributed", type=float,
+        help="with --cpu-offload: the share of the parameters whose fp32 copy, gradients and AdamW state live in "
+             "host memory; the rest stays on the GPU and is updated there. Whole blocks are offloaded, the last "
+             "ones first (the next forward starts with the first, which are then ready at once); the root "
+             "(embeddings, output layer) only at 1.0"))
     # the host's AdamW overlapped with the next forward (train/host_optimizer_step.py); Megatron-LM's name
     # for overlapping its CPU optimizer's step with the transfers
     overlap_cpu_optimizer: bool = field(default=False, metadata=flag(

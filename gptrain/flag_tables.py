@@ -103,6 +103,15 @@ COMPATIBILITY: tuple[Compat, ...] = (
     Compat("--use-flash-attn-v2", "attention runs on --attention-backend's kernels: by default cuDNN's forward and "
            "FlashAttention-4's backward where flash-attn-4 can run, else PyTorch SDPA's pick (cuDNN on H100); "
            "--attention-backend flash forces FlashAttention-2"),
+    Compat("--use-precision-aware-optimizer", "gptrain's optimizer keeps fp32 main parameters, gradients and AdamW "
+           "moments, the precision-aware optimizer's defaults (Megatron-LM requires the flag with "
+           "--optimizer-cpu-offload); lower-precision state is refused"),
+    Compat("--main-grads-dtype", "main gradients are fp32", "value", ("fp32",)),
+    Compat("--main-params-dtype", "main parameters are fp32", "value", ("fp32",)),
+    Compat("--exp-avg-dtype", "AdamW's first moment is fp32", "value", ("fp32",)),
+    Compat("--exp-avg-sq-dtype", "AdamW's second moment is fp32", "value", ("fp32",)),
+    Compat("--use-torch-optimizer-for-cpu-offload", "the offloaded optimizer is always torch's fused AdamW, on the host "
+           "and on the GPU"),
     Compat("--check-for-nan-in-loss-and-grad", "on by default (Megatron-LM's default): a rank whose own loss or "
            "gradients go NaN/Inf names itself, the step is skipped on every rank and counted; "
            "--no-check-for-nan-in-loss-and-grad turns the naming off"),

@@ -28,6 +28,7 @@ class DeepSpeedSettings:
     train_micro_batch_size_per_gpu: int | None
     gradient_accumulation_steps: int | None
     gradient_clipping: float | None
+    offload_ratio: float | None = None  # offload_optimizer.ratio: --optimizer-offload-fraction
     notes: tuple[str, ...] = ()
     source: str = "ds_config"  # the file's name, for resolve_batch_sizes' errors
 
@@ -220,6 +221,7 @@ def parse_deepspeed_config(config: dict, source: str = "ds_config") -> DeepSpeed
 
     zero = p.section(config, "zero_optimization", "zero_optimization")
     stage, offload_by = 0, None  # offload_by: the key and value that asked for offload, for the error
+    ratio = None
     if zero is not None:
         p.known(zero, "zero_optimization", _ZERO_KEYS)
         stage = p.number(zero, "stage", "zero_optimization.stage", int, positive=False) or 0
@@ -240,8 +242,14 @@ def parse_deepspeed_config(config: dict, source: str = "ds_config") -> DeepSpeed
                 p.error(f"{path}.device", "gptrain offloads to the CPU only", device)
             if device not in ("cpu", "none"):
                 p.error(f"{path}.device", 'must be "cpu" or "none"', device)
-            p.known(sub, path, ("device", "pin_memory"))
+            p.known(sub, path, ("device", "pin_memory", "ratio") if name == "offload_optimizer" else ("device", "pin_memory"))
             p.flag(sub, "pin_memory", f"{path}.pin_memory", None)
+            if name == "offload_optimizer" and "ratio" in sub:
+                # ZeRO-Offload++'s share of the optimizer state on the CPU (DeepSpeed takes it at stage 3 only;
+                # gptrain's --optimizer-offload-fraction at every stage)
+                ratio = p.number(sub, "ratio", f"{path}.ratio", float, positive=True)
+                if ratio is not None and ratio > 1:
+                    p.error(f"{path}.ratio", "must be at most 1", ratio)
             if device == "cpu" and name == "offload_param" and stage != 3:
                 p.error(f"{path}.device", f"offloads parameters, which only stage 3 shards (DeepSpeed's rule; "
                         f"this file has stage {stage}): use offload_optimizer", device)
@@ -259,6 +267,7 @@ def parse_deepspeed_config(config: dict, source: str = "ds_config") -> DeepSpeed
     return DeepSpeedSettings(
         zero_stage=stage,
         cpu_offload=offload_by is not None,
+        offload_ratio=ratio if offload_by is not None else None,
         fp16=fp16_on,
         bf16=bf16_on,
         loss_scale=loss_scale,
@@ -345,6 +354,11 @@ def apply_deepspeed_config(values: dict[str, dict], zero_flag: int | None, data_
         raise ValueError(f"{name}: zero_optimization.stage {ds.zero_stage} contradicts --zero-stage {zero_flag}")
     parallel["zero_stage"] = max(parallel["zero_stage"], ds.zero_stage)
     parallel["cpu_offload"] = parallel["cpu_offload"] or ds.cpu_offload
+    if ds.offload_ratio is not None:
+        if parallel["offload_fraction"] not in (1.0, ds.offload_ratio):
+            raise ValueError(f"{name}: zero_optimization.offload_optimizer.ratio {ds.offload_ratio:g} contradicts "
+                             f"--optimizer-offload-fraction {parallel['offload_fraction']:g}")
+        parallel["offload_fraction"] = ds.offload_ratio
     train["micro_batch_size"], train["global_batch_size"] = resolve_batch_sizes(
         ds, data_parallel, train["micro_batch_size"], train["global_batch_size"])
     return list(ds.notes) + [

@@ -23,6 +23,7 @@ class ParallelDims:
     pp: int = 1
     zero_stage: int = 0
     cpu_offload: bool = False
+    offload_fraction: float = 1.0  # --optimizer-offload-fraction: the share of the parameters offloaded
 
     @property
     def dp(self) -> int:
@@ -65,6 +66,11 @@ class ParallelDims:
             raise ValueError(f"--zero-stage {self.zero_stage}: use 0, 1, 2 or 3")
         if self.cpu_offload and self.zero_stage == 0:
             raise ValueError("--cpu-offload needs --zero-stage 1, 2 or 3 (got 0): the offloaded state is FSDP2's shards")
+        if not 0.0 < self.offload_fraction <= 1.0:
+            raise ValueError(f"--optimizer-offload-fraction {self.offload_fraction} must be above 0 and at most 1")
+        if self.offload_fraction < 1.0 and not self.cpu_offload:
+            raise ValueError(f"--optimizer-offload-fraction {self.offload_fraction} needs --cpu-offload "
+                             "(or --optimizer-cpu-offload)")
         if self.pp > 1 and self.zero_stage > 1:
             # as in DeepSpeed: gradients and parameters sharded over data-parallel ranks would be
             # reduced or gathered once per micro-batch inside the pipeline schedule

@@ -49,42 +49,51 @@ def describe_sharding(dims: ParallelDims, overlap: bool = False, reduce_bf16: bo
     grads = "kept whole (fp32) across the micro-batches and reduce-scattered once, in the last one's backward" \
         if dims.zero_stage == 1 or dims.cpu_offload else "reduce-scattered in fp32 during each backward"
     offload = "; parameters, gradients and optimizer state in host memory" if dims.cpu_offload else ""
+    if dims.cpu_offload and dims.offload_fraction < 1:
+        offload += f" for whole blocks up to --optimizer-offload-fraction {dims.offload_fraction:g} of the parameters"
     return (f"{how} over {dims.dp} rank{'s' if dims.dp > 1 else ''} on FSDP2: fp32 parameter and optimizer-state shards, parameters "
             f"{keep}, gradients {grads}{offload}")
 
 
 def apply_fsdp(roots: list[nn.Module], model: GPT, mesh: DeviceMesh, dims: ParallelDims,
-               param_dtype: torch.dtype | None) -> None:
+               param_dtype: torch.dtype | None, offloaded: set[nn.Module] = frozenset()) -> None:
+    """FSDP2 over each block and the roots; ``offloaded``: the units whose state lives in host memory
+    (--cpu-offload, parallel/offload_split.py)."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     # pinned host memory only where there is a GPU to copy to (a CPU run's offload is the same memory)
-    offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if dims.cpu_offload else OffloadPolicy()
+    host = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
+
+    def offload(module):
+        return host if module in offloaded else OffloadPolicy()
+
     # with tensor parallelism the parameters are already DTensors on the tp dimension: FSDP2 shards
     # them further over dp (a 2-D layout)
     dp_mesh = mesh["dp"]
     reshard = dims.zero_stage == 3
     for block in model.layers.values():
-        fully_shard(block, mesh=dp_mesh, mp_policy=policy, offload_policy=offload, reshard_after_forward=reshard)
+        fully_shard(block, mesh=dp_mesh, mp_policy=policy, offload_policy=offload(block), reshard_after_forward=reshard)
     # the root holds the embeddings, the tied output layer and the final LayerNorm; the backward
     # starts with them, so they are never freed after the forward
     # (with pipeline parallelism each stage is a root)
     for root in roots:
-        fully_shard(root, mesh=dp_mesh, mp_policy=policy, offload_policy=offload, reshard_after_forward=False)
+        fully_shard(root, mesh=dp_mesh, mp_policy=policy, offload_policy=offload(root), reshard_after_forward=False)
 
 
 def parallelize(train_module: nn.Module, model: GPT, dims: ParallelDims, mesh: DeviceMesh | None,
                 recompute: str | None, param_dtype: torch.dtype | None, compile_model: bool,
                 compile_mode: str | None, sequence_parallel: bool = False,
                 pipeline_chunks: list[nn.Module] | None = None, bucket_bytes: int = 0,
-                comm_overlap: bool = False):
+                comm_overlap: bool = False, offloaded: set[nn.Module] = frozenset()):
     """Transform in place; returns the callable the trainer runs forward through:
     ``(tokens, labels, loss_mask) -> loss`` (None with pipeline parallelism: the schedule runs the
     ``pipeline_chunks``) and the tensor-parallel ``ShardLayout`` (empty without tensor parallelism).
     ``bucket_bytes``: on whole replicas, compile the step in graphs of about that many bytes of
     parameters, so gradients reach their hooks as each graph's backward ends (overlapped data-parallel
     reduction, parallel/bucketed_compile.py). ``comm_overlap``:
-    async tensor parallelism (parallel/async_tp.py)."""
+    async tensor parallelism (parallel/async_tp.py). ``offloaded``: the FSDP2 units --cpu-offload keeps in host
+    memory (parallel/offload_split.py)."""
     from gptrain.parallel.tensor_parallel import ShardLayout, VocabParallelLMLoss, apply_tensor_parallel
 
     apply_recompute(model, recompute)
@@ -98,11 +107,11 @@ def parallelize(train_module: nn.Module, model: GPT, dims: ParallelDims, mesh: D
         loss = train_module.loss
         train_module.loss = VocabParallelLMLoss(loss.vocab_size, layout.tp, tuned=loss.tuned)
     return _compile_and_shard(train_module, model, dims, mesh, param_dtype, compile_model, compile_mode,
-                              pipeline_chunks, bucket_bytes), layout
+                              pipeline_chunks, bucket_bytes, offloaded), layout
 
 
 def _compile_and_shard(train_module, model, dims, mesh, param_dtype, compile_model, compile_mode, pipeline_chunks,
-                       bucket_bytes):
+                       bucket_bytes, offloaded):
     if not dims.sharded and not pipeline_chunks:
         if not compile_model:
             return train_module
@@ -119,5 +128,5 @@ def _compile_and_shard(train_module, model, dims, mesh, param_dtype, compile_mod
             block.compile(mode=compile_mode)
         train_module.loss.compile(mode=compile_mode)
     if dims.sharded:
-        apply_fsdp(pipeline_chunks or [train_module], model, mesh, dims, param_dtype)
+        apply_fsdp(pipeline_chunks or [train_module], model, mesh, dims, param_dtype, offloaded)
     return None if pipeline_chunks else train_module

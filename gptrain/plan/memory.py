@@ -164,11 +164,25 @@ def _offload_peak(mem: Memory, cfg: RunConfig, dims: ParallelDims, params: int, 
         mem.grads, mem.activations, mem.logits = held, act - working, logits
 
 
+def offloaded_share(cfg: RunConfig, dims: ParallelDims) -> float:
+    """The share of the parameters --cpu-offload keeps in host memory: whole units picked on the full shapes as
+    train/build.py picks them (parallel/offload_split.py)."""
+    if not dims.cpu_offload:
+        return 0.0
+    if dims.offload_fraction >= 1.0:
+        return 1.0
+    from gptrain.parallel.offload_split import offloaded_count
+
+    layers, block = cfg.model.num_layers, block_params(cfg, 1)
+    sizes = [cfg.model.num_parameters() - layers * block, *([block] * layers)]
+    return sum(sizes[len(sizes) - offloaded_count(sizes, dims.offload_fraction):]) / sum(sizes)
+
+
 def offload_host_gib(cfg: RunConfig, dims: ParallelDims) -> float:
     """Host memory a rank's --cpu-offload takes: fp32 parameter, gradient and AdamW moment shards."""
     if not dims.cpu_offload:
         return 0.0
-    return 16.0 * cfg.model.num_parameters() / (dims.tp * dims.pp * dims.dp) / GIB
+    return 16.0 * offloaded_share(cfg, dims) * cfg.model.num_parameters() / (dims.tp * dims.pp * dims.dp) / GIB
 
 
 def state_memory(cfg: RunConfig, dims: ParallelDims, params: int, layers: int) -> Memory:
@@ -181,10 +195,12 @@ def state_memory(cfg: RunConfig, dims: ParallelDims, params: int, layers: int) -
         gathered = params if dims.zero_stage < 3 else params - max(0, layers - 2) * block_params(cfg, dims.tp)
         if dims.cpu_offload:  # FSDP2's CPU offload: shards, gradients and moments in host memory
             # (offload_host_gib); on the GPU the gathered copies and a block's fp32 gradients in flight,
-            # or with several micro-batches the whole gradients they accumulate into (train/loop.py)
+            # or with several micro-batches the whole gradients they accumulate into (train/loop.py); the units
+            # --optimizer-offload-fraction keeps on the GPU hold their shards, moments and reduced gradients there
             accumulate = cfg.train.micro_batches_per_step(dims.dp) > 1
-            return Memory(weights=(2.0 if half else 4.0) * gathered,
-                          grads=4.0 * (params if accumulate else block_params(cfg, dims.tp)))
+            kept = (1.0 - offloaded_share(cfg, dims)) * params / d
+            return Memory(weights=(2.0 if half else 4.0) * gathered, main_params=4.0 * kept, optimizer=8.0 * kept,
+                          grads=4.0 * (params if accumulate else block_params(cfg, dims.tp)) + 4.0 * kept)
         # ZeRO-1 reduce-scatters in the last micro-batch's backward: with one, its gradients are ZeRO-2's
         whole = dims.zero_stage == 1 and cfg.train.micro_batches_per_step(d) > 1
         return Memory(weights=(2.0 if half else 4.0) * gathered,

@@ -13,7 +13,7 @@ from gptrain.parallel.dims import ParallelDims
 from gptrain.parallel.layout import parameter_counts
 from gptrain.parallel.pipeline import stage_layer_counts, virtual_stages
 from gptrain.plan.hardware import Gpu
-from gptrain.plan.memory import GIB, Memory, fits, stage_memory
+from gptrain.plan.memory import GIB, Memory, fits, offloaded_share, stage_memory
 from gptrain.parallel.reduced_grad_norm import sums_on_device
 from gptrain.plan.timing import (OPTIMIZER_BYTES, StepTime, all_reduce_s, data_parallel_s, grad_accumulation_s, offload_s, p2p_s,
                                  stage_time)
@@ -113,8 +113,10 @@ def predict(cfg: RunConfig, world: int, gpu: Gpu, gpus_per_node: int) -> Predict
     time.compute += grad_accumulation_s(cfg, dims, gpu, params[biggest], n_micro)
     local_params = params[biggest] / (dims.dp if dims.sharded else 1)
     if dims.cpu_offload:  # the gradient norm on the host where train/build.py cannot sum it on the GPU
-        time.optimizer = offload_s(local_params, dims.zero_stage, n_micro, host_norm=not sums_on_device(dims),
-                                   overlapped=cfg.parallel.overlap_cpu_optimizer)
+        share = offloaded_share(cfg, dims)
+        time.optimizer = offload_s(local_params * share, dims.zero_stage, n_micro, host_norm=not sums_on_device(dims),
+                                   overlapped=cfg.parallel.overlap_cpu_optimizer) + \
+            gpu.memory_s(OPTIMIZER_BYTES * local_params * (1.0 - share), gpu.optimizer_efficiency)
     else:
         time.optimizer = gpu.memory_s(OPTIMIZER_BYTES * local_params, gpu.optimizer_efficiency)
     memories = [stage_memory(cfg, dims, params[r], layer_counts[r], r, virtual, sp) for r in range(dims.pp)]

@@ -65,7 +65,8 @@ class TrainingParts:
 def parallel_dims(cfg: RunConfig, world_size: int) -> ParallelDims:
     p = cfg.parallel
     dims = ParallelDims(world_size=world_size, tp=p.tensor_parallel, pp=p.pipeline_parallel,
-                        zero_stage=p.zero_stage, cpu_offload=p.cpu_offload)
+                        zero_stage=p.zero_stage, cpu_offload=p.cpu_offload,
+                        offload_fraction=p.offload_fraction)
     par = cfg.parallel
     uneven = par.first_stage_layers is not None or par.last_stage_layers is not None
     dims.validate(cfg.model.num_layers, cfg.model.num_attention_heads, cfg.train.micro_batch_size,
@@ -152,16 +153,29 @@ def build_training(cfg: RunConfig, device: torch.device, dims: ParallelDims, mes
                           compiled=cfg.train.compile, sharded=dims.sharded,
                           tensor_parallel=dims.tp)
     mode = step_compile_mode(cfg, dims, device.type == "cuda")
+    offloaded = set()
+    if dims.cpu_offload:  # the units whose state lives in host memory, chosen on the full shapes
+        from gptrain.parallel.offload_split import offloaded_modules
+
+        offloaded = offloaded_modules(chunks or [train_module], list(model.layers.values()), dims.offload_fraction)
     forward, layout = parallelize(train_module, model, dims, mesh, cfg.kernels.recompute, param_dtype,
                                   cfg.train.compile, mode, cfg.parallel.sequence_parallel, chunks,
                                   bucket_bytes=overlap_bucket_bytes(cfg, dims, param_dtype),
-                                  comm_overlap=cfg.parallel.tp_comm_overlap)
+                                  comm_overlap=cfg.parallel.tp_comm_overlap, offloaded=offloaded)
     if mode != cfg.train.compile_mode:
         impls["compile"] = ("CUDA graphs over the compiled step (--compile-mode reduce-overhead, the default for "
                             "tensor parallelism on GPUs; --compile-mode default leaves them out)")
     impls["parameters"] = describe_sharding(dims, overlap_grad_reduce(cfg, dims), cfg.parallel.grad_reduce_in_bf16)
-    init_device = torch.device("cpu") if dims.cpu_offload else device
-    train_module.to_empty(device=init_device)
+    if dims.cpu_offload and dims.offload_fraction < 1.0:
+        blocks = list(model.layers.values())
+        kept = len([b for b in blocks if b not in offloaded])
+        first = f"the first {kept} blocks and " if kept else ""
+        impls["offload"] = (f"--optimizer-offload-fraction {dims.offload_fraction:g}: the last "
+                            f"{len(blocks) - kept} of {len(blocks)} blocks in host memory, {first}the root "
+                            f"(embeddings, output layer) on the {'GPU' if device.type == 'cuda' else device.type}")
+    # everything in host memory at fraction 1, the loss's module too (a pipeline's roots are its chunks)
+    materialize(train_module, offloaded | ({train_module} if dims.cpu_offload and dims.offload_fraction >= 1 else set()),
+                device)
     model.tie_output_layer()  # to_empty made new tensors
     model.init_weights(cfg.data.seed, layout.region if dims.tp > 1 else None)
     main = None
@@ -219,6 +233,14 @@ def build_training(cfg: RunConfig, device: torch.device, dims: ParallelDims, mes
         impls["pipeline"] = pipeline.describe()
     return TrainingParts(model, train_module, forward, main, opt_params, optimizer, dims, mesh, impls, fp8_layers,
                          pipeline, layout, buckets, host_step, grad_squares)
+
+
+def materialize(train_module: nn.Module, offloaded: set[nn.Module], device: torch.device) -> None:
+    """The meta model's tensors made real, uninitialised: the offloaded units' in host memory (FSDP2's
+    CPUOffloadPolicy takes them there), the rest on the device."""
+    on_host = {id(m) for unit in offloaded for m in unit.modules()}
+    for module in train_module.modules():
+        module.to_empty(device=torch.device("cpu") if id(module) in on_host else device, recurse=False)
 
 
 def step_compile_mode(cfg: RunConfig, dims: ParallelDims, cuda: bool) -> str | None:

@@ -9,6 +9,9 @@ waits for that block's update (its pre-forward hook, run before FSDP2 copies the
 the GPU). Everything that reads the parameters or the optimizer state outside a forward (the next
 step, checkpoints, evaluation's hooks aside, the parameter norm) joins the worker first.
 
+With --optimizer-offload-fraction the modules whose state stayed on the GPU are updated on the main thread at
+launch, their kernels queued on the GPU before the next forward's; the thread takes the others.
+
 The update is torch's fused AdamW kernel, the optimizer's own, over the optimizer's own state and
 hyperparameters, so the numbers, the step counts and the checkpoints are those of the ordinary step. The
 thread calls it on the parameters' local tensors: through DTensor, the kernel runs inside DTensor's Python
@@ -50,6 +53,8 @@ class _BlockStep:
                     raise ValueError("the overlapped host step's kernel call takes one device and dtype per group")
                 self.groups.append((group, mine))
         self.params = [p for _, ps in self.groups for p in ps]
+        with torch.no_grad():  # --optimizer-offload-fraction keeps some modules on the GPU
+            self.on_host = all(local(p).device.type == "cpu" for p in self.params)
         # torch.optim.AdamW decouples the weight decay (Adam's flag, per group; the class in older torch)
         self.decoupled = optimizer.defaults.get("decoupled_weight_decay", isinstance(optimizer, torch.optim.AdamW))
 
@@ -121,12 +126,18 @@ class OverlappedHostStep:
         return wait_for_update
 
     def launch(self) -> None:
-        """Start the step (the optimizer's lr, grad_scale and found_inf as the caller set them)."""
+        """Start the step (the optimizer's lr, grad_scale and found_inf as the caller set them): the modules kept
+        on the GPU (--optimizer-offload-fraction) are updated here, their kernels queued before the next forward's,
+        the others on the thread."""
         self.join()
         grad_scale = getattr(self.optimizer, "grad_scale", None)
         found_inf = getattr(self.optimizer, "found_inf", None)
-        for e in self.done:
-            e.clear()
+        for step in self.steps:
+            if not step.on_host:
+                step.step(grad_scale, found_inf)
+        for step, e in zip(self.steps, self.done):
+            if step.on_host:
+                e.clear()
         self.idle.clear()
         if self.thread is None:
             self.thread = threading.Thread(target=_serve, args=(weakref.ref(self), self.work),
@@ -140,8 +151,9 @@ class OverlappedHostStep:
             if self.device is not None and self.device.type == "cuda":
                 torch.cuda.set_device(self.device)  # else the step's stream checks open a context on GPU 0
             for step, done in zip(self.steps, self.done):
-                step.step(grad_scale, found_inf)
-                done.set()
+                if step.on_host:
+                    step.step(grad_scale, found_inf)
+                    done.set()
         except BaseException as e:  # noqa: BLE001 (handed to the main thread by join)
             self.error = e
         finally:

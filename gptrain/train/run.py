@@ -172,6 +172,8 @@ def _train_main(argv: list[str], log=None) -> TrainResult:
         trainer = Trainer(cfg, parts, train_ds, valid_ds, test_ds, device, log)
         log(_precision_line(cfg, parts, device))
         log(f" > parameters: {parts.impls['parameters']}")
+        if "offload" in parts.impls:
+            log(f" > offload: {parts.impls['offload']}")
         if "compile" in parts.impls:
             log(f" > compile: {parts.impls['compile']}")
         if parts.pipeline is not None:

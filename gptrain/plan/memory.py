@@ -196,11 +196,12 @@ def state_memory(cfg: RunConfig, dims: ParallelDims, params: int, layers: int) -
         if dims.cpu_offload:  # FSDP2's CPU offload: shards, gradients and moments in host memory
             # (offload_host_gib); on the GPU the gathered copies and a block's fp32 gradients in flight,
             # or with several micro-batches the whole gradients they accumulate into (train/loop.py); the units
-            # --optimizer-offload-fraction keeps on the GPU hold their shards, moments and reduced gradients there
+            # --optimizer-offload-fraction keeps on the GPU hold their fp32 shards and moments there (their reduced
+            # gradients come at the backward's end, the first blocks' and the root's, when the activations are gone)
             accumulate = cfg.train.micro_batches_per_step(dims.dp) > 1
             kept = (1.0 - offloaded_share(cfg, dims)) * params / d
             return Memory(weights=(2.0 if half else 4.0) * gathered, main_params=4.0 * kept, optimizer=8.0 * kept,
-                          grads=4.0 * (params if accumulate else block_params(cfg, dims.tp)) + 4.0 * kept)
+                          grads=4.0 * (params if accumulate else block_params(cfg, dims.tp)))
         # ZeRO-1 reduce-scatters in the last micro-batch's backward: with one, its gradients are ZeRO-2's
         whole = dims.zero_stage == 1 and cfg.train.micro_batches_per_step(d) > 1
         return Memory(weights=(2.0 if half else 4.0) * gathered,

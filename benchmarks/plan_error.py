@@ -48,8 +48,15 @@ class Row:
     simulated: bool = False  # the rank simulator: collectives return at once (no communication)
     excluded: str | None = None  # why the row is not held to the planner
     memory_excluded: str | None = None  # why its memory alone is not held (its time is)
+    time_excluded: str | None = None  # why its time alone is not held (its memory is)
 
 
+FRESH_MACHINE = ("the first rows on a machine just started: the same rows ran 13-17% faster in the next two calls on "
+                 "the same machine (s26's PP2 row did the same)")
+PARTIAL_OFFLOAD = ("--optimizer-offload-fraction: the planner scales the host's step by the offloaded share, but within "
+                   "one call the step fell by less (fraction 0.9 4.7% slower than whole offload, 0.75 12% faster, 0.5 "
+                   "30-35% faster, for 8%, 23% and 50% less host work) and the same row moved 15% between machines: "
+                   "its time is not modelled yet, its memory is")
 OFFLOAD_HOST_NORM = ("the offload step before s25 took the gradient norm over the host's copies, a CPU pass slower "
                      "than the host's AdamW (about 1 s of the 2.7B's 2.19-s step); the norm is now summed on the GPU")
 
@@ -295,6 +302,16 @@ ROWS = [
         "--zero-stage 2 --cpu-offload", 7_033, 7.43, "s27 H100", model="2.7B"),
     Row("2.7B offload ZeRO-2 overlapped, mbs 8, full recompute", "h100", 1, f"{mb(8, 8)} --recompute-granularity "
         "full --zero-stage 2 --cpu-offload --overlap-cpu-optimizer-d2h-h2d", 7_534, 7.43, "s27 H100", model="2.7B"),
+    # one H100 machine held over three calls (s28 A, B, C) and another (D): the overlapped ZeRO-2 offload, whole and
+    # with --optimizer-offload-fraction 0.9 / 0.75 / 0.5
+    *(Row(f"2.7B offload ZeRO-2 overlapped{f' fraction {frac}' if frac else ''}, mbs 8, full recompute", "h100", 1,
+          f"{mb(8, 8)} --recompute-granularity full --zero-stage 2 --cpu-offload --overlap-cpu-optimizer-d2h-h2d"
+          + (f" --optimizer-offload-fraction {frac}" if frac else ""), tokens, gib, f"s28 H100 call {call}",
+          model="2.7B", time_excluded=FRESH_MACHINE if call == "A" else PARTIAL_OFFLOAD if frac else None)
+      for call, frac, tokens, gib in (("A", None, 6_269, 7.43), ("A", 0.5, 9_659, 22.18), ("B", 0.9, 7_281, 9.78),
+                                      ("B", 0.75, 7_554, 14.21), ("B", 0.5, 10_936, 22.18), ("C", 0.5, 10_435, 22.18),
+                                      ("C", None, 7_334, 7.43), ("D", None, 7_867, 7.43), ("D", 0.9, 7_516, 9.78),
+                                      ("D", 0.75, 8_914, 14.21))),
 ]
 
 
@@ -345,7 +362,7 @@ def table(results: list[Result]) -> str:
     lines = ["| layout | device (session) | predicted tokens/s | measured | error % | predicted GiB | measured GiB "
              "| error % |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in results:
-        name = r.row.name + (" (excluded)" if r.row.excluded else "")
+        name = r.row.name + (" (excluded)" if r.row.excluded else " (time not held)" if r.row.time_excluded else "")
         lines.append(f"| {name} | {r.row.source} | {r.tokens:,.0f} | {r.row.tokens:,.0f} | {_pct(r.time_error)} | "
                      f"{r.gib:.2f} | {'' if r.row.gib is None else f'{r.row.gib:.2f}'} | {_pct(r.memory_error)} |")
     return "\n".join(lines)
@@ -353,7 +370,7 @@ def table(results: list[Result]) -> str:
 
 def summary(results: list[Result]) -> str:
     held = [r for r in results if not r.row.excluded]
-    times = [abs(r.time_error) for r in held]
+    times = [abs(r.time_error) for r in held if not r.row.time_excluded]
     mems = [abs(r.memory_error) for r in held if r.memory_error is not None and not r.row.memory_excluded]
     lines = [f"time: {len(times)} rows held, mean |error| {sum(times) / len(times):.1f}%, max {max(times):.1f}%; "
              f"memory: {len(mems)} rows, mean |error| {sum(mems) / len(mems):.1f}%, max {max(mems):.1f}%"]
@@ -362,6 +379,8 @@ def summary(results: list[Result]) -> str:
             lines.append(f"excluded: {r.row.name} ({r.row.source}): {r.row.excluded}")
         elif r.row.memory_excluded:
             lines.append(f"memory not held: {r.row.name} ({r.row.source}): {r.row.memory_excluded}")
+        elif r.row.time_excluded:
+            lines.append(f"time not held: {r.row.name} ({r.row.source}): {r.row.time_excluded}")
     return "\n".join(lines)
 
 
@@ -374,7 +393,7 @@ def main(argv=None) -> int:
     print(table(results))
     print()
     print(summary(results))
-    worst = max(abs(r.time_error) for r in results if not r.row.excluded)
+    worst = max(abs(r.time_error) for r in results if not r.row.excluded and not r.row.time_excluded)
     return 1 if args.max_error is not None and worst > args.max_error else 0
 
 

@@ -127,6 +127,7 @@ def _partial_offload_equals_the_plain_run(tmp_path, device: str) -> None:
     (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").write_text("2")
     resumed = losses(single(args + partial + ["--overlap-cpu-optimizer-d2h-h2d", "--load", ckpt]))
     assert resumed.keys() == {3, 4} and all(resumed[k] == offloaded[k] for k in (3, 4)), (resumed, offloaded)
+    return args, plain, norms
 
 
 def _grad_norms(out: str) -> list[float]:
@@ -137,7 +138,15 @@ def _grad_norms(out: str) -> list[float]:
 
 @pytest.mark.slow
 def test_partial_offload_equals_the_plain_run_and_resumes_exactly(tmp_path):
-    _partial_offload_equals_the_plain_run(tmp_path, "cpu")
+    """ZeRO-2 and ZeRO-3 on one process, and ZeRO-2 over two data-parallel gloo ranks (each rank's shards of the
+    kept block and root stay on its device)."""
+    from distributed import losses, single, torchrun
+
+    args, plain, norms = _partial_offload_equals_the_plain_run(tmp_path, "cpu")
+    partial = ["--cpu-offload", "--optimizer-offload-fraction", "0.001", "--overlap-cpu-optimizer-d2h-h2d"]
+    for out in (single(args + ["--zero-stage", "3"] + partial), torchrun(2, args + ["--zero-stage", "2"] + partial)):
+        assert "the last 1 of 2 blocks in host memory" in out, out[-2000:]
+        assert losses(out) == pytest.approx(plain, abs=1e-5) and _grad_norms(out) == pytest.approx(norms, rel=1e-5)
 
 
 @pytest.mark.gpu

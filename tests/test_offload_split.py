@@ -2,6 +2,7 @@
 flags that reach it, and what the planner makes of it."""
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -154,3 +155,35 @@ def test_partial_offload_equals_the_plain_run_and_resumes_exactly(tmp_path):
 def test_partial_offload_on_a_gpu_equals_the_plain_run_and_resumes_exactly(tmp_path):
     """The blocks kept on the GPU are updated there by the main thread, the offloaded one by the host's."""
     _partial_offload_equals_the_plain_run(tmp_path, "cuda")
+
+
+def test_the_planner_names_the_least_offload_that_fits(capsys):
+    """`gptrain plan --evaluate` with --cpu-offload: the smallest fraction (whole last blocks) whose planned peak
+    fits the GPU, one block fewer not fitting; with few blocks offloaded the peak is the backward's end, where
+    the kept units' fp32 gradients are all held."""
+    from gptrain.config import parse_megatron_args
+    from gptrain.plan.cli import plan_main
+    from gptrain.plan.hardware import load_gpu
+    from gptrain.plan.memory import block_params
+    from gptrain.plan.offload_fit import least_offload_fraction
+    from gptrain.plan.search import predict
+
+    flags = ("--num-layers 36 --hidden-size 4096 --num-attention-heads 32 --seq-length 1024 "
+             "--max-position-embeddings 1024 --bf16 --recompute-granularity full --micro-batch-size 8 "
+             "--global-batch-size 8 --zero-stage 2 --cpu-offload --mock-data --train-iters 1").split()
+    cfg, _ = parse_megatron_args(flags, world_size=1)
+    cfg = cfg.with_tokenizer(50257, 50256)
+    gpu = load_gpu("h100")
+    fraction, peak = least_offload_fraction(cfg, 1, gpu, 8)
+    block = block_params(cfg, 1) / cfg.model.num_parameters()
+
+    def at(f):
+        return predict(dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, offload_fraction=f)), 1, gpu, 8)
+
+    assert 0 < fraction < 1 and at(fraction).fits and at(fraction).peak_gib == peak
+    assert not at(fraction - block).fits
+    p = at(block)  # one block offloaded
+    assert p.memory.weights == 0 and p.memory.grads >= p.memory.main_params  # the backward's end
+    assert plan_main(flags + ["--world-size", "1", "--gpu", "h100", "--evaluate"]) == 0
+    assert f"least offload that fits 80 GiB: --optimizer-offload-fraction {fraction:.3g} (peak {peak:.1f} GiB" \
+        in capsys.readouterr().out

@@ -87,6 +87,7 @@ def plan_main(argv: list[str]) -> int:
         if host:
             print(f"host memory per rank (--cpu-offload: fp32 parameter, gradient and AdamW moment shards): {host:.2f} GiB")
             print(_largest_offload_line(cfg, world, gpu, args))
+            print(_least_offload_line(cfg, world, gpu, args))
             print("with --cpu-offload the optimizer's time is the host's AdamW and PCIe copies as measured on one "
                   "host (16 cores, PCIe 5): yours may differ (measure it: gptrain bench)")
     else:
@@ -104,6 +105,17 @@ def _largest_offload_line(cfg, world: int, gpu, args) -> str:
     if fit is None:
         return f"largest with --cpu-offload: none of this width fits {gpu.memory_gib:.0f} GiB and {total:.0f} GiB of host memory"
     return fit.describe(cfg, gpu, total) + ("" if args.host_memory_gib else " (this machine's host memory)")
+
+
+def _least_offload_line(cfg, world: int, gpu, args) -> str:
+    from gptrain.plan.offload_fit import least_offload_fraction
+
+    least = least_offload_fraction(cfg, world, gpu, args.gpus_per_node)
+    if least is None:
+        return f"least offload that fits: none fits {gpu.memory_gib:.0f} GiB, even whole offload"
+    fraction, peak = least
+    return (f"least offload that fits {gpu.memory_gib:.0f} GiB: --optimizer-offload-fraction {fraction:.3g} "
+            f"(peak {peak:.1f} GiB; the less offloaded, the faster the step)")
 
 
 def table(predictions) -> str:

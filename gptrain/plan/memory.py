@@ -148,8 +148,8 @@ def stage_memory(cfg: RunConfig, dims: ParallelDims, params: int, layers: int, s
 
 def _offload_peak(mem: Memory, cfg: RunConfig, dims: ParallelDims, params: int, layers: int, act: float,
                   working: float, logits: float) -> None:
-    """With --cpu-offload the GPU holds no optimizer state, and its peak (measured, benchmarks/memory_peak.py) is
-    either the forward's end (the saved block inputs and the logits) or the first blocks' backward, after the
+    """With --cpu-offload the GPU holds no optimizer state (but for the units --optimizer-offload-fraction keeps),
+    and its peak (measured, benchmarks/memory_peak.py) is either the forward's end (the saved block inputs and the logits) or the first blocks' backward, after the
     logits are freed: the recomputed block's working set, a block's fp32 gradients on their way to the host, and
     the root's gradient (the tied embedding's, from the loss on), which the root reduces last. With several
     micro-batches the whole fp32 gradients they accumulate into are held through both. ``working``: the
@@ -158,7 +158,12 @@ def _offload_peak(mem: Memory, cfg: RunConfig, dims: ParallelDims, params: int, 
     held = mem.grads if cfg.train.micro_batches_per_step(dims.dp) > 1 else 0.0
     backward = mem.grads + act + root_grad
     forward_end = held + act - working + logits
-    if backward >= forward_end:
+    # --optimizer-offload-fraction: the backward's end holds the kept units' fp32 gradients (their fp32 shards are
+    # main_params), every block's gathered copy freed; with few blocks offloaded that is the peak
+    kept_grads = mem.main_params + 4.0 * block_params(cfg, dims.tp)
+    if kept_grads > mem.weights + max(backward, forward_end):
+        mem.weights, mem.grads, mem.activations, mem.logits = 0.0, kept_grads, 0.0, 0.0
+    elif backward >= forward_end:
         mem.grads, mem.activations, mem.logits = mem.grads + root_grad, act, 0.0
     else:
         mem.grads, mem.activations, mem.logits = held, act - working, logits

@@ -82,3 +82,22 @@ def largest_offload_model(cfg: RunConfig, world: int, gpu: Gpu, gpus_per_node: i
         else:
             hi = mid - 1
     return best
+
+
+def least_offload_fraction(cfg: RunConfig, world: int, gpu: Gpu, gpus_per_node: int) -> tuple[float, float] | None:
+    """The smallest --optimizer-offload-fraction whose GPU peak fits (the planner's memory): the share of the
+    fewest last blocks offloaded (parallel/offload_split.py), or 1 with the root too; with its peak GiB. None
+    if not even whole offload fits. Less offload is faster (benchmarks/RESULTS.md, s28)."""
+    from gptrain.plan.memory import block_params
+
+    layers, block = cfg.model.num_layers, block_params(cfg, 1)
+    total = cfg.model.num_parameters()
+    for fraction in [k * block / total for k in range(1, layers + 1)] + [1.0]:
+        trial = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, offload_fraction=fraction))
+        try:
+            p = predict(trial, world, gpu, gpus_per_node)
+        except ValueError:
+            return None
+        if p.fits:
+            return fraction, p.peak_gib
+    return None

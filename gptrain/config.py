@@ -362,8 +362,8 @@ class ParallelConfig:
     # Megatron-LM's hybrid-device optimizer: the share of the parameters whose state is offloaded
     # (parallel/offload_split.py picks whole FSDP2 units, the last blocks first)
     offload_fraction: float = field(default=1.0, metadata=flag(
-        "--optimizer-offload-fraction", group="distributed", type=float,
-        help="with --cpu-offload: the share of the parameters whose fp32 copy, gradients and AdamW state live in "
+        "--optimizer-offload-fraction", group="distributed", type=float, default=None,
+        help="with --cpu-offload (default 1): the share of the parameters whose fp32 copy, gradients and AdamW state live in "
              "host memory; the rest stays on the GPU and is updated there. Whole blocks are offloaded, the last "
              "ones first (the next forward starts with the first, which are then ready at once); the root "
              "(embeddings, output layer) only at 1.0"))
@@ -499,6 +499,8 @@ def parse_megatron_args(argv: list[str], world_size: int | None = None) -> tuple
         from gptrain.parallel.deepspeed_config import apply_deepspeed_config
 
         notes += apply_deepspeed_config(values, zero_stage, data_parallel)
+    if parallel["offload_fraction"] is None:  # not given, by the flag or a ds.json's offload_optimizer.ratio
+        parallel["offload_fraction"] = 1.0
     if train["micro_batch_size"] is None:
         train["micro_batch_size"] = 1
     if train["global_batch_size"] is None:  # Megatron's default: one micro-batch per data-parallel rank

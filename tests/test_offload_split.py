@@ -74,18 +74,51 @@ def test_lower_precision_optimizer_state_is_refused(flag, value):
         parse_megatron_args(TINY_FLAGS + RUN + [flag, value], world_size=1)
 
 
-def test_deepspeed_offload_ratio_is_the_fraction(tmp_path):
+def test_deepspeed_offload_ratio_is_the_fraction_at_stage_3_as_deepspeed_reads_it(tmp_path):
     s = parse_deepspeed_config({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "ratio": 0.3}}})
     assert s.cpu_offload and s.offload_ratio == 0.3
-    ds = tmp_path / "ds.json"
-    ds.write_text(json.dumps({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "ratio": 0.4}}}))
-    cfg, _ = parse_megatron_args(TINY_FLAGS + RUN + ["--deepspeed", "--deepspeed_config", str(ds)], world_size=1)
-    assert (cfg.parallel.zero_stage, cfg.parallel.cpu_offload, cfg.parallel.offload_fraction) == (2, True, 0.4)
-    with pytest.raises(ValueError, match="ratio 0.4 contradicts --optimizer-offload-fraction 0.5"):
-        parse_megatron_args(TINY_FLAGS + RUN + ["--deepspeed", "--deepspeed_config", str(ds),
-                                                "--optimizer-offload-fraction", "0.5"], world_size=1)
+
+    def ds(stage, ratio):
+        path = tmp_path / f"ds{stage}.json"
+        path.write_text(json.dumps({"zero_optimization": {"stage": stage,
+                                                          "offload_optimizer": {"device": "cpu", "ratio": ratio}}}))
+        return ["--deepspeed", "--deepspeed_config", str(path)]
+
+    cfg, _ = parse_megatron_args(TINY_FLAGS + RUN + ds(3, 0.4), world_size=1)
+    assert (cfg.parallel.zero_stage, cfg.parallel.cpu_offload, cfg.parallel.offload_fraction) == (3, True, 0.4)
+    # below stage 3 DeepSpeed offloads everything whatever the ratio: so does gptrain, and says so
+    cfg, notes = parse_megatron_args(TINY_FLAGS + RUN + ds(2, 0.4), world_size=1)
+    assert (cfg.parallel.zero_stage, cfg.parallel.cpu_offload, cfg.parallel.offload_fraction) == (2, True, 1.0)
+    assert any("offload_optimizer.ratio: DeepSpeed applies it at stage 3 only: stage 2 offloads all" in n for n in notes)
+    for given in ("0.5", "1.0"):  # an explicit 1.0 contradicts too
+        with pytest.raises(ValueError, match=f"ratio 0.4 contradicts --optimizer-offload-fraction {float(given):g}"):
+            parse_megatron_args(TINY_FLAGS + RUN + ds(3, 0.4) + ["--optimizer-offload-fraction", given], world_size=1)
+    cfg, _ = parse_megatron_args(TINY_FLAGS + RUN + ds(3, 0.4) + ["--optimizer-offload-fraction", "0.4"], world_size=1)
+    assert cfg.parallel.offload_fraction == 0.4
+    cfg, _ = parse_megatron_args(TINY_FLAGS + RUN, world_size=1)
+    assert cfg.parallel.offload_fraction == 1.0
     with pytest.raises(ValueError, match="ratio 2.0: must be at most 1"):
         parse_deepspeed_config({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "ratio": 2.0}}})
+
+
+def test_the_model_is_made_real_unit_by_unit_where_it_will_live():
+    """train/build.materialize: the offloaded blocks' tensors in host memory, the kept blocks and the root (with
+    the output layer tied to the word embeddings) on the device; "meta" stands in for the GPU here."""
+    from gptrain.model.gpt import GPT
+    from gptrain.train.build import materialize
+
+    from tiny import tiny_config
+
+    with torch.device("meta"):
+        model = GPT(tiny_config(num_layers=4))
+    blocks = list(model.layers.values())
+    offloaded = offloaded_modules([model], blocks, 0.001)
+    assert offloaded == {blocks[3]}
+    materialize(model, offloaded, torch.device("meta"))
+    model.tie_output_layer()
+    assert {p.device.type for p in blocks[3].parameters()} == {"cpu"}
+    assert {p.device.type for b in blocks[:3] for p in b.parameters()} == {"meta"}
+    assert model.word_embeddings.weight.is_meta and model.output_layer.weight is model.word_embeddings.weight
 
 
 def test_the_planner_keeps_the_unoffloaded_state_on_the_gpu(capsys):
@@ -112,9 +145,11 @@ def _partial_offload_equals_the_plain_run(tmp_path, device: str) -> None:
     norms, with and without the overlapped host step, and a run resumed in the middle equals the straight one."""
     from distributed import TINY, losses, single
 
-    args = [a if a != "cpu" else device for a in TINY] + ["--train-iters", "4"]
+    # --log-params-norm: a norm over shards on two devices (parallel/collectives.global_norm_and_sum)
+    args = [a if a != "cpu" else device for a in TINY] + ["--train-iters", "4", "--log-params-norm"]
     plain_out = single(args)
-    plain, norms = losses(plain_out), _grad_norms(plain_out)
+    plain, norms, params = losses(plain_out), _grad_norms(plain_out), _params_norms(plain_out)
+    assert len(params) == 4
     partial = ["--zero-stage", "2", "--cpu-offload", "--optimizer-offload-fraction", "0.001"]
     ckpt = str(tmp_path / "ckpt")
     for extra in ([], ["--overlap-cpu-optimizer-d2h-h2d", "--save", ckpt, "--save-interval", "2"]):
@@ -125,10 +160,17 @@ def _partial_offload_equals_the_plain_run(tmp_path, device: str) -> None:
         assert offloaded.keys() == plain.keys() == {1, 2, 3, 4}
         assert all(offloaded[k] == pytest.approx(plain[k], abs=1e-5) for k in plain), (extra, offloaded, plain)
         assert _grad_norms(out) == pytest.approx(norms, rel=1e-5)
+        assert _params_norms(out) == pytest.approx(params, abs=2e-3)  # printed to 3 decimals
     (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").write_text("2")
     resumed = losses(single(args + partial + ["--overlap-cpu-optimizer-d2h-h2d", "--load", ckpt]))
     assert resumed.keys() == {3, 4} and all(resumed[k] == offloaded[k] for k in (3, 4)), (resumed, offloaded)
     return args, plain, norms
+
+
+def _params_norms(out: str) -> list[float]:
+    import re
+
+    return [float(m) for m in re.findall(r"\| params norm: (\S+) \|", out)]
 
 
 def _grad_norms(out: str) -> list[float]:
@@ -182,6 +224,10 @@ def test_the_planner_names_the_least_offload_that_fits(capsys):
 
     assert 0 < fraction < 1 and at(fraction).fits and at(fraction).peak_gib == peak
     assert not at(fraction - block).fits
+    # the printed value offloads the blocks planned
+    sizes = [cfg.model.num_parameters() - cfg.model.num_layers * block_params(cfg, 1),
+             *[block_params(cfg, 1)] * cfg.model.num_layers]
+    assert offloaded_count(sizes, float(f"{fraction:.3g}")) == offloaded_count(sizes, fraction) == round(fraction / block + 0.5)
     p = at(block)  # one block offloaded
     assert p.memory.weights == 0 and p.memory.grads >= p.memory.main_params  # the backward's end
     assert plan_main(flags + ["--world-size", "1", "--gpu", "h100", "--evaluate"]) == 0

@@ -47,11 +47,13 @@ def global_norm_and_sum(grads: list[torch.Tensor], value: torch.Tensor, pp: int 
     ``grads`` by the caller on all but one stage). ``tp_split[i]``: ``grads[i]`` is a
     tensor-parallel shard. ``squares``: this process's sum of squares taken already (``grads`` then holds
     none of those gradients)."""
-    by_replicas: dict[int, list[torch.Tensor]] = {}
+    # by device too: with --optimizer-offload-fraction some shards are in host memory and others on the GPU
+    by_replicas: dict[tuple[int, torch.device], list[torch.Tensor]] = {}
     for g, split in zip(grads, tp_split or [False] * len(grads)):
-        by_replicas.setdefault(_replicas(g, pp, split, tp), []).append(local(g))
+        t = local(g)
+        by_replicas.setdefault((_replicas(g, pp, split, tp), t.device), []).append(t)
     squares = torch.zeros((), device=value.device, dtype=torch.float32) if squares is None else squares
-    for replicas, tensors in by_replicas.items():
+    for (replicas, _), tensors in by_replicas.items():
         norms = torch._foreach_norm(tensors)
         squares = squares + torch.stack(norms).float().square().sum().to(value.device) / replicas
     both = torch.stack([squares, value.float()])

@@ -242,14 +242,20 @@ def parse_deepspeed_config(config: dict, source: str = "ds_config") -> DeepSpeed
                 p.error(f"{path}.device", "gptrain offloads to the CPU only", device)
             if device not in ("cpu", "none"):
                 p.error(f"{path}.device", 'must be "cpu" or "none"', device)
-            p.known(sub, path, ("device", "pin_memory", "ratio") if name == "offload_optimizer" else ("device", "pin_memory"))
+            keys = ("device", "pin_memory", "ratio") if name == "offload_optimizer" else ("device", "pin_memory")
+            p.known(sub, path, keys)
             p.flag(sub, "pin_memory", f"{path}.pin_memory", None)
             if name == "offload_optimizer" and "ratio" in sub:
-                # ZeRO-Offload++'s share of the optimizer state on the CPU (DeepSpeed takes it at stage 3 only;
-                # gptrain's --optimizer-offload-fraction at every stage)
+                # ZeRO-Offload++'s share of the optimizer state on the CPU: --optimizer-offload-fraction; DeepSpeed
+                # reads it at stage 3 only (stage3.py) and offloads everything below, so gptrain does the same
                 ratio = p.number(sub, "ratio", f"{path}.ratio", float, positive=True)
                 if ratio is not None and ratio > 1:
                     p.error(f"{path}.ratio", "must be at most 1", ratio)
+                if ratio is not None and ratio < 1 and stage != 3:
+                    p.note(f"{path}.ratio", f"DeepSpeed applies it at stage 3 only: stage {stage} offloads all of "
+                           "the optimizer state, as DeepSpeed does (--optimizer-offload-fraction keeps part of it "
+                           "on the GPU at any stage)")
+                    ratio = None
             if device == "cpu" and name == "offload_param" and stage != 3:
                 p.error(f"{path}.device", f"offloads parameters, which only stage 3 shards (DeepSpeed's rule; "
                         f"this file has stage {stage}): use offload_optimizer", device)
@@ -355,7 +361,7 @@ def apply_deepspeed_config(values: dict[str, dict], zero_flag: int | None, data_
     parallel["zero_stage"] = max(parallel["zero_stage"], ds.zero_stage)
     parallel["cpu_offload"] = parallel["cpu_offload"] or ds.cpu_offload
     if ds.offload_ratio is not None:
-        if parallel["offload_fraction"] not in (1.0, ds.offload_ratio):
+        if parallel["offload_fraction"] not in (None, ds.offload_ratio):
             raise ValueError(f"{name}: zero_optimization.offload_optimizer.ratio {ds.offload_ratio:g} contradicts "
                              f"--optimizer-offload-fraction {parallel['offload_fraction']:g}")
         parallel["offload_fraction"] = ds.offload_ratio

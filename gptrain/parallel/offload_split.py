@@ -34,8 +34,9 @@ def offloaded_count(sizes: Sequence[int], fraction: float) -> int:
 
 def offloaded_modules(roots: Sequence[nn.Module], blocks: Sequence[nn.Module], fraction: float) -> set[nn.Module]:
     """The FSDP2 units to offload: of ``roots`` (the module holding the embeddings and the output layer, or a
-    pipeline stage's chunks) and ``blocks`` (parallel/parallelize.apply_fsdp's units), by this rank's share of
-    their parameters (a tensor-parallel shard counts what it holds)."""
+    pipeline stage's chunks) and ``blocks`` (parallel/parallelize.apply_fsdp's units), by their parameter counts
+    (train/build.py asks on the full-shape model, before tensor parallelism, as the planner counts them; a
+    pipeline stage picks among its own blocks, where the planner takes the whole model's share)."""
     in_blocks = {id(p) for block in blocks for p in block.parameters()}
     own = [sum(local(p).numel() for p in root.parameters() if id(p) not in in_blocks) for root in roots]
     sizes = [sum(own), *(sum(local(p).numel() for p in block.parameters()) for block in blocks)]

@@ -50,7 +50,8 @@ def describe_sharding(dims: ParallelDims, overlap: bool = False, reduce_bf16: bo
         if dims.zero_stage == 1 or dims.cpu_offload else "reduce-scattered in fp32 during each backward"
     offload = "; parameters, gradients and optimizer state in host memory" if dims.cpu_offload else ""
     if dims.cpu_offload and dims.offload_fraction < 1:
-        offload += f" for whole blocks up to --optimizer-offload-fraction {dims.offload_fraction:g} of the parameters"
+        offload += (f" for the last whole blocks holding at least --optimizer-offload-fraction "
+                    f"{dims.offload_fraction:g} of the parameters")
     return (f"{how} over {dims.dp} rank{'s' if dims.dp > 1 else ''} on FSDP2: fp32 parameter and optimizer-state shards, parameters "
             f"{keep}, gradients {grads}{offload}")
 

@@ -115,7 +115,7 @@ def _least_offload_line(cfg, world: int, gpu, args) -> str:
         return f"least offload that fits: none fits {gpu.memory_gib:.0f} GiB, even whole offload"
     fraction, peak = least
     return (f"least offload that fits {gpu.memory_gib:.0f} GiB: --optimizer-offload-fraction {fraction:.3g} "
-            f"(peak {peak:.1f} GiB; the less offloaded, the faster the step)")
+            f"(peak {peak:.1f} GiB; the blocks kept on the GPU are updated there, not by the host)")
 
 
 def table(predictions) -> str:

@@ -149,8 +149,8 @@ def stage_memory(cfg: RunConfig, dims: ParallelDims, params: int, layers: int, s
 def _offload_peak(mem: Memory, cfg: RunConfig, dims: ParallelDims, params: int, layers: int, act: float,
                   working: float, logits: float) -> None:
     """With --cpu-offload the GPU holds no optimizer state (but for the units --optimizer-offload-fraction keeps),
-    and its peak (measured, benchmarks/memory_peak.py) is either the forward's end (the saved block inputs and the logits) or the first blocks' backward, after the
-    logits are freed: the recomputed block's working set, a block's fp32 gradients on their way to the host, and
+    and its peak (measured, benchmarks/memory_peak.py) is either the forward's end (the saved block inputs and the
+    logits) or the first blocks' backward, after the logits are freed: the recomputed block's working set, a block's fp32 gradients on their way to the host, and
     the root's gradient (the tied embedding's, from the loss on), which the root reduces last. With several
     micro-batches the whole fp32 gradients they accumulate into are held through both. ``working``: the
     recomputed block's share of ``act``."""

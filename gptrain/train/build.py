@@ -174,8 +174,8 @@ def build_training(cfg: RunConfig, device: torch.device, dims: ParallelDims, mes
                             f"{len(blocks) - kept} of {len(blocks)} blocks in host memory, {first}the root "
                             f"(embeddings, output layer) on the {'GPU' if device.type == 'cuda' else device.type}")
     # everything in host memory at fraction 1, the loss's module too (a pipeline's roots are its chunks)
-    materialize(train_module, offloaded | ({train_module} if dims.cpu_offload and dims.offload_fraction >= 1 else set()),
-                device)
+    whole = dims.cpu_offload and dims.offload_fraction >= 1
+    materialize(train_module, offloaded | ({train_module} if whole else set()), device)
     model.tie_output_layer()  # to_empty made new tensors
     model.init_weights(cfg.data.seed, layout.region if dims.tp > 1 else None)
     main = None
@@ -239,7 +239,8 @@ def materialize(train_module: nn.Module, offloaded: set[nn.Module], device: torc
     """The meta model's tensors made real, uninitialised: the offloaded units' in host memory (FSDP2's
     CPUOffloadPolicy takes them there), the rest on the device."""
     on_host = {id(m) for unit in offloaded for m in unit.modules()}
-    for module in train_module.modules():
+    # children first: an FSDP2 unit's own _apply (run by to_empty) lays out its shards from its submodules'
+    for module in reversed(list(train_module.modules())):
         module.to_empty(device=torch.device("cpu") if id(module) in on_host else device, recurse=False)
 
 

@@ -25,6 +25,9 @@ VOCAB = 50304  # GPT-2's 50257 padded to a multiple of 128, as gptrain's and Meg
 
 
 def ds_config(args) -> dict:
+    offload = {"device": "cpu", "pin_memory": True}
+    if args.offload_ratio != 1.0:  # ZeRO-Offload++'s share of the optimizer state on the CPU (ZeRO-3 only)
+        offload["ratio"] = args.offload_ratio
     return {
         "train_micro_batch_size_per_gpu": args.micro_batch_size,
         "gradient_accumulation_steps": args.micro_batches,
@@ -32,9 +35,7 @@ def ds_config(args) -> dict:
         "gradient_clipping": 1.0,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "betas": [0.9, 0.95], "eps": 1e-8,
                                                   "weight_decay": 0.01}},
-        # ratio: ZeRO-Offload++'s share of the optimizer state on the CPU (DeepSpeed takes it at ZeRO-3 only)
-        "zero_optimization": {"stage": args.zero_stage,
-                              "offload_optimizer": {"device": "cpu", "pin_memory": True, "ratio": args.offload_ratio},
+        "zero_optimization": {"stage": args.zero_stage, "offload_optimizer": offload,
                               "contiguous_gradients": True, "overlap_comm": True},
         "steps_per_print": 10 ** 9,
         "wall_clock_breakdown": False,

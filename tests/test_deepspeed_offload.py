@@ -40,12 +40,16 @@ def test_recomputed_model_equals_the_baseline():
 
 
 def test_the_config_is_zero_offload():
-    args = argparse.Namespace(micro_batch_size=8, micro_batches=1, zero_stage=2)
+    args = argparse.Namespace(micro_batch_size=8, micro_batches=1, zero_stage=2, offload_ratio=1.0)
     cfg = _module().ds_config(args)
     zero = cfg["zero_optimization"]
     assert zero["stage"] == 2 and zero["offload_optimizer"] == {"device": "cpu", "pin_memory": True}
     assert cfg["bf16"] == {"enabled": True} and cfg["train_micro_batch_size_per_gpu"] == 8
     assert cfg["gradient_accumulation_steps"] == 1 and cfg["gradient_clipping"] == 1.0
+    # ZeRO-Offload++'s partial offload (deepspeed_z3_r50): the ratio at ZeRO-3
+    args = argparse.Namespace(micro_batch_size=8, micro_batches=1, zero_stage=3, offload_ratio=0.5)
+    zero = _module().ds_config(args)["zero_optimization"]
+    assert zero["stage"] == 3 and zero["offload_optimizer"] == {"device": "cpu", "pin_memory": True, "ratio": 0.5}
 
 
 def test_without_deepspeed_nothing_runs():

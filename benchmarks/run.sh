@@ -128,7 +128,8 @@ suite_train() {
 # LAYOUT list: "GPUS:MICRO_BATCH:GLOBAL_BATCH:NAME:FLAGS"; the baseline (nanoGPT, under DDP at DP) runs
 # beside the 1-GPU and plain data-parallel rows only. Names ending _mbN are the layout at another micro-batch,
 # _gbN at another global batch (128: the pipeline rows', several micro-batches a step, so data parallelism's
-# one reduction a step is spread over them as a training run at that batch spreads it).
+# one reduction a step is spread over them as a training run at that batch spreads it). _hp: the TP group's NCCL
+# on high-priority streams (inside CUDA graphs only with CUDA_GRAPHS_USE_NODE_PRIORITY=1 exported).
 NO_GRAPHS="--compile-mode default"  # tensor parallelism runs CUDA graphs by default (train/build.py)
 GRAPHS="--compile-mode reduce-overhead"
 LAYOUTS2=("1:16:16:1gpu:" "2:16:32:dp2:" "2:16:32:dp2_overlap:--overlap-grad-reduce --no-baseline"
@@ -142,6 +143,8 @@ LAYOUTS2=("1:16:16:1gpu:" "2:16:32:dp2:" "2:16:32:dp2_overlap:--overlap-grad-red
           "2:16:32:zero3_dp2:--zero-stage 3 --no-baseline"
           "2:16:16:tp2:--tensor-model-parallel-size 2 --no-baseline"
           "2:16:16:tp2_no_graphs:--tensor-model-parallel-size 2 $NO_GRAPHS --no-baseline"
+          "2:16:16:tp2_hp:--tensor-model-parallel-size 2 --high-priority-stream-groups tp --no-baseline"
+          "2:16:16:tp2_hp_no_graphs:--tensor-model-parallel-size 2 --high-priority-stream-groups tp $NO_GRAPHS --no-baseline"
           "2:16:16:tp2_sp:--tensor-model-parallel-size 2 --sequence-parallel --no-baseline"
           "2:16:16:tp2_sp_no_graphs:--tensor-model-parallel-size 2 --sequence-parallel $NO_GRAPHS --no-baseline"
           "2:16:16:tp2_sp_async:--tensor-model-parallel-size 2 --sequence-parallel --tp-comm-overlap --no-baseline"

@@ -375,6 +375,12 @@ class ParallelConfig:
              "starting on each block as soon as it is updated (clipping and the NaN check still need the whole "
              "backward first); the same numbers; measured about 7%% faster than without it on one H100 host at one "
              "micro-batch a step (benchmarks/RESULTS.md)"))
+    # Megatron-LM's names for the communicator groups whose NCCL streams run at high priority, so their
+    # kernels take the SMs as they free up rather than queue behind the matmuls beside them (dims.build_mesh)
+    high_priority_stream_groups: list[str] = field(default_factory=list, metadata=flag(
+        "--high-priority-stream-groups", group="distributed",
+        help="tp, dp and/or pp (dp_cp: dp): their NCCL collectives on high-priority CUDA streams (Megatron-LM's "
+             "flag); under CUDA graphs (tensor parallelism's default) export CUDA_GRAPHS_USE_NODE_PRIORITY=1 too"))
     deepspeed_config: str | None = field(default=None, metadata=flag(  # the ds.json it came from, if any
         "--deepspeed_config", "--deepspeed-config", group="distributed",
         help="a DeepSpeed ds.json: zero_optimization, fp16/bf16, batch sizes and clipping are honoured"))

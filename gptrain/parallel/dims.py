@@ -82,10 +82,43 @@ class ParallelDims:
         return (f"using world size: {self.world_size}, data-parallel-size: {self.dp}, "
                 f"tensor-model-parallel size: {self.tp}, pipeline-model-parallel size: {self.pp}")
 
-    def build_mesh(self, device_type: str) -> DeviceMesh | None:
+    def build_mesh(self, device_type: str, high_priority: tuple[str, ...] = ()) -> DeviceMesh | None:
+        """The (pp, dp, tp) mesh; ``high_priority``: the dimensions whose NCCL groups use high-priority streams
+        (--high-priority-stream-groups, names checked by high_priority_dims; gloo has no streams)."""
         if not self.distributed and not self.sharded:
             return None
-        return init_device_mesh(device_type, (self.pp, self.dp, self.tp), mesh_dim_names=MESH_DIMS)
+        override = {}
+        if device_type == "cuda" and high_priority and dist.get_backend() != "fake":
+            from torch.distributed import ProcessGroupNCCL
+
+            options = ProcessGroupNCCL.Options(is_high_priority_stream=True)  # NCCL takes it; gloo beside it does not
+            override = {dim: ("cpu:gloo,cuda:nccl", options) for dim in high_priority}
+        return init_device_mesh(device_type, (self.pp, self.dp, self.tp), mesh_dim_names=MESH_DIMS,
+                                **({"backend_override": override} if override else {}))
+
+
+# Megatron-LM's communicator group names that have a mesh dimension here
+_GROUP_DIMS = {"tp": "tp", "dp": "dp", "dp_cp": "dp", "pp": "pp"}
+
+
+def high_priority_dims(names: list[str]) -> tuple[str, ...]:
+    """The mesh dimensions --high-priority-stream-groups names, each once; a group gptrain does not have is
+    refused by name."""
+    unknown = [n for n in names if n not in _GROUP_DIMS]
+    if unknown:
+        raise ValueError(f"--high-priority-stream-groups {' '.join(unknown)}: gptrain's groups are tp, dp (dp_cp) "
+                         "and pp (no context or expert parallelism)")
+    return tuple(dict.fromkeys(_GROUP_DIMS[n] for n in names))
+
+
+def describe_high_priority(dims: tuple[str, ...], device_type: str) -> str:
+    """The log's line for --high-priority-stream-groups."""
+    line = f" > high-priority NCCL streams: {', '.join(dims)}"
+    if device_type != "cuda":
+        return line + " (no effect here: gloo has no CUDA streams)"
+    if os.environ.get("CUDA_GRAPHS_USE_NODE_PRIORITY") != "1":
+        line += " (inside CUDA graphs, tensor parallelism's default, only with CUDA_GRAPHS_USE_NODE_PRIORITY=1 set)"
+    return line
 
 
 def world_from_env() -> tuple[int, int, int]:

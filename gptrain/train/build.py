@@ -22,7 +22,7 @@ from gptrain.kernels.convert import KernelChoice, apply_kernels
 from gptrain.model.fp8 import convert_to_fp8
 from gptrain.model.gpt import GPT
 from gptrain.model.loss import LMLoss
-from gptrain.parallel.dims import ParallelDims
+from gptrain.parallel.dims import ParallelDims, high_priority_dims
 from gptrain.parallel.parallelize import describe_sharding, parallelize
 from gptrain.parallel.tensor_parallel import ShardLayout
 from gptrain.parallel.pipeline import Pipeline, StageShapes, check_micro_batches, pipeline_chunks, prune_for_stage, stage_layer_counts, virtual_stages
@@ -71,6 +71,7 @@ def parallel_dims(cfg: RunConfig, world_size: int) -> ParallelDims:
     uneven = par.first_stage_layers is not None or par.last_stage_layers is not None
     dims.validate(cfg.model.num_layers, cfg.model.num_attention_heads, cfg.train.micro_batch_size,
                   cfg.train.global_batch_size, uneven_stages=uneven)
+    high_priority_dims(cfg.parallel.high_priority_stream_groups)  # a group name gptrain lacks: refused here
     if uneven:
         if par.layers_per_virtual_stage:
             raise ValueError("--decoder-first/last-pipeline-num-layers with --num-layers-per-virtual-pipeline-stage "

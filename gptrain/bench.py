@@ -20,7 +20,7 @@ from gptrain.config import parse_megatron_args
 from gptrain.data.gpt_dataset import MockGPTDataset
 from gptrain.device import pick_device
 from gptrain.parallel import simulate
-from gptrain.parallel.dims import high_priority_dims, init_distributed, is_logging_rank, world_from_env
+from gptrain.parallel.dims import init_distributed, is_logging_rank, world_from_env
 from gptrain.train import metrics
 from gptrain.train.build import build_training, parallel_dims
 from gptrain.data.loader import MicroBatchLoader
@@ -87,8 +87,7 @@ def synthetic_trainer(argv: list[str], iters: int) -> tuple[Trainer, MicroBatchL
     cfg, _ = parse_megatron_args(argv + ["--mock-data", "--train-iters", str(iters)], world_size=world)
     dims = parallel_dims(cfg, world)
     device = init_distributed(pick_device(cfg.train.device), alone=dims.sharded)  # offload on one process: a group of one
-    mesh = dims.build_mesh(device.type, high_priority_dims(cfg.parallel.high_priority_stream_groups))
-    parts = build_training(cfg, device, dims, mesh, log=lambda s: None)
+    parts = build_training(cfg, device, dims, dims.build_mesh(device.type), log=lambda s: None)
     data = MockGPTDataset("train", 10 ** 9, cfg.model.seq_length, cfg.model.vocab_size, cfg.data.seed)
     trainer = Trainer(cfg, parts, data, None, None, device, log=lambda s: None)
     return trainer, trainer.loader(data, 0)

@@ -24,6 +24,7 @@ class ParallelDims:
     zero_stage: int = 0
     cpu_offload: bool = False
     offload_fraction: float = 1.0  # --optimizer-offload-fraction: the share of the parameters offloaded
+    high_priority: tuple[str, ...] = ()  # --high-priority-stream-groups' mesh dimensions (high_priority_dims)
 
     @property
     def dp(self) -> int:
@@ -82,12 +83,13 @@ class ParallelDims:
         return (f"using world size: {self.world_size}, data-parallel-size: {self.dp}, "
                 f"tensor-model-parallel size: {self.tp}, pipeline-model-parallel size: {self.pp}")
 
-    def build_mesh(self, device_type: str, high_priority: tuple[str, ...] = ()) -> DeviceMesh | None:
-        """The (pp, dp, tp) mesh; ``high_priority``: the dimensions whose NCCL groups use high-priority streams
-        (--high-priority-stream-groups, names checked by high_priority_dims; gloo has no streams)."""
+    def build_mesh(self, device_type: str) -> DeviceMesh | None:
+        """The (pp, dp, tp) mesh; the ``high_priority`` dimensions' NCCL groups on high-priority streams (gloo has
+        no streams)."""
         if not self.distributed and not self.sharded:
             return None
         override = {}
+        high_priority = self.high_priority
         if device_type == "cuda" and high_priority and dist.get_backend() != "fake":
             from torch.distributed import ProcessGroupNCCL
 

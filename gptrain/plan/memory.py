@@ -150,10 +150,10 @@ def _offload_peak(mem: Memory, cfg: RunConfig, dims: ParallelDims, params: int, 
                   working: float, logits: float) -> None:
     """With --cpu-offload the GPU holds no optimizer state (but for the units --optimizer-offload-fraction keeps),
     and its peak (measured, benchmarks/memory_peak.py) is either the forward's end (the saved block inputs and the
-    logits) or the first blocks' backward, after the logits are freed: the recomputed block's working set, a block's fp32 gradients on their way to the host, and
-    the root's gradient (the tied embedding's, from the loss on), which the root reduces last. With several
-    micro-batches the whole fp32 gradients they accumulate into are held through both. ``working``: the
-    recomputed block's share of ``act``."""
+    logits) or the first blocks' backward, after the logits are freed: the recomputed block's working set, a
+    block's fp32 gradients on their way to the host, and the root's gradient (the tied embedding's, from the loss
+    on), which the root reduces last. With several micro-batches the whole fp32 gradients they accumulate into are
+    held through both. ``working``: the recomputed block's share of ``act``."""
     root_grad = (2.0 if cfg.precision.half_params else 4.0) * (params - layers * block_params(cfg, dims.tp))
     held = mem.grads if cfg.train.micro_batches_per_step(dims.dp) > 1 else 0.0
     backward = mem.grads + act + root_grad
@@ -178,9 +178,14 @@ def offloaded_share(cfg: RunConfig, dims: ParallelDims) -> float:
         return 1.0
     from gptrain.parallel.offload_split import offloaded_count
 
-    layers, block = cfg.model.num_layers, block_params(cfg, 1)
-    sizes = [cfg.model.num_parameters() - layers * block, *([block] * layers)]
+    sizes = unit_sizes(cfg)
     return sum(sizes[len(sizes) - offloaded_count(sizes, dims.offload_fraction):]) / sum(sizes)
+
+
+def unit_sizes(cfg: RunConfig) -> list[int]:
+    """The FSDP2 units' parameter counts in forward order, on the full shapes: the root's, then each block's."""
+    layers, block = cfg.model.num_layers, block_params(cfg, 1)
+    return [cfg.model.num_parameters() - layers * block, *([block] * layers)]
 
 
 def offload_host_gib(cfg: RunConfig, dims: ParallelDims) -> float:

@@ -89,11 +89,10 @@ def least_offload_fraction(cfg: RunConfig, world: int, gpu: Gpu, gpus_per_node: 
     fewest last blocks (parallel/offload_split.py), or 1 with the root too; with its peak GiB. None if not even
     whole offload fits. Each fraction is half a block past the last whole block it needs, so a rounded print of
     it offloads the same blocks."""
-    from gptrain.plan.memory import block_params
+    from gptrain.plan.memory import unit_sizes
 
-    layers, block = cfg.model.num_layers, block_params(cfg, 1)
-    total = cfg.model.num_parameters()
-    for fraction in [(k - 0.5) * block / total for k in range(1, layers + 1)] + [1.0]:
+    sizes = unit_sizes(cfg)
+    for fraction in [(k - 0.5) * sizes[-1] / sum(sizes) for k in range(1, len(sizes))] + [1.0]:
         trial = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, offload_fraction=fraction))
         try:
             p = predict(trial, world, gpu, gpus_per_node)

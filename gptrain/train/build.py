@@ -66,12 +66,12 @@ def parallel_dims(cfg: RunConfig, world_size: int) -> ParallelDims:
     p = cfg.parallel
     dims = ParallelDims(world_size=world_size, tp=p.tensor_parallel, pp=p.pipeline_parallel,
                         zero_stage=p.zero_stage, cpu_offload=p.cpu_offload,
-                        offload_fraction=p.offload_fraction)
+                        offload_fraction=p.offload_fraction,
+                        high_priority=high_priority_dims(p.high_priority_stream_groups))
     par = cfg.parallel
     uneven = par.first_stage_layers is not None or par.last_stage_layers is not None
     dims.validate(cfg.model.num_layers, cfg.model.num_attention_heads, cfg.train.micro_batch_size,
                   cfg.train.global_batch_size, uneven_stages=uneven)
-    high_priority_dims(cfg.parallel.high_priority_stream_groups)  # a group name gptrain lacks: refused here
     if uneven:
         if par.layers_per_virtual_stage:
             raise ValueError("--decoder-first/last-pipeline-num-layers with --num-layers-per-virtual-pipeline-stage "

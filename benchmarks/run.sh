@@ -8,8 +8,9 @@
 #               recipe, compiled, same process): the 345M, seq 1024, bf16, compiled, no dropout, at
 #               micro-batch 16 and 64 (benchmarks/train_throughput.py = `gptrain bench`)
 #   scaling     train_throughput.py under torchrun at the DP/ZeRO/TP/PP layouts beside a 1-GPU row of the
-#               same run (nccl_bench.py first); 2-GPU layouts from 2 GPUs, 4-GPU layouts from 4; with
-#               one GPU it says so and exits 0; ONLY="1gpu dp2 ..." picks layouts (and nccl); with
+#               same run (nccl_bench.py and comm_overlap.py first: an all-reduce beside a matmul); 2-GPU
+#               layouts from 2 GPUs, 4-GPU layouts from 4; with one GPU it says so and exits 0;
+#               ONLY="1gpu dp2 ..." picks layouts (and nccl, comm_overlap); with
 #               MEGATRON_LM=<a Megatron-LM checkout> also Megatron-LM's own step (megatron_lm_throughput.py:
 #               megatron_1gpu megatron_dp2 megatron_tp2 megatron_tp2_sp megatron_pp2)
 #   ranks       the rank simulator on one GPU: one rank of DP2 (one all-reduce after the backward, and
@@ -182,6 +183,7 @@ suite_scaling() {
     return 0
   fi
   selected nccl && { run scaling/nccl.txt "${TORCHRUN[@]}" "$n" benchmarks/nccl_bench.py || rc=1; }
+  selected comm_overlap && { run scaling/comm_overlap.txt "${TORCHRUN[@]}" 2 benchmarks/comm_overlap.py || rc=1; }
   local layouts=("${LAYOUTS2[@]}")
   [ "$n" -ge 4 ] && layouts+=("${LAYOUTS4[@]}")
   for v in "${layouts[@]}"; do
@@ -379,7 +381,7 @@ suite_lane() {
   fi
   run lane/gpu_lane.txt "$PY" -m pytest -m gpu -q -rs -p no:cacheprovider --durations=10 \
     tests/test_gpu_kernels.py tests/test_row_decode.py tests/test_slot_join.py tests/test_server_inflight.py \
-    tests/test_llama.py tests/test_dcp_direct.py tests/test_offload_split.py "$@"
+    tests/test_llama.py tests/test_dcp_direct.py tests/test_offload_split.py tests/test_comm_options.py "$@"
   local lane=$?
   run lane/demo.txt "$PY" -m gptrain demo --out "$WORK/demo_out"
   local demo=$?

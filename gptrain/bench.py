@@ -21,6 +21,7 @@ from gptrain.data.gpt_dataset import MockGPTDataset
 from gptrain.device import pick_device
 from gptrain.parallel import simulate
 from gptrain.parallel.dims import init_distributed, is_logging_rank, world_from_env
+from gptrain.parallel.teardown import end_process_group
 from gptrain.train import metrics
 from gptrain.train.build import build_training, parallel_dims
 from gptrain.data.loader import MicroBatchLoader
@@ -193,7 +194,10 @@ def bench_main(argv: list[str]) -> int:
               file=sys.stderr)
         return 2
     with simulate.simulated_world(args.simulate_world_size, args.simulate_rank):
-        return _bench(args, model_flags)
+        try:
+            return _bench(args, model_flags)
+        finally:  # CUDA graphs before the communicators they captured: NCCL can hang at exit otherwise
+            end_process_group()
 
 
 def _bench(args, model_flags: list[str]) -> int:

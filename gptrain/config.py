@@ -381,6 +381,13 @@ class ParallelConfig:
         "--high-priority-stream-groups", group="distributed",
         help="tp, dp and/or pp (dp_cp: dp): their NCCL collectives on high-priority CUDA streams (Megatron-LM's "
              "flag); under CUDA graphs (tensor parallelism's default) export CUDA_GRAPHS_USE_NODE_PRIORITY=1 too"))
+    # Megatron-LM's per-group NCCL options (max_ctas, min_ctas, cga_cluster_size, net_name,
+    # is_high_priority_stream): a capped group leaves SMs to the matmuls beside it (parallel/comm_options.py)
+    nccl_communicator_config_path: str | None = field(default=None, metadata=flag(
+        "--nccl-communicator-config-path", group="distributed",
+        help="a YAML file of NCCL communicator options per group (tp, dp/dp_cp, pp; Megatron-LM's flag and format): "
+             "max_ctas, min_ctas, cga_cluster_size, net_name, is_high_priority_stream; groups gptrain does not have "
+             "are noted and left out"))
     deepspeed_config: str | None = field(default=None, metadata=flag(  # the ds.json it came from, if any
         "--deepspeed_config", "--deepspeed-config", group="distributed",
         help="a DeepSpeed ds.json: zero_optimization, fp16/bf16, batch sizes and clipping are honoured"))

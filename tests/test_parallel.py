@@ -344,16 +344,3 @@ def _grad_norms(out: str) -> list[float]:
 
 def _validation(out: str) -> list[float]:
     return [float(m) for m in re.findall(r"validation loss at iteration \d+ \| lm loss value: (\S+)", out)]
-
-
-def test_high_priority_stream_groups_name_mesh_dimensions():
-    """Megatron-LM's --high-priority-stream-groups: its group names onto the mesh's dimensions, each once; on
-    gloo the log says it changes nothing."""
-    from gptrain.parallel.dims import describe_high_priority, high_priority_dims
-
-    cfg, _ = parse_megatron_args(TINY + ["--train-iters", "1", "--high-priority-stream-groups", "tp", "dp_cp", "dp",
-                                         "pp"], world_size=2)
-    assert cfg.parallel.high_priority_stream_groups == ["tp", "dp_cp", "dp", "pp"]
-    assert high_priority_dims(cfg.parallel.high_priority_stream_groups) == ("tp", "dp", "pp")
-    assert describe_high_priority(("tp",), "cpu") == \
-        " > high-priority NCCL streams: tp (no effect here: gloo has no CUDA streams)"

@@ -13,6 +13,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from gptrain.parallel.comm_options import CommOptions
+
 MESH_DIMS = ("pp", "dp", "tp")
 
 
@@ -24,7 +26,10 @@ class ParallelDims:
     zero_stage: int = 0
     cpu_offload: bool = False
     offload_fraction: float = 1.0  # --optimizer-offload-fraction: the share of the parameters offloaded
-    high_priority: tuple[str, ...] = ()  # --high-priority-stream-groups' mesh dimensions (high_priority_dims)
+    # per mesh dimension, its NCCL communicator's options (comm_options.comm_options), and the groups named
+    # in --nccl-communicator-config-path that have no dimension here
+    comm: tuple[tuple[str, CommOptions], ...] = ()
+    comm_ignored: tuple[str, ...] = ()
 
     @property
     def dp(self) -> int:
@@ -84,43 +89,15 @@ class ParallelDims:
                 f"tensor-model-parallel size: {self.tp}, pipeline-model-parallel size: {self.pp}")
 
     def build_mesh(self, device_type: str) -> DeviceMesh | None:
-        """The (pp, dp, tp) mesh; the ``high_priority`` dimensions' NCCL groups on high-priority streams (gloo has
-        no streams)."""
+        """The (pp, dp, tp) mesh; each dimension named in ``comm`` gets its own NCCL communicator with those
+        options (gloo, beside it for CPU tensors, has none)."""
         if not self.distributed and not self.sharded:
             return None
         override = {}
-        high_priority = self.high_priority
-        if device_type == "cuda" and high_priority and dist.get_backend() != "fake":
-            from torch.distributed import ProcessGroupNCCL
-
-            options = ProcessGroupNCCL.Options(is_high_priority_stream=True)  # NCCL takes it; gloo beside it does not
-            override = {dim: ("cpu:gloo,cuda:nccl", options) for dim in high_priority}
+        if device_type == "cuda" and self.comm and dist.get_backend() != "fake":
+            override = {dim: ("cpu:gloo,cuda:nccl", options.nccl()) for dim, options in self.comm}
         return init_device_mesh(device_type, (self.pp, self.dp, self.tp), mesh_dim_names=MESH_DIMS,
                                 **({"backend_override": override} if override else {}))
-
-
-# Megatron-LM's communicator group names that have a mesh dimension here
-_GROUP_DIMS = {"tp": "tp", "dp": "dp", "dp_cp": "dp", "pp": "pp"}
-
-
-def high_priority_dims(names: list[str]) -> tuple[str, ...]:
-    """The mesh dimensions --high-priority-stream-groups names, each once; a group gptrain does not have is
-    refused by name."""
-    unknown = [n for n in names if n not in _GROUP_DIMS]
-    if unknown:
-        raise ValueError(f"--high-priority-stream-groups {' '.join(unknown)}: gptrain's groups are tp, dp (dp_cp) "
-                         "and pp (no context or expert parallelism)")
-    return tuple(dict.fromkeys(_GROUP_DIMS[n] for n in names))
-
-
-def describe_high_priority(dims: tuple[str, ...], device_type: str) -> str:
-    """The log's line for --high-priority-stream-groups."""
-    line = f" > high-priority NCCL streams: {', '.join(dims)}"
-    if device_type != "cuda":
-        return line + " (no effect here: gloo has no CUDA streams)"
-    if os.environ.get("CUDA_GRAPHS_USE_NODE_PRIORITY") != "1":
-        line += " (inside CUDA graphs, tensor parallelism's default, only with CUDA_GRAPHS_USE_NODE_PRIORITY=1 set)"
-    return line
 
 
 def world_from_env() -> tuple[int, int, int]:

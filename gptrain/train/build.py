@@ -22,7 +22,8 @@ from gptrain.kernels.convert import KernelChoice, apply_kernels
 from gptrain.model.fp8 import convert_to_fp8
 from gptrain.model.gpt import GPT
 from gptrain.model.loss import LMLoss
-from gptrain.parallel.dims import ParallelDims, high_priority_dims
+from gptrain.parallel.comm_options import comm_options
+from gptrain.parallel.dims import ParallelDims
 from gptrain.parallel.parallelize import describe_sharding, parallelize
 from gptrain.parallel.tensor_parallel import ShardLayout
 from gptrain.parallel.pipeline import Pipeline, StageShapes, check_micro_batches, pipeline_chunks, prune_for_stage, stage_layer_counts, virtual_stages
@@ -64,10 +65,11 @@ class TrainingParts:
 
 def parallel_dims(cfg: RunConfig, world_size: int) -> ParallelDims:
     p = cfg.parallel
+    comm, ignored = comm_options(p.nccl_communicator_config_path, p.high_priority_stream_groups)
     dims = ParallelDims(world_size=world_size, tp=p.tensor_parallel, pp=p.pipeline_parallel,
                         zero_stage=p.zero_stage, cpu_offload=p.cpu_offload,
                         offload_fraction=p.offload_fraction,
-                        high_priority=high_priority_dims(p.high_priority_stream_groups))
+                        comm=tuple(comm.items()), comm_ignored=tuple(ignored))
     par = cfg.parallel
     uneven = par.first_stage_layers is not None or par.last_stage_layers is not None
     dims.validate(cfg.model.num_layers, cfg.model.num_attention_heads, cfg.train.micro_batch_size,

@@ -14,7 +14,8 @@ from gptrain.config import RunConfig, planned_world_size
 from gptrain.data.assemble import build_datasets, setup
 from gptrain.device import pick_device
 from gptrain.parallel import simulate
-from gptrain.parallel.dims import describe_high_priority, init_distributed, is_logging_rank, world_from_env
+from gptrain.parallel.comm_options import describe as describe_comm
+from gptrain.parallel.dims import init_distributed, is_logging_rank, world_from_env
 from gptrain.parallel.layout import parameter_counts
 from gptrain.parallel.teardown import end_process_group
 from gptrain.parallel.parallelize import describe_sharding
@@ -149,8 +150,8 @@ def _train_main(argv: list[str], log=None) -> TrainResult:
         heartbeat.start(cfg.parallel.distributed_timeout_minutes)  # names a rank that stops
         mesh = dims.build_mesh(device.type)
         log(f"{dims.describe()} ; device {device.type}, precision {cfg.precision.name}")
-        if dims.high_priority:
-            log(describe_high_priority(dims.high_priority, device.type))
+        if dims.comm or dims.comm_ignored:
+            log(describe_comm(dict(dims.comm), list(dims.comm_ignored), device.type))
         check_before_build_on_every_rank(cfg)  # paths and packages, before the model is built
         log(arguments_block(megatron_arguments(cfg, argv, world, dims.dp)))
         if _cpu_precision_warning(cfg, device):

@@ -1,0 +1,108 @@
+"""How much of an NCCL all-reduce hides under a matmul running beside it, as a tensor-parallel rank's
+backward issues them (the input gradient's all-reduce on NCCL's stream, the weight gradient's matmul on
+the compute stream): each alone, then both, eagerly and inside one CUDA graph, with the group's NCCL on a
+normal or a high-priority stream, and with the matmul held off some SMs (cuBLASLt's SM count target
+through torch's carveout knob).
+
+    torchrun --standalone --nproc-per-node 2 benchmarks/comm_overlap.py [--mb 32] [--carveouts 0 16 32]
+
+"hidden" = (AR alone + matmul alone - both) / the shorter of the two: 100% = the shorter one is free.
+NCCL's own environment (NCCL_PROTO, NCCL_MAX_CTAS) and CUDA_GRAPHS_USE_NODE_PRIORITY act as set.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+
+import torch
+import torch.distributed as dist
+
+
+def timed(fn, reps: int) -> float:
+    """Milliseconds per call of ``fn`` on the current stream (CUDA events, after a warm-up)."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / reps
+
+
+def graphed(fn):
+    """``fn`` captured once into a CUDA graph; returns the replay."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--mb", type=int, default=32, help="all-reduce size, MB of bf16 (a 345M micro-batch of 16: 32)")
+    parser.add_argument("--tokens", type=int, default=16384, help="the matmul's reduced dimension (tokens)")
+    parser.add_argument("--shapes", nargs="+", default=["1536x1024", "2048x1024"],
+                        help="weight-gradient shapes OUTxIN (a TP2 rank's QKV and fc1 of the 345M)")
+    parser.add_argument("--carveouts", type=int, nargs="+", default=[0, 16, 32], help="SMs kept from the matmul")
+    parser.add_argument("--blas", nargs="+", default=["cublas", "cublaslt"], choices=["cublas", "cublaslt"],
+                        help="torch's BLAS library for the matmul (the carveout acts on cuBLASLt only)")
+    parser.add_argument("--groups", nargs="+", default=["normal", "high-priority"], choices=["normal", "high-priority"])
+    parser.add_argument("--reps", type=int, default=50)
+    args = parser.parse_args()
+
+    rank = int(os.environ["RANK"])
+    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group("nccl", device_id=torch.device("cuda", torch.cuda.current_device()))
+    from torch.distributed import ProcessGroupNCCL
+
+    options = {"normal": None, "high-priority": ProcessGroupNCCL.Options(is_high_priority_stream=True)}
+    groups = {name: dist.new_group(backend="nccl", pg_options=options[name]) for name in args.groups}
+    x = torch.randn(args.mb * 2 ** 20 // 2, dtype=torch.bfloat16, device="cuda")
+    env = {k: os.environ[k] for k in ("NCCL_PROTO", "NCCL_MAX_CTAS", "NCCL_MIN_CTAS", "CUDA_GRAPHS_USE_NODE_PRIORITY")
+           if k in os.environ}
+    if rank == 0:
+        print(f"{dist.get_world_size()} x {torch.cuda.get_device_name()}, {torch.cuda.get_device_properties(0).multi_processor_count} SMs; "
+              f"NCCL {'.'.join(map(str, torch.cuda.nccl.version()))}; torch {torch.__version__}; env {env or 'none'}")
+        print("| group | blas | carveout | shape | mode | AR ms | matmul ms | both ms | hidden |")
+        print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for blas in args.blas:
+        torch.backends.cuda.preferred_blas_library(blas)
+        for carveout in args.carveouts:
+            torch._C._set_sm_carveout_experimental(carveout or None)
+            for shape in args.shapes:
+                out_dim, in_dim = (int(v) for v in shape.split("x"))
+                g = torch.randn(args.tokens, out_dim, dtype=torch.bfloat16, device="cuda")
+                a = torch.randn(args.tokens, in_dim, dtype=torch.bfloat16, device="cuda")
+
+                def matmul():
+                    return g.t() @ a
+                for name, group in groups.items():
+                    def all_reduce(group=group):
+                        dist.all_reduce(x, group=group)
+
+                    def both(group=group):
+                        work = dist.all_reduce(x, group=group, async_op=True)
+                        matmul()
+                        work.wait()
+                    for mode in ("eager", "graph"):
+                        fns = (all_reduce, matmul, both) if mode == "eager" else map(graphed, (all_reduce, matmul, both))
+                        t_ar, t_mm, t_both = (timed(fn, args.reps) for fn in fns)
+                        hidden = (t_ar + t_mm - t_both) / min(t_ar, t_mm)
+                        if rank == 0:
+                            print(f"| {name} | {blas} | {carveout} | {shape} | {mode} | {t_ar:.3f} | {t_mm:.3f} | "
+                                  f"{t_both:.3f} | {hidden:.0%} |", flush=True)
+    torch._C._set_sm_carveout_experimental(None)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -312,6 +312,21 @@ ROWS = [
                                       ("B", 0.75, 7_554, 14.21), ("B", 0.5, 10_936, 22.18), ("C", 0.5, 10_435, 22.18),
                                       ("C", None, 7_334, 7.43), ("D", None, 7_867, 7.43), ("D", 0.9, 7_516, 9.78),
                                       ("D", 0.75, 8_914, 14.21))),
+    # two H200s (s29): call 1 on one machine, call 3 on another; the NCCL settings the planner does not take in
+    # (high-priority streams, NCCL_PROTO, --nccl-communicator-config-path's CTA caps) held out
+    Row("1 GPU, mbs 16", "h200", 1, mb(16, 16), 205_828, 18.38, "s29 2xH200 call 1"),
+    Row("TP2, mbs 16 (CUDA graphs by default)", "h200", 2, f"{mb(16, 16)} {TP2}", 137_959, None, "s29 2xH200 call 1"),
+    Row("1 GPU, mbs 16", "h200", 1, mb(16, 16), 208_013, 18.38, "s29 2xH200 call 3"),
+    Row("DP2, mbs 16", "h200", 2, mb(16, 32), 192_966, 18.38, "s29 2xH200 call 3"),
+    Row("DP2 overlap, mbs 16", "h200", 2, f"{mb(16, 32)} --overlap-grad-reduce", 190_010, 19.74, "s29 2xH200 call 3"),
+    *(Row(f"{name}, mbs 16, the {dim} group at {ctas} CTAs", "h200", 2, flags, tokens, gib, "s29 2xH200 call 3",
+          excluded=f"NCCL's {dim} communicator held to {ctas} CTAs (--nccl-communicator-config-path): not a setting "
+          "gptrain plans")
+      for name, dim, ctas, flags, tokens, gib in (
+          ("DP2 overlap", "dp", 16, f"{mb(16, 32)} --overlap-grad-reduce", 189_170, 19.74),
+          ("DP2 overlap", "dp", 8, f"{mb(16, 32)} --overlap-grad-reduce", 184_042, 19.74),
+          ("DP2", "dp", 16, mb(16, 32), 189_379, 18.38),
+          ("TP2 (CUDA graphs by default)", "tp", 16, f"{mb(16, 16)} {TP2}", 133_881, None))),
 ]
 
 

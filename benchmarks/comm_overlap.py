@@ -17,6 +17,8 @@ import os
 import torch
 import torch.distributed as dist
 
+from gptrain.parallel.copy_engine import CopyEngineAllReduce
+
 
 def timed(fn, reps: int) -> float:
     """Milliseconds per call of ``fn`` on the current stream (CUDA events, after a warm-up)."""
@@ -46,36 +48,11 @@ def graphed(fn):
     return graph.replay
 
 
-class CopyEngineAllReduce:
-    """A two-rank all-reduce whose transfers are copies into the peer's memory (PyTorch's symmetric memory maps
-    it): each rank writes the half the peer owns into the peer's buffer, adds what it received to its own half
-    (the one kernel on the SMs), writes that half back to the peer's buffer and takes the peer's half from its
-    own. The copies run on the copy engines, not on SMs; a barrier kernel after each exchange orders the two."""
-
-    def __init__(self, numel: int, group_name: str):
-        import torch.distributed._symmetric_memory as symm_mem
-
-        self.rank, self.half = dist.get_rank(), numel // 2
-        self.buf = symm_mem.empty(numel, dtype=torch.bfloat16, device="cuda")
-        self.handle = symm_mem.rendezvous(self.buf, group_name)
-        self.peer = self.handle.get_buffer(1 - self.rank, (numel,), torch.bfloat16)
-
-    def __call__(self, x: torch.Tensor) -> None:
-        h = self.half
-        mine, theirs = (slice(0, h), slice(h, 2 * h)) if self.rank == 0 else (slice(h, 2 * h), slice(0, h))
-        self.peer[:h].copy_(x[theirs])
-        self.handle.barrier(channel=0)
-        x[mine] += self.buf[:h]
-        self.peer[h:].copy_(x[mine])
-        self.handle.barrier(channel=1)
-        x[theirs].copy_(self.buf[h:])
-
-
 def copy_engine(x: torch.Tensor, rank: int) -> CopyEngineAllReduce | None:
     """The copy-engine all-reduce for ``x``'s size, its sum first checked against NCCL's; None (and a line saying
     why) where it cannot run."""
     try:
-        ce = CopyEngineAllReduce(x.numel(), dist.group.WORLD.group_name)
+        ce = CopyEngineAllReduce(dist.group.WORLD, x.numel(), x.dtype, x.device)
         probe = torch.randn_like(x)
         expected = probe.clone()
         dist.all_reduce(expected)

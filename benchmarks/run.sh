@@ -130,7 +130,8 @@ suite_train() {
 # beside the 1-GPU and plain data-parallel rows only. Names ending _mbN are the layout at another micro-batch,
 # _gbN at another global batch (128: the pipeline rows', several micro-batches a step, so data parallelism's
 # one reduction a step is spread over them as a training run at that batch spreads it). _hp: the TP group's NCCL
-# on high-priority streams (inside CUDA graphs only with CUDA_GRAPHS_USE_NODE_PRIORITY=1 exported).
+# on high-priority streams (inside CUDA graphs only with CUDA_GRAPHS_USE_NODE_PRIORITY=1 exported). _ce: the
+# overlapped buckets all-reduced by the copy engines (--grad-reduce-copy-engine).
 NO_GRAPHS="--compile-mode default"  # tensor parallelism runs CUDA graphs by default (train/build.py)
 GRAPHS="--compile-mode reduce-overhead"
 LAYOUTS2=("1:16:16:1gpu:" "2:16:32:dp2:" "2:16:32:dp2_overlap:--overlap-grad-reduce --no-baseline"
@@ -138,6 +139,8 @@ LAYOUTS2=("1:16:16:1gpu:" "2:16:32:dp2:" "2:16:32:dp2_overlap:--overlap-grad-red
           "2:16:32:dp2_bf16:--grad-reduce-in-bf16 --no-baseline"
           "2:16:32:dp2_overlap_bf16:--overlap-grad-reduce --grad-reduce-in-bf16 --no-baseline"
           "2:16:32:dp2_overlap_graphs:--overlap-grad-reduce $GRAPHS --no-baseline"
+          "2:16:32:dp2_overlap_ce:--overlap-grad-reduce --grad-reduce-copy-engine --no-baseline"
+          "2:16:32:dp2_overlap_bf16_ce:--overlap-grad-reduce --grad-reduce-in-bf16 --grad-reduce-copy-engine --no-baseline"
           "1:16:128:1gpu_gb128:--no-baseline" "2:16:128:dp2_gb128:--no-baseline"
           "2:16:128:dp2_overlap_gb128:--overlap-grad-reduce --no-baseline"
           "2:16:32:zero1_dp2:--zero-stage 1 --no-baseline" "2:16:32:zero2_dp2:--zero-stage 2 --no-baseline"
@@ -381,7 +384,8 @@ suite_lane() {
   fi
   run lane/gpu_lane.txt "$PY" -m pytest -m gpu -q -rs -p no:cacheprovider --durations=10 \
     tests/test_gpu_kernels.py tests/test_row_decode.py tests/test_slot_join.py tests/test_server_inflight.py \
-    tests/test_llama.py tests/test_dcp_direct.py tests/test_offload_split.py tests/test_comm_options.py "$@"
+    tests/test_llama.py tests/test_dcp_direct.py tests/test_offload_split.py tests/test_comm_options.py \
+    tests/test_copy_engine.py "$@"
   local lane=$?
   run lane/demo.txt "$PY" -m gptrain demo --out "$WORK/demo_out"
   local demo=$?

@@ -401,6 +401,12 @@ class ParallelConfig:
     ddp_bucket_size: int | None = field(default=None, metadata=flag(
         "--ddp-bucket-size", group="distributed",
         help="elements per gradient-reduction bucket with --overlap-grad-reduce (default: 40M, Megatron's)"))
+    # gptrain's own: the buckets' all-reduce as copy-engine transfers between two GPUs (parallel/copy_engine.py)
+    grad_reduce_copy_engine: bool = field(default=False, metadata=flag(
+        "--grad-reduce-copy-engine", group="distributed",
+        help="with --overlap-grad-reduce over two GPUs of one host: all-reduce each bucket by copies into the other "
+             "GPU's memory (the copy engines; symmetric memory) instead of NCCL's kernels, which slow the backward "
+             "beside them; measured as a building block only, not yet in a training step (benchmarks/RESULTS.md)"))
     grad_reduce_in_bf16: bool = field(default=False, metadata=flag(
         "--grad-reduce-in-bf16", group="distributed",
         help="all-reduce plain data parallelism's gradients in bf16 instead of fp32 (half the bytes)"))

@@ -22,11 +22,13 @@ class GradBuckets:
     when it holds the micro-batch's contribution (in backward order, any order works)."""
 
     def __init__(self, flat: torch.Tensor, views: list[torch.Tensor], group, size: int,
-                 bucket_size: int | None = None, reduce_dtype: torch.dtype | None = None, take=None):
+                 bucket_size: int | None = None, reduce_dtype: torch.dtype | None = None, take=None,
+                 copy_engine: bool = False):
         """``take(indices, first)``: called with a bucket's gradients once they have all arrived, in
         every micro-batch, before the bucket is reduced; ``first``: in the step's first micro-batch
         (MainParams copies them into the zeroed fp32 main gradients then, one multi-tensor cast, and
-        adds them after)."""
+        adds them after). ``copy_engine``: the buckets all-reduced by copy-engine transfers between the
+        group's two GPUs (parallel/copy_engine.py) instead of NCCL."""
         self.flat, self.group, self.size = flat, group, size
         self.reduce_dtype = reduce_dtype
         self.take = take
@@ -55,6 +57,14 @@ class GradBuckets:
         if end is not None:
             self.spans.append((start, end))
             self.members.append(count)
+        self.copy_engine = None
+        if copy_engine:
+            from gptrain.parallel.copy_engine import CopyEngineAllReduce, unavailable_reason
+
+            if (reason := unavailable_reason(group, flat.device)) is not None:
+                raise ValueError(f"--grad-reduce-copy-engine: {reason}")
+            self.copy_engine = CopyEngineAllReduce(group, max(end - start for start, end in self.spans),
+                                                   reduce_dtype or flat.dtype, flat.device)
         self.armed = False
         self._got: list[list[int]] = [[] for _ in self.spans]  # this micro-batch's arrivals, by bucket
         self._launched = [False] * len(self.spans)
@@ -110,11 +120,17 @@ class GradBuckets:
             self.nonfinite |= ~torch.isfinite(part).all()
         if self.reduce_dtype is not None and self.reduce_dtype != part.dtype:  # --grad-reduce-in-bf16
             low = part.to(self.reduce_dtype).div_(self.size)
-            self._pending.append((dist.all_reduce(low, group=self.group, async_op=True), part, low))
+            self._pending.append((self._start(low), part, low))
         else:
             part.div_(self.size)
-            self._pending.append((dist.all_reduce(part, group=self.group, async_op=True), None, None))
+            self._pending.append((self._start(part), None, None))
         self._launched[b] = True
+
+    def _start(self, t: torch.Tensor):
+        """``t``'s sum over the group begun; the result's ``wait()`` orders the current stream after it."""
+        if self.copy_engine is not None:
+            return self.copy_engine.start(t)
+        return dist.all_reduce(t, group=self.group, async_op=True)
 
     @torch.no_grad()
     def wait(self) -> None:
@@ -144,16 +160,17 @@ def flat_grads(params: list[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Ten
 
 
 def overlap_reduction(params: list[torch.Tensor], main, group, size: int, bucket_size: int | None,
-                      reduce_dtype: torch.dtype | None) -> GradBuckets:
+                      reduce_dtype: torch.dtype | None, copy_engine: bool = False) -> GradBuckets:
     """Buckets over the step's gradients (``main``'s fp32 main gradients, or ``params``' own for fp32
     parameters) and the hooks that report each one's arrival."""
     if main is not None:
         views = main.keep_flat_grads()
-        buckets = GradBuckets(main.grad_flat, views, group, size, bucket_size, reduce_dtype, take=main.take_grads)
+        buckets = GradBuckets(main.grad_flat, views, group, size, bucket_size, reduce_dtype, take=main.take_grads,
+                              copy_engine=copy_engine)
         main.report_arrivals(buckets.arrived)
         return buckets
     flat, views = flat_grads(params)
-    buckets = GradBuckets(flat, views, group, size, bucket_size, reduce_dtype)
+    buckets = GradBuckets(flat, views, group, size, bucket_size, reduce_dtype, copy_engine=copy_engine)
     for i, p in enumerate(params):
         p.register_post_accumulate_grad_hook(lambda p, i=i: buckets.arrived(i))
     return buckets

@@ -84,6 +84,11 @@ def parallel_dims(cfg: RunConfig, world_size: int) -> ParallelDims:
     if cfg.parallel.sequence_parallel and cfg.model.seq_length % dims.tp:
         raise ValueError(f"--sequence-parallel: --seq-length {cfg.model.seq_length} is not divisible by "
                          f"tensor-model-parallel size {dims.tp}")
+    if cfg.parallel.grad_reduce_copy_engine and not overlap_grad_reduce(cfg, dims):
+        raise ValueError("--grad-reduce-copy-engine reduces --overlap-grad-reduce's buckets: it needs "
+                         "--overlap-grad-reduce with plain data parallelism (no ZeRO stage, no pipeline)")
+    if cfg.parallel.grad_reduce_copy_engine and dims.dp != 2:
+        raise ValueError(f"--grad-reduce-copy-engine joins two GPUs of one host: data-parallel size {dims.dp}")
     if cfg.parallel.overlap_cpu_optimizer and not dims.cpu_offload:
         raise ValueError("--overlap-cpu-optimizer-d2h-h2d overlaps the host's optimizer step: it needs --cpu-offload")
     if cfg.parallel.overlap_cpu_optimizer and dims.pp > 1:
@@ -194,10 +199,12 @@ def build_training(cfg: RunConfig, device: torch.device, dims: ParallelDims, mes
 
         buckets = overlap_reduction(list(opt_params.values()), main, mesh["dp"].get_group(), dims.dp,
                                     cfg.parallel.ddp_bucket_size,
-                                    torch.bfloat16 if cfg.parallel.grad_reduce_in_bf16 else None)
+                                    torch.bfloat16 if cfg.parallel.grad_reduce_in_bf16 else None,
+                                    copy_engine=cfg.parallel.grad_reduce_copy_engine)
         impls["gradient reduction"] = (f"overlapped with the backward in buckets of "
                                        f"{cfg.parallel.ddp_bucket_size or 40_000_000:,} elements "
-                                       f"({len(buckets.spans)} buckets), the compiled step cut where they end")
+                                       f"({len(buckets.spans)} buckets), the compiled step cut where they end"
+                                       + (", all-reduced by the copy engines" if buckets.copy_engine else ""))
     optimizer = build_optimizer(opt_params, cfg)
     # AdamW's state exists from the start (what fused AdamW would create at its first step), so a
     # checkpoint written before the first update (fp16's first steps are skipped) holds it all

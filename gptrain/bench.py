@@ -15,6 +15,8 @@ from contextlib import nullcontext
 
 import torch
 
+import gptrain
+
 from gptrain.bench_models import baseline_for, model_kind
 from gptrain.config import parse_megatron_args
 from gptrain.data.gpt_dataset import MockGPTDataset
@@ -49,8 +51,9 @@ def matmul_ceiling_tflops(device: torch.device) -> float | None:
 
 
 def _progress(message: str) -> None:
+    """``message`` and when, in seconds since gptrain's import: where a benchmark row's wall time goes."""
     if is_logging_rank():
-        print(message, flush=True)
+        print(f"{message} [{time.perf_counter() - gptrain.STARTED:.1f} s]", flush=True)
 
 
 def _measure(step, warmup: int, iters: int, device, label: str = "",

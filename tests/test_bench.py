@@ -16,13 +16,17 @@ def test_bench_on_cpu_reports_progress_and_no_nan(capsys):
     out = capsys.readouterr().out
     assert "nan" not in out.lower()
     lines = out.splitlines()
-    progress = [line for line in lines if re.match(r"(gptrain|baseline): ", line)]
+    stamped = [line for line in lines if re.match(r"(gptrain|baseline): ", line)]
+    # each with the seconds since gptrain's import, rising
+    at = [float(re.search(r" \[([\d.]+) s\]$", x).group(1)) for x in stamped]
+    assert at == sorted(at) and len(at) == len(stamped)
+    progress = [re.sub(r" \[[\d.]+ s\]$", "", x) for x in stamped]
     assert progress[0] == "gptrain: building the model ..."
     assert "gptrain: 1 warm-up iterations (compilation happens here) ..." in progress
     assert any(re.match(r"gptrain: timing 2 iterations \(warm-up took [\d.]+ s\) \.\.\.$", x) for x in progress)
     assert any(re.match(r"baseline: [\d.]+ ms per iteration$", x) for x in progress)
     # progress comes before the table
-    assert lines.index(progress[-1]) < next(i for i, x in enumerate(lines) if x.startswith("| what |"))
+    assert lines.index(stamped[-1]) < next(i for i, x in enumerate(lines) if x.startswith("| what |"))
     rows = [line for line in lines if line.startswith(("| gptrain (train step)", "| baseline (plain PyTorch, GPT-2 style)"))]
     assert len(rows) == 2 and all(row.endswith("| n/a | n/a | n/a |") for row in rows)
     ratio = next(line for line in lines if line.startswith("gptrain / baseline tokens/s:"))

@@ -406,7 +406,8 @@ class ParallelConfig:
         "--grad-reduce-copy-engine", group="distributed",
         help="with --overlap-grad-reduce over two GPUs of one host: all-reduce each bucket by copies into the other "
              "GPU's memory (the copy engines; symmetric memory) instead of NCCL's kernels, which slow the backward "
-             "beside them; measured as a building block only, not yet in a training step (benchmarks/RESULTS.md)"))
+             "beside them; experimental: the exchange is measured on its own (benchmarks/RESULTS.md), the flag has "
+             "not yet run on GPUs"))
     grad_reduce_in_bf16: bool = field(default=False, metadata=flag(
         "--grad-reduce-in-bf16", group="distributed",
         help="all-reduce plain data parallelism's gradients in bf16 instead of fp32 (half the bytes)"))

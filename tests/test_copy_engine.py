@@ -68,6 +68,15 @@ def _exchange(rank: int) -> None:
             dist.all_reduce(expected)
             ce.start(y).wait()
             torch.testing.assert_close(y, expected, rtol=0, atol=0)
+        # several started before the first wait, as the buckets start them during the backward
+        parts = [torch.randn(n, device="cuda").to(dtype) for n in (1001, 3, 500)]
+        expected = [p.clone() for p in parts]
+        for e in expected:
+            dist.all_reduce(e)
+        for started in [ce.start(p) for p in parts]:
+            started.wait()
+        for p, e in zip(parts, expected):
+            torch.testing.assert_close(p, e, rtol=0, atol=0)
         with pytest.raises(ValueError, match="set up for up to 1001"):
             ce(torch.zeros(1002, device="cuda", dtype=dtype))
     dist.destroy_process_group()
@@ -81,9 +90,10 @@ def test_the_exchange_sums_as_nccl_does():
 
 @pytest.mark.gpu
 @TWO_GPUS
-def test_data_parallel_with_it_equals_the_nccl_run():
+@pytest.mark.parametrize("reduce", [[], ["--grad-reduce-in-bf16"]], ids=["fp32", "bf16-reduction"])
+def test_data_parallel_with_it_equals_the_nccl_run(reduce):
     flags = [f for f in TINY if f not in ("--device", "cpu")] + ["--train-iters", "4", "--overlap-grad-reduce",
-                                                                  "--ddp-bucket-size", "100000"]
+                                                                  "--ddp-bucket-size", "100000", *reduce]
     nccl = losses(torchrun(2, flags))
     out = torchrun(2, flags + ["--grad-reduce-copy-engine"])
     assert "all-reduced by the copy engines" in out

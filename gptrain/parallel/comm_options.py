@@ -44,19 +44,22 @@ class CommOptions:
 
 
 _KEYS = {f.name for f in fields(CommOptions)}
+# NCCL's ncclConfig_t: CTAs per collective up to its channel count (64), a thread-block cluster of 0 (none) to 8
+_RANGES = {"max_ctas": (1, 64), "min_ctas": (1, 64), "cga_cluster_size": (0, 8)}
 
 
 def _checked(group: str, entry, where: str) -> CommOptions:
     if not isinstance(entry, dict):
         raise ValueError(f"{where}: group {group!r} must map option names to values, got {entry!r}")
-    unknown = sorted(set(entry) - _KEYS)
+    unknown = sorted(map(str, set(entry) - _KEYS))
     if unknown:
-        raise ValueError(f"{where}: group {group!r}: unknown option(s) {', '.join(map(str, unknown))} "
+        raise ValueError(f"{where}: group {group!r}: unknown option(s) {', '.join(unknown)} "
                          f"(known: {', '.join(sorted(_KEYS))})")
-    for name in ("max_ctas", "min_ctas", "cga_cluster_size"):
+    for name, (low, high) in _RANGES.items():
         value = entry.get(name)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-            raise ValueError(f"{where}: group {group!r}: {name} must be a whole number of at least 1, got {value!r}")
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high):
+            raise ValueError(f"{where}: group {group!r}: {name} must be a whole number from {low} to {high} "
+                             f"(NCCL's range), got {value!r}")
     if entry.get("min_ctas") and entry.get("max_ctas") and entry["min_ctas"] > entry["max_ctas"]:
         raise ValueError(f"{where}: group {group!r}: min_ctas {entry['min_ctas']} is above max_ctas {entry['max_ctas']}")
     net = entry.get("net_name")
@@ -79,6 +82,8 @@ def read_config(path: str) -> tuple[dict[str, CommOptions], list[str]]:
         loaded = yaml.safe_load(Path(path).read_text())
     except yaml.YAMLError as e:
         raise ValueError(f"{where}: not valid YAML ({str(e).splitlines()[0]})") from None
+    except (OSError, UnicodeError) as e:
+        raise ValueError(f"{where}: cannot be read ({e})") from None
     if loaded is None:
         return {}, []
     if not isinstance(loaded, dict):
@@ -96,14 +101,11 @@ def comm_options(config_path: str | None, high_priority_groups: list[str]) -> tu
         raise ValueError(f"--high-priority-stream-groups {' '.join(unknown)}: gptrain's groups are tp, dp (dp_cp) "
                          "and pp (no context or expert parallelism)")
     by_group, ignored = read_config(config_path) if config_path else ({}, [])
-    by_dim: dict[str, CommOptions] = {}
-    for name, options in by_group.items():
-        dim = GROUP_DIMS[name]
-        if dim in by_dim and by_dim[dim] != options:
-            raise ValueError(f"--nccl-communicator-config-path: dp and dp_cp name the same group here (no context "
-                             f"parallelism) and their options differ: {by_dim[dim].describe()} against "
-                             f"{options.describe()}")
-        by_dim[dim] = options
+    if "dp" in by_group and "dp_cp" in by_group and by_group["dp"] != by_group["dp_cp"]:
+        # one group here (no context parallelism); Megatron reduces the gradients over dp_cp, so its entry wins
+        del by_group["dp"]
+        ignored.append("dp (dp_cp's options taken: one group here)")
+    by_dim = {GROUP_DIMS[name]: options for name, options in by_group.items()}
     for dim in (GROUP_DIMS[n] for n in high_priority_groups):
         by_dim[dim] = replace(by_dim.get(dim, CommOptions()), is_high_priority_stream=True)
     return {d: o for d, o in by_dim.items() if o != CommOptions()}, ignored

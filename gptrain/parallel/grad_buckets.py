@@ -23,12 +23,12 @@ class GradBuckets:
 
     def __init__(self, flat: torch.Tensor, views: list[torch.Tensor], group, size: int,
                  bucket_size: int | None = None, reduce_dtype: torch.dtype | None = None, take=None,
-                 copy_engine: bool = False):
+                 copy_engine: bool = False, timeout_s: float = 600.0):
         """``take(indices, first)``: called with a bucket's gradients once they have all arrived, in
         every micro-batch, before the bucket is reduced; ``first``: in the step's first micro-batch
         (MainParams copies them into the zeroed fp32 main gradients then, one multi-tensor cast, and
         adds them after). ``copy_engine``: the buckets all-reduced by copy-engine transfers between the
-        group's two GPUs (parallel/copy_engine.py) instead of NCCL."""
+        group's two GPUs (parallel/copy_engine.py) instead of NCCL, its waits limited to ``timeout_s``."""
         self.flat, self.group, self.size = flat, group, size
         self.reduce_dtype = reduce_dtype
         self.take = take
@@ -64,7 +64,7 @@ class GradBuckets:
             if (reason := unavailable_reason(group, flat.device)) is not None:
                 raise ValueError(f"--grad-reduce-copy-engine: {reason}")
             self.copy_engine = CopyEngineAllReduce(group, max(end - start for start, end in self.spans),
-                                                   reduce_dtype or flat.dtype, flat.device)
+                                                   reduce_dtype or flat.dtype, flat.device, timeout_s)
         self.armed = False
         self._got: list[list[int]] = [[] for _ in self.spans]  # this micro-batch's arrivals, by bucket
         self._launched = [False] * len(self.spans)
@@ -160,17 +160,19 @@ def flat_grads(params: list[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Ten
 
 
 def overlap_reduction(params: list[torch.Tensor], main, group, size: int, bucket_size: int | None,
-                      reduce_dtype: torch.dtype | None, copy_engine: bool = False) -> GradBuckets:
+                      reduce_dtype: torch.dtype | None, copy_engine: bool = False,
+                      timeout_s: float = 600.0) -> GradBuckets:
     """Buckets over the step's gradients (``main``'s fp32 main gradients, or ``params``' own for fp32
     parameters) and the hooks that report each one's arrival."""
     if main is not None:
         views = main.keep_flat_grads()
         buckets = GradBuckets(main.grad_flat, views, group, size, bucket_size, reduce_dtype, take=main.take_grads,
-                              copy_engine=copy_engine)
+                              copy_engine=copy_engine, timeout_s=timeout_s)
         main.report_arrivals(buckets.arrived)
         return buckets
     flat, views = flat_grads(params)
-    buckets = GradBuckets(flat, views, group, size, bucket_size, reduce_dtype, copy_engine=copy_engine)
+    buckets = GradBuckets(flat, views, group, size, bucket_size, reduce_dtype, copy_engine=copy_engine,
+                          timeout_s=timeout_s)
     for i, p in enumerate(params):
         p.register_post_accumulate_grad_hook(lambda p, i=i: buckets.arrived(i))
     return buckets

@@ -200,7 +200,8 @@ def build_training(cfg: RunConfig, device: torch.device, dims: ParallelDims, mes
         buckets = overlap_reduction(list(opt_params.values()), main, mesh["dp"].get_group(), dims.dp,
                                     cfg.parallel.ddp_bucket_size,
                                     torch.bfloat16 if cfg.parallel.grad_reduce_in_bf16 else None,
-                                    copy_engine=cfg.parallel.grad_reduce_copy_engine)
+                                    copy_engine=cfg.parallel.grad_reduce_copy_engine,
+                                    timeout_s=60 * cfg.parallel.distributed_timeout_minutes)
         impls["gradient reduction"] = (f"overlapped with the backward in buckets of "
                                        f"{cfg.parallel.ddp_bucket_size or 40_000_000:,} elements "
                                        f"({len(buckets.spans)} buckets), the compiled step cut where they end"

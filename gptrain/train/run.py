@@ -150,7 +150,7 @@ def _train_main(argv: list[str], log=None) -> TrainResult:
         heartbeat.start(cfg.parallel.distributed_timeout_minutes)  # names a rank that stops
         mesh = dims.build_mesh(device.type)
         log(f"{dims.describe()} ; device {device.type}, precision {cfg.precision.name}")
-        if dims.comm or dims.comm_ignored:
+        if mesh is not None and (dims.comm or dims.comm_ignored):  # one process: no communicator to set
             log(describe_comm(dict(dims.comm), list(dims.comm_ignored), device.type))
         check_before_build_on_every_rank(cfg)  # paths and packages, before the model is built
         log(arguments_block(megatron_arguments(cfg, argv, world, dims.dp)))
@@ -216,8 +216,11 @@ def _train_main(argv: list[str], log=None) -> TrainResult:
             print(f"gptrain: error: {err}", file=sys.stderr)
         elif world_from_env()[0] > 1:
             # the other ranks hit the same error; torchrun stops every worker when the first one exits, so
-            # the silent ranks give rank 0 the time to say why before they go
-            time.sleep(SILENT_RANK_GRACE_S)
+            # the silent ranks give rank 0 the time to say why before they go (and go quietly when stopped)
+            try:
+                time.sleep(SILENT_RANK_GRACE_S)
+            except signals.Interrupted:
+                pass
         return TrainResult.of(2, trainer)
     except RuntimeError as err:  # a collective timed out: name it on the rank that waited, exit non-zero
         if cfg is None or "timed out" not in str(err).lower():

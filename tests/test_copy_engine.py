@@ -100,3 +100,18 @@ def test_data_parallel_with_it_equals_the_nccl_run(reduce):
     copy_engine = losses(out)
     assert sorted(copy_engine) == [1, 2, 3, 4]
     assert all(copy_engine[i] == pytest.approx(nccl[i], rel=1e-6) for i in nccl)
+
+
+def test_the_planner_counts_its_buffer():
+    """The symmetric buffer holds a bucket's two halves in the reduction's dtype, on top of NCCL's run."""
+    from gptrain.plan.memory import stage_memory
+
+    def buckets(extra: list[str]) -> float:
+        argv = TINY + ["--train-iters", "1", "--overlap-grad-reduce", "--ddp-bucket-size", "1000", *extra]
+        cfg, _ = parse_megatron_args(argv, world_size=2)
+        return stage_memory(cfg, parallel_dims(cfg, 2), 10_000, 2, 0, 1, False).buckets
+
+    assert buckets([]) == 0
+    assert buckets(["--grad-reduce-copy-engine"]) == 4 * 1000
+    assert buckets(["--grad-reduce-in-bf16"]) == 2 * 1000
+    assert buckets(["--grad-reduce-in-bf16", "--grad-reduce-copy-engine"]) == 2 * 1000 + 2 * 1000

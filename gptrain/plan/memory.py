@@ -131,6 +131,9 @@ def stage_memory(cfg: RunConfig, dims: ParallelDims, params: int, layers: int, s
     mem.activations, mem.logits = act, logits
     if overlap_grad_reduce(cfg, dims) and cfg.parallel.grad_reduce_in_bf16:
         mem.buckets = 2.0 * (cfg.parallel.ddp_bucket_size or 40_000_000)  # the bf16 copy of a bucket
+    if overlap_grad_reduce(cfg, dims) and cfg.parallel.grad_reduce_copy_engine:
+        # the copy engines' symmetric buffer: a bucket's two halves, in the reduction's dtype
+        mem.buckets += (2.0 if cfg.parallel.grad_reduce_in_bf16 else 4.0) * (cfg.parallel.ddp_bucket_size or 40_000_000)
     if dims.cpu_offload and dims.pp == 1:
         _offload_peak(mem, cfg, dims, params, layers, act, working, logits)
     if dims.pp == 1 and half and not dims.sharded and not overlap_grad_reduce(cfg, dims):

@@ -55,6 +55,10 @@
 #
 # Extra args go to the suite's benchmark command(s) and, given last, override its defaults (e.g.
 # `run.sh train --iters 30`, `run.sh preprocess --mb 20`, `run.sh decode --batch-sizes 1`).
+# Compilation: inductor's caches live in ${TORCHINDUCTOR_CACHE_DIR:-$WORK/compile_cache}, shared by the rows of
+# one call; COMPILE_CACHE_IN=<a .tgz of them> starts from a saved copy, COMPILE_CACHE_OUT=<file.tgz> saves them
+# at the end, so that a later call's rows can skip most of their compilation (the cache's keys name the GPU and
+# the software, so a copy should serve a machine of the same kind and image; not yet tried across machines).
 # Logs: ${OUT:-benchmarks/out}/SUITE/*.txt (git-ignored; a relative OUT is taken from the repository
 # root) and OUT/device.txt (device, versions, commit, date). Large scratch files (checkpoints, the
 # demo's folder) go under ${WORK:-${TMPDIR:-/tmp}/gptrain_bench}. Each command is printed before it runs ("+ ...").
@@ -71,7 +75,7 @@ BENCH=("${M345[@]}" --hidden-dropout 0 --attention-dropout 0 --bf16 --compile)
 TORCHRUN=("$PY" -m torch.distributed.run --standalone --nproc-per-node)
 SERVER_PID=
 
-usage() { sed -n '2,54p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,/^# Results and how/p' "$0" | sed 's/^# \{0,1\}//'; }
 
 # run LOG CMD...: print the command, run it, its output to the screen and to $OUT/LOG
 run() {
@@ -492,6 +496,22 @@ suite_calibrate() {
   need_gpu calibrate || return
   run calibrate/table.txt "$PY" -m gptrain plan --calibrate
 }
+
+export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-$WORK/compile_cache}
+if [ -n "${COMPILE_CACHE_IN:-}" ]; then
+  if [ -f "$COMPILE_CACHE_IN" ]; then
+    mkdir -p "$TORCHINDUCTOR_CACHE_DIR" && tar xzf "$COMPILE_CACHE_IN" -C "$TORCHINDUCTOR_CACHE_DIR" \
+      && echo "compile cache: $COMPILE_CACHE_IN unpacked into $TORCHINDUCTOR_CACHE_DIR"
+  else
+    echo "compile cache: $COMPILE_CACHE_IN not found; compiling from nothing"
+  fi
+fi
+save_compile_cache() {
+  [ -n "${COMPILE_CACHE_OUT:-}" ] && [ -d "$TORCHINDUCTOR_CACHE_DIR" ] || return 0
+  tar czf "$COMPILE_CACHE_OUT" -C "$TORCHINDUCTOR_CACHE_DIR" . \
+    && echo "compile cache: saved to $COMPILE_CACHE_OUT ($(du -h "$COMPILE_CACHE_OUT" | cut -f1))"
+}
+trap save_compile_cache EXIT
 
 suite=${1:-}
 [ $# -gt 0 ] && shift

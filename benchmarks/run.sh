@@ -135,7 +135,8 @@ suite_train() {
 # _gbN at another global batch (128: the pipeline rows', several micro-batches a step, so data parallelism's
 # one reduction a step is spread over them as a training run at that batch spreads it). _hp: the TP group's NCCL
 # on high-priority streams (inside CUDA graphs only with CUDA_GRAPHS_USE_NODE_PRIORITY=1 exported). _ce: the
-# overlapped buckets all-reduced by the copy engines (--grad-reduce-copy-engine).
+# overlapped buckets all-reduced by the copy engines (--grad-reduce-copy-engine), or TP's input gradients summed
+# by them beside the weight gradients (--tp-comm-copy-engine).
 NO_GRAPHS="--compile-mode default"  # tensor parallelism runs CUDA graphs by default (train/build.py)
 GRAPHS="--compile-mode reduce-overhead"
 LAYOUTS2=("1:16:16:1gpu:" "2:16:32:dp2:" "2:16:32:dp2_overlap:--overlap-grad-reduce --no-baseline"
@@ -151,6 +152,8 @@ LAYOUTS2=("1:16:16:1gpu:" "2:16:32:dp2:" "2:16:32:dp2_overlap:--overlap-grad-red
           "2:16:32:zero3_dp2:--zero-stage 3 --no-baseline"
           "2:16:16:tp2:--tensor-model-parallel-size 2 --no-baseline"
           "2:16:16:tp2_no_graphs:--tensor-model-parallel-size 2 $NO_GRAPHS --no-baseline"
+          "2:16:16:tp2_ce:--tensor-model-parallel-size 2 --tp-comm-copy-engine --no-baseline"
+          "2:16:16:tp2_ce_no_graphs:--tensor-model-parallel-size 2 --tp-comm-copy-engine $NO_GRAPHS --no-baseline"
           "2:16:16:tp2_hp:--tensor-model-parallel-size 2 --high-priority-stream-groups tp --no-baseline"
           "2:16:16:tp2_hp_no_graphs:--tensor-model-parallel-size 2 --high-priority-stream-groups tp $NO_GRAPHS --no-baseline"
           "2:16:16:tp2_sp:--tensor-model-parallel-size 2 --sequence-parallel --no-baseline"

@@ -336,6 +336,14 @@ class ParallelConfig:
         help="with --sequence-parallel and --compile on NVIDIA GPUs: async tensor parallelism (torch's "
              "micro-pipelined all-gather/reduce-scatter matmuls over symmetric memory), the linear layers on "
              "torch's matmuls; benchmarks/RESULTS.md says what it was measured to give"))
+    # gptrain's own: the column-parallel layers' input gradients summed by copy-engine transfers beside their
+    # weight gradients (parallel/copy_engine.py)
+    tp_comm_copy_engine: bool = field(default=False, metadata=flag(
+        "--tp-comm-copy-engine", group="distributed",
+        help="tensor parallelism over two GPUs of one host, without --sequence-parallel: in the backward, sum each "
+             "column-parallel layer's input gradient by copies into the other GPU's memory (the copy engines) while "
+             "its weight gradients compute, instead of NCCL's all-reduce, which holds SMs; experimental: the "
+             "exchange is measured on its own (benchmarks/RESULTS.md), the flag has not yet run on GPUs"))
     # interleaved 1F1B (Megatron's virtual pipeline stages)
     layers_per_virtual_stage: int | None = field(default=None, metadata=flag(
         "--num-layers-per-virtual-pipeline-stage", group="distributed",

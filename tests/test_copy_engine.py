@@ -115,3 +115,94 @@ def test_the_planner_counts_its_buffer():
     assert buckets(["--grad-reduce-copy-engine"]) == 4 * 1000
     assert buckets(["--grad-reduce-in-bf16"]) == 2 * 1000
     assert buckets(["--grad-reduce-in-bf16", "--grad-reduce-copy-engine"]) == 2 * 1000 + 2 * 1000
+
+
+# ---- --tp-comm-copy-engine: a column-parallel layer's input gradient summed beside its weight gradients
+
+
+@pytest.mark.parametrize("extra,world,message", [
+    (["--tensor-model-parallel-size", "2", "--sequence-parallel"], 2, "without --sequence-parallel"),
+    (["--tensor-model-parallel-size", "4"], 4, "it needs --tensor-model-parallel-size 2 (got 4)"),
+    ([], 2, "it needs --tensor-model-parallel-size 2 (got 1)"),
+])
+def test_tensor_parallel_layouts_it_cannot_serve_are_refused(extra, world, message):
+    cfg, _ = parse_megatron_args(TINY + ["--train-iters", "1", "--tp-comm-copy-engine", *extra], world_size=world)
+    with pytest.raises(ValueError, match="--tp-comm-copy-engine sums a tensor-parallel pair's input gradients"):
+        parallel_dims(cfg, world)
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        parallel_dims(cfg, world)
+
+
+def test_a_cpu_tensor_parallel_run_with_it_is_refused_before_the_build():
+    cfg, _ = parse_megatron_args(TINY + ["--train-iters", "1", "--tensor-model-parallel-size", "2",
+                                         "--tp-comm-copy-engine"], world_size=2)
+    assert parallel_dims(cfg, 2).tp == 2
+    with pytest.raises(ValueError, match="--tp-comm-copy-engine joins two GPUs of one host by their copy engines"):
+        check_before_build(cfg)
+
+
+def _layers_backward(rank: int, device: str) -> None:
+    """A column-parallel linear and the fused MLP, each rank on its shard: the same gradients through the op as
+    through the functional all-reduce (on CPU the op's gloo path, on GPUs its copy engines)."""
+    from gptrain.parallel.copy_engine import all_reduce_beside_wgrads
+    from gptrain.parallel.tensor_parallel import _ColumnFusedMLP, _ColumnParallel
+
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+        dist.init_process_group("nccl", device_id=torch.device("cuda", rank))
+    else:
+        dist.init_process_group("gloo")
+    group = dist.group.WORLD.group_name
+    gen = torch.Generator().manual_seed(0)  # the same whole tensors on both ranks
+
+    def draw(*shape):
+        return torch.randn(*shape, generator=gen).to(device)
+    x, w, b, out_grad = draw(2, 8, 16), draw(12, 16), draw(12), draw(2, 8, 12)
+    w1, b1, w2, mlp_grad = draw(24, 16), draw(24), draw(16, 24), draw(2, 8, 16)
+    shards = {"w": w.chunk(2)[rank], "b": b.chunk(2)[rank], "w1": w1.chunk(2)[rank], "b1": b1.chunk(2)[rank],
+              "w2": w2.chunk(2, dim=1)[rank]}
+    got = {}
+    for copy_engine in (False, True):
+        xs = [x.clone().requires_grad_() for _ in range(2)]
+        p = {k: v.clone().requires_grad_() for k, v in shards.items()}
+        y = _ColumnParallel.apply(xs[0], p["w"], p["b"], group, 2, False, 8, False, copy_engine)
+        (y * out_grad.chunk(2, dim=-1)[rank]).sum().backward()
+        z = _ColumnFusedMLP.apply(xs[1], p["w1"], p["b1"], p["w2"], group, 2, False, 8, copy_engine)
+        (z * mlp_grad).sum().backward()
+        got[copy_engine] = [xs[0].grad, xs[1].grad] + [p[k].grad for k in sorted(p)]
+    for a, c in zip(got[False], got[True]):
+        torch.testing.assert_close(c, a, rtol=1e-6, atol=1e-6)
+    # the op itself: the sum and the weight gradients
+    t, g, inp = draw(10, 4) + rank, draw(10, 3), draw(10, 5)
+    summed, wg = all_reduce_beside_wgrads(t, [g], [inp], False, group)
+    expected = t.clone()
+    dist.all_reduce(expected)
+    torch.testing.assert_close(summed, expected, rtol=0, atol=0)
+    torch.testing.assert_close(wg, g.t() @ inp)
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_the_layers_give_the_same_gradients_through_the_op_on_cpu():
+    spawn(2, _layers_backward, "cpu")
+
+
+@pytest.mark.gpu
+@TWO_GPUS
+def test_the_layers_give_the_same_gradients_through_the_copy_engines():
+    spawn(2, _layers_backward, "cuda")
+
+
+@pytest.mark.gpu
+@TWO_GPUS
+@pytest.mark.parametrize("extra", [[], ["--bf16", "--compile"]], ids=["fp32-eager", "bf16-compiled-graphs"])
+def test_tensor_parallel_with_it_equals_the_nccl_run(extra):
+    flags = [f for f in TINY if f not in ("--device", "cpu")] + ["--train-iters", "4", "--tensor-model-parallel-size",
+                                                                  "2", *extra]
+    nccl = losses(torchrun(2, flags))
+    out = torchrun(2, flags + ["--tp-comm-copy-engine"])
+    assert "input gradients summed by the copy engines" in out
+    copy_engine = losses(out)
+    assert sorted(copy_engine) == [1, 2, 3, 4]
+    rel = 1e-2 if extra else 1e-5
+    assert all(copy_engine[i] == pytest.approx(nccl[i], rel=rel) for i in nccl)

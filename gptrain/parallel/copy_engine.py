@@ -59,30 +59,79 @@ class CopyEngineAllReduce:
         self.timeout_ms = int(timeout_s * 1000)
         self.side = torch.cuda.Stream(device)
 
-    def __call__(self, x: torch.Tensor) -> None:
-        """``x`` summed over the two ranks, on the current stream (not while a ``start()`` is pending: the two
-        share the buffers)."""
+    def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> None:
+        """``x`` summed over the two ranks, into ``out`` (default: ``x`` itself), on the current stream (not while
+        a ``start()`` is pending: the two share the buffers)."""
         n = x.numel()
-        if n > self.max_numel or x.dtype != self.dtype or not x.is_contiguous():
+        out = x if out is None else out
+        if n > self.max_numel or x.dtype != self.dtype or not (x.is_contiguous() and out.is_contiguous()) \
+                or out.shape != x.shape or out.dtype != x.dtype:
             raise ValueError(f"copy-engine all-reduce of {n} {x.dtype} elements: set up for up to {self.max_numel} "
-                             f"contiguous {self.dtype}")
-        flat, h, slot = x.view(-1), n // 2, self.slot
-        mine, theirs = (flat[:h], flat[h:]) if self.rank == 0 else (flat[h:], flat[:h])
-        self.peer[:theirs.numel()].copy_(theirs)  # the other's half, into its receiving slot
+                             f"contiguous {self.dtype}, into a tensor of the same shape")
+        h, slot = n // 2, self.slot
+        (x_mine, x_theirs), (o_mine, o_theirs) = (self._halves(t.view(-1), h) for t in (x, out))
+        self.peer[:x_theirs.numel()].copy_(x_theirs)  # the other's half, into its receiving slot
         self.handle.barrier(channel=0, timeout_ms=self.timeout_ms)
-        mine.add_(self.buf[:mine.numel()])
-        self.peer[slot:slot + mine.numel()].copy_(mine)  # this rank's summed half, into its returning slot
+        torch.add(x_mine, self.buf[:x_mine.numel()], out=o_mine)
+        self.peer[slot:slot + o_mine.numel()].copy_(o_mine)  # this rank's summed half, into its returning slot
         self.handle.barrier(channel=1, timeout_ms=self.timeout_ms)
-        theirs.copy_(self.buf[slot:slot + theirs.numel()])
+        o_theirs.copy_(self.buf[slot:slot + o_theirs.numel()])
 
-    def start(self, x: torch.Tensor) -> _Started:
+    def _halves(self, flat: torch.Tensor, h: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this rank's half, the other's): rank 0 owns the first ``h`` elements."""
+        return (flat[:h], flat[h:]) if self.rank == 0 else (flat[h:], flat[:h])
+
+    def start(self, x: torch.Tensor, out: torch.Tensor | None = None) -> _Started:
         """The same on a side stream, after what the current stream has queued; ``wait()`` on the result
-        before using ``x`` on the current stream again. Started ones run one after another (one side stream,
-        at normal priority: --high-priority-stream-groups and the dp group's NCCL options do not reach it)."""
+        before using ``x`` or ``out`` on the current stream again. Started ones run one after another (one side
+        stream, at normal priority: --high-priority-stream-groups and the dp group's NCCL options do not reach
+        it)."""
         self.side.wait_stream(torch.cuda.current_stream())
-        x.record_stream(self.side)
+        for t in (x, out) if out is not None else (x,):
+            t.record_stream(self.side)
         with torch.cuda.stream(self.side):
-            self(x)
+            self(x, out)
             event = torch.cuda.Event()
             event.record()
         return _Started(event)
+
+
+# ---- tensor parallelism's backward: a column-parallel layer's input gradient summed beside its weight gradients
+
+_EXCHANGES: dict[tuple[str, torch.dtype], CopyEngineAllReduce] = {}
+
+
+def _exchange(group_name: str, t: torch.Tensor) -> CopyEngineAllReduce:
+    """The group's exchange for ``t``'s dtype, set up by the first call at ``t``'s size (a collective: every rank's
+    first backward reaches it at the same layer)."""
+    key = (group_name, t.dtype)
+    if key not in _EXCHANGES:
+        group = dist.distributed_c10d._resolve_process_group(group_name)
+        _EXCHANGES[key] = CopyEngineAllReduce(group, t.numel(), t.dtype, t.device)
+    return _EXCHANGES[key]
+
+
+@torch.library.custom_op("gptrain::all_reduce_beside_wgrads", mutates_args=())
+def all_reduce_beside_wgrads(t: torch.Tensor, grads: list[torch.Tensor], inputs: list[torch.Tensor], tuned: bool,
+                             group: str) -> list[torch.Tensor]:
+    """``[t summed over the group's two ranks, grads[i].T @ inputs[i] ...]``: on GPUs the sum by the copy engines on
+    a side stream while the weight gradients' matmuls run, joined before it returns (one op, so that the compiler
+    keeps the two side by side and CUDA graphs capture the fork and join); elsewhere, or for a tensor larger than
+    the first one, NCCL's or gloo's all-reduce first."""
+    from gptrain.kernels.ops import linear_wgrad
+
+    wgrad = linear_wgrad if tuned else (lambda g, x: g.t() @ x)
+    out = torch.empty_like(t)
+    if not t.is_cuda or t.numel() > _exchange(group, t).max_numel:
+        out.copy_(t)
+        dist.all_reduce(out, group=dist.distributed_c10d._resolve_process_group(group))
+        return [out, *(wgrad(g, x) for g, x in zip(grads, inputs))]
+    started = _exchange(group, t).start(t, out)
+    weights = [wgrad(g, x) for g, x in zip(grads, inputs)]
+    started.wait()
+    return [out, *weights]
+
+
+@all_reduce_beside_wgrads.register_fake
+def _(t, grads, inputs, tuned, group):
+    return [torch.empty_like(t), *(g.new_empty(g.shape[1], x.shape[1]) for g, x in zip(grads, inputs))]

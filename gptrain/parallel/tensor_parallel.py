@@ -119,6 +119,14 @@ def _start_input_grad_reduce(g2: torch.Tensor, group: str, size: int, sp: bool) 
     return _reduce_scatter(g2, size, group) if sp else _all_reduce(g2, group)
 
 
+def _beside_wgrads(t: torch.Tensor, grads: list[torch.Tensor], inputs: list[torch.Tensor], tuned: bool,
+                   group: str) -> list[torch.Tensor]:
+    """``--tp-comm-copy-engine``: [t summed over the two ranks, each weight gradient] (parallel/copy_engine.py)."""
+    from gptrain.parallel.copy_engine import all_reduce_beside_wgrads
+
+    return all_reduce_beside_wgrads(t.contiguous(), grads, inputs, tuned, group)
+
+
 def _matmuls(tuned: bool):
     """(forward, input gradient, weight gradient) of a linear layer: the cuBLASLt ops or torch's."""
     if tuned:
@@ -137,12 +145,12 @@ class _ColumnParallel(torch.autograd.Function):
     matmul and waits for it after, so the two overlap."""
 
     @staticmethod
-    def forward(ctx, x, w, b, group: str, size: int, sp: bool, seq: int, tuned: bool):
+    def forward(ctx, x, w, b, group: str, size: int, sp: bool, seq: int, tuned: bool, copy_engine: bool):
         fwd, _, _ = _matmuls(tuned)
         x2 = _enter(_rows(x), group, size, sp)
         ctx.save_for_backward(x2, w)
         ctx.group, ctx.size, ctx.sp, ctx.tuned, ctx.x_shape = group, size, sp, tuned, x.shape
-        ctx.has_bias = b is not None
+        ctx.has_bias, ctx.copy_engine = b is not None, copy_engine
         return fwd(x2, w, b).view(_out_shape(x, x2.shape[0], w.shape[0], sp, seq))
 
     @staticmethod
@@ -150,11 +158,14 @@ class _ColumnParallel(torch.autograd.Function):
         x2, w = ctx.saved_tensors
         _, dgrad, wgrad = _matmuls(ctx.tuned)
         g2 = _rows(g)
+        grad_b = g2.sum(0) if ctx.has_bias else None
+        if ctx.copy_engine:  # the sum by the copy engines beside the weight gradient, one op
+            summed, grad_w = _beside_wgrads(dgrad(g2, w), [g2], [x2], ctx.tuned, ctx.group)
+            return summed.view(ctx.x_shape), grad_w, grad_b, None, None, None, None, None, None
         pending = _start_input_grad_reduce(dgrad(g2, w), ctx.group, ctx.size, ctx.sp)
         grad_w = wgrad(g2, x2)
-        grad_b = g2.sum(0) if ctx.has_bias else None
         grad_x = _wait(pending).view(ctx.x_shape)
-        return grad_x, grad_w, grad_b, None, None, None, None, None
+        return grad_x, grad_w, grad_b, None, None, None, None, None, None
 
 
 class _ColumnFusedMLP(torch.autograd.Function):
@@ -162,11 +173,11 @@ class _ColumnFusedMLP(torch.autograd.Function):
     ``_ColumnParallel``: returns fc2's partial sums without its bias."""
 
     @staticmethod
-    def forward(ctx, x, w1, b1, w2, group: str, size: int, sp: bool, seq: int):
+    def forward(ctx, x, w1, b1, w2, group: str, size: int, sp: bool, seq: int, copy_engine: bool):
         x2 = _enter(_rows(x), group, size, sp)
         act, pre = linear_bias_gelu(x2, w1, b1)
         ctx.save_for_backward(x2, w1, w2, act, pre)
-        ctx.group, ctx.size, ctx.sp, ctx.x_shape = group, size, sp, x.shape
+        ctx.group, ctx.size, ctx.sp, ctx.x_shape, ctx.copy_engine = group, size, sp, x.shape, copy_engine
         return linear_fwd(act, w2, None).view(_out_shape(x, x2.shape[0], w2.shape[0], sp, seq))
 
     @staticmethod
@@ -174,10 +185,15 @@ class _ColumnFusedMLP(torch.autograd.Function):
         x2, w1, w2, act, pre = ctx.saved_tensors
         g2 = _rows(g)
         grad_pre = linear_dgelu(g2, w2, pre)
+        grad_b1 = grad_pre.sum(0)
+        if ctx.copy_engine:  # the sum by the copy engines beside both weight gradients, one op
+            summed, grad_w1, grad_w2 = _beside_wgrads(linear_dgrad(grad_pre, w1), [grad_pre, g2], [x2, act], True,
+                                                      ctx.group)
+            return summed.view(ctx.x_shape), grad_w1, grad_b1, grad_w2, None, None, None, None, None
         pending = _start_input_grad_reduce(linear_dgrad(grad_pre, w1), ctx.group, ctx.size, ctx.sp)
-        grad_w1, grad_b1, grad_w2 = linear_wgrad(grad_pre, x2), grad_pre.sum(0), linear_wgrad(g2, act)
+        grad_w1, grad_w2 = linear_wgrad(grad_pre, x2), linear_wgrad(g2, act)
         grad_x = _wait(pending).view(ctx.x_shape)
-        return grad_x, grad_w1, grad_b1, grad_w2, None, None, None, None
+        return grad_x, grad_w1, grad_b1, grad_w2, None, None, None, None, None
 
 
 @dataclass(frozen=True)
@@ -190,11 +206,13 @@ class TPGroup:
     sequence_parallel: bool
     seq_length: int
     comm_overlap: bool = False  # async TP: bare matmuls after the all-gathers (parallel/async_tp.py)
+    copy_engine: bool = False  # --tp-comm-copy-engine: input gradients summed by the copy engines (copy_engine.py)
 
     @classmethod
-    def of(cls, group, sequence_parallel: bool, seq_length: int, comm_overlap: bool = False) -> "TPGroup":
+    def of(cls, group, sequence_parallel: bool, seq_length: int, comm_overlap: bool = False,
+           copy_engine: bool = False) -> "TPGroup":
         return cls(group.group_name, dist.get_rank(group), dist.get_world_size(group), sequence_parallel, seq_length,
-                   comm_overlap)
+                   comm_overlap, copy_engine)
 
 
 def _shard(t: torch.Tensor, dim: int, tp: TPGroup) -> nn.Parameter:
@@ -215,9 +233,9 @@ class ColumnParallelLinear(nn.Module):
         tp = self.tp
         if tp.comm_overlap and self.bias is not None:  # the bias after the matmul, which async TP can fuse
             return _ColumnParallel.apply(x, self.weight, None, tp.name, tp.size, tp.sequence_parallel,
-                                         tp.seq_length, self.tuned) + self.bias
+                                         tp.seq_length, self.tuned, False) + self.bias
         return _ColumnParallel.apply(x, self.weight, self.bias, tp.name, tp.size, tp.sequence_parallel,
-                                     tp.seq_length, self.tuned)
+                                     tp.seq_length, self.tuned, tp.copy_engine)
 
 
 class RowParallelLinear(nn.Module):
@@ -250,7 +268,7 @@ class TensorParallelFusedMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         tp = self.tp
         y = _ColumnFusedMLP.apply(x, self.fc1.weight, self.fc1.bias, self.fc2.weight, tp.name, tp.size,
-                                  tp.sequence_parallel, tp.seq_length)
+                                  tp.sequence_parallel, tp.seq_length, tp.copy_engine)
         return _ExitRegion.apply(y, tp.name, tp.size, tp.sequence_parallel) + self.fc2.bias
 
 
@@ -454,12 +472,13 @@ def split_dim_of(name: str) -> int | None:
 
 
 def apply_tensor_parallel(model: GPT, mesh: DeviceMesh, sequence_parallel: bool = False,
-                          comm_overlap: bool = False) -> ShardLayout:
+                          comm_overlap: bool = False, copy_engine: bool = False) -> ShardLayout:
     """Megatron's split of ``model`` (on the meta device, after the kernel converter) over the
     mesh's ``tp`` dimension: the blocks' linear layers, the word embeddings and, with
     ``sequence_parallel``, the token split of the residual stream. Returns which parameter is
-    split where. ``comm_overlap``: the column-parallel layers in the form async TP rewrites."""
-    tp = TPGroup.of(mesh["tp"].get_group(), sequence_parallel, model.cfg.seq_length, comm_overlap)
+    split where. ``comm_overlap``: the column-parallel layers in the form async TP rewrites;
+    ``copy_engine``: their input gradients summed by the copy engines beside the weight gradients."""
+    tp = TPGroup.of(mesh["tp"].get_group(), sequence_parallel, model.cfg.seq_length, comm_overlap, copy_engine)
     # Megatron's dropout: the same masks on every tensor-parallel rank outside the parallel regions
     # (hashed, per position in the micro-batch), a per-rank stream inside them (train/run.py)
     model.hashed_dropout = True

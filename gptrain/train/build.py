@@ -84,6 +84,11 @@ def parallel_dims(cfg: RunConfig, world_size: int) -> ParallelDims:
     if cfg.parallel.sequence_parallel and cfg.model.seq_length % dims.tp:
         raise ValueError(f"--sequence-parallel: --seq-length {cfg.model.seq_length} is not divisible by "
                          f"tensor-model-parallel size {dims.tp}")
+    if cfg.parallel.tp_comm_copy_engine and (dims.tp != 2 or cfg.parallel.sequence_parallel
+                                            or cfg.parallel.tp_comm_overlap):
+        raise ValueError("--tp-comm-copy-engine sums a tensor-parallel pair's input gradients by the copy engines: "
+                         f"it needs --tensor-model-parallel-size 2 (got {dims.tp}) without --sequence-parallel or "
+                         "--tp-comm-overlap")
     if cfg.parallel.grad_reduce_copy_engine and not overlap_grad_reduce(cfg, dims):
         raise ValueError("--grad-reduce-copy-engine reduces --overlap-grad-reduce's buckets: it needs "
                          "--overlap-grad-reduce with plain data parallelism (no ZeRO stage, no pipeline)")
@@ -166,10 +171,18 @@ def build_training(cfg: RunConfig, device: torch.device, dims: ParallelDims, mes
         from gptrain.parallel.offload_split import offloaded_modules
 
         offloaded = offloaded_modules(chunks or [train_module], list(model.layers.values()), dims.offload_fraction)
+    if cfg.parallel.tp_comm_copy_engine:
+        from gptrain.parallel.copy_engine import unavailable_reason
+
+        if (reason := unavailable_reason(mesh["tp"].get_group(), device)) is not None:
+            raise ValueError(f"--tp-comm-copy-engine: {reason}")
+        impls["tensor parallel"] = ("the column-parallel layers' input gradients summed by the copy engines beside "
+                                    "their weight gradients (--tp-comm-copy-engine)")
     forward, layout = parallelize(train_module, model, dims, mesh, cfg.kernels.recompute, param_dtype,
                                   cfg.train.compile, mode, cfg.parallel.sequence_parallel, chunks,
                                   bucket_bytes=overlap_bucket_bytes(cfg, dims, param_dtype),
-                                  comm_overlap=cfg.parallel.tp_comm_overlap, offloaded=offloaded)
+                                  comm_overlap=cfg.parallel.tp_comm_overlap, offloaded=offloaded,
+                                  tp_copy_engine=cfg.parallel.tp_comm_copy_engine)
     if mode != cfg.train.compile_mode:
         impls["compile"] = ("CUDA graphs over the compiled step (--compile-mode reduce-overhead, the default for "
                             "tensor parallelism on GPUs; --compile-mode default leaves them out)")

@@ -181,6 +181,8 @@ def _train_main(argv: list[str], log=None) -> TrainResult:
             log(f" > compile: {parts.impls['compile']}")
         if parts.pipeline is not None:
             log(f" > pipeline: {parts.impls['pipeline']}")
+        if "tensor parallel" in parts.impls:
+            log(f" > tensor parallel: {parts.impls['tensor parallel']}")
         if "gradient reduction" in parts.impls:
             log(f" > gradient reduction: {parts.impls['gradient reduction']}")
         if "optimizer" in parts.impls:

@@ -187,6 +187,32 @@ def test_the_layers_give_the_same_gradients_through_the_op_on_cpu():
     spawn(2, _layers_backward, "cpu")
 
 
+def _compiled_backward(rank: int) -> None:
+    """Under torch.compile the op is one node of the backward graph, with the functional all-reduce's gradients."""
+    from gptrain.parallel.tensor_parallel import _ColumnParallel
+
+    dist.init_process_group("gloo")
+    group = dist.group.WORLD.group_name
+    gen = torch.Generator().manual_seed(0)
+    x, w, b = torch.randn(2, 8, 16, generator=gen), torch.randn(12, 16, generator=gen), torch.randn(12, generator=gen)
+    got = {}
+    for copy_engine in (False, True):
+        xx, ww, bb = x.clone().requires_grad_(), w.chunk(2)[rank].clone().requires_grad_(), \
+            b.chunk(2)[rank].clone().requires_grad_()
+        step = torch.compile(lambda a, p, q: _ColumnParallel.apply(a, p, q, group, 2, False, 8, False,
+                                                                   copy_engine).square().sum())
+        step(xx, ww, bb).backward()
+        got[copy_engine] = (xx.grad, ww.grad, bb.grad)
+    for a, c in zip(got[False], got[True]):
+        torch.testing.assert_close(c, a, rtol=1e-6, atol=1e-6)
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_the_op_compiles_into_the_backward_on_cpu():
+    spawn(2, _compiled_backward)
+
+
 @pytest.mark.gpu
 @TWO_GPUS
 def test_the_layers_give_the_same_gradients_through_the_copy_engines():

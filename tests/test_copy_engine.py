@@ -102,8 +102,9 @@ def test_data_parallel_with_it_equals_the_nccl_run(reduce):
     assert all(copy_engine[i] == pytest.approx(nccl[i], rel=1e-6) for i in nccl)
 
 
-def test_the_planner_counts_its_buffer():
-    """The symmetric buffer holds a bucket's two halves in the reduction's dtype, on top of NCCL's run."""
+def test_the_planner_counts_its_buffers():
+    """The symmetric buffer holds a bucket's two halves in the reduction's dtype, on top of NCCL's run; for
+    tensor parallelism a micro-batch's input gradient."""
     from gptrain.plan.memory import stage_memory
 
     def buckets(extra: list[str]) -> float:
@@ -115,6 +116,11 @@ def test_the_planner_counts_its_buffer():
     assert buckets(["--grad-reduce-copy-engine"]) == 4 * 1000
     assert buckets(["--grad-reduce-in-bf16"]) == 2 * 1000
     assert buckets(["--grad-reduce-in-bf16", "--grad-reduce-copy-engine"]) == 2 * 1000 + 2 * 1000
+    cfg, _ = parse_megatron_args(TINY + ["--train-iters", "1", "--tensor-model-parallel-size", "2",
+                                         "--tp-comm-copy-engine"], world_size=2)
+    m = cfg.model
+    assert stage_memory(cfg, parallel_dims(cfg, 2), 10_000, 2, 0, 1, False).buckets == \
+        4 * cfg.train.micro_batch_size * m.seq_length * m.hidden_size
 
 
 # ---- --tp-comm-copy-engine: a column-parallel layer's input gradient summed beside its weight gradients
@@ -148,8 +154,11 @@ def _layers_backward(rank: int, device: str) -> None:
     from gptrain.parallel.tensor_parallel import _ColumnFusedMLP, _ColumnParallel
 
     if device == "cuda":
+        from gptrain.parallel.copy_engine import set_up_tp_exchange
+
         torch.cuda.set_device(rank)
         dist.init_process_group("nccl", device_id=torch.device("cuda", rank))
+        set_up_tp_exchange(dist.group.WORLD, 2 * 8 * 16, torch.float32, torch.device("cuda", rank), 60.0)
     else:
         dist.init_process_group("gloo")
     group = dist.group.WORLD.group_name
@@ -189,20 +198,23 @@ def test_the_layers_give_the_same_gradients_through_the_op_on_cpu():
 
 def _compiled_backward(rank: int) -> None:
     """Under torch.compile the op is one node of the backward graph, with the functional all-reduce's gradients."""
-    from gptrain.parallel.tensor_parallel import _ColumnParallel
+    from gptrain.parallel.tensor_parallel import _ColumnFusedMLP, _ColumnParallel
 
     dist.init_process_group("gloo")
     group = dist.group.WORLD.group_name
     gen = torch.Generator().manual_seed(0)
     x, w, b = torch.randn(2, 8, 16, generator=gen), torch.randn(12, 16, generator=gen), torch.randn(12, generator=gen)
+    w2 = torch.randn(16, 12, generator=gen)
     got = {}
     for copy_engine in (False, True):
-        xx, ww, bb = x.clone().requires_grad_(), w.chunk(2)[rank].clone().requires_grad_(), \
-            b.chunk(2)[rank].clone().requires_grad_()
-        step = torch.compile(lambda a, p, q: _ColumnParallel.apply(a, p, q, group, 2, False, 8, False,
-                                                                   copy_engine).square().sum())
-        step(xx, ww, bb).backward()
-        got[copy_engine] = (xx.grad, ww.grad, bb.grad)
+        xx, ww, bb, ww2 = x.clone().requires_grad_(), w.chunk(2)[rank].clone().requires_grad_(), \
+            b.chunk(2)[rank].clone().requires_grad_(), w2.chunk(2, dim=1)[rank].clone().requires_grad_()
+
+        def step(a, p, q, r, copy_engine=copy_engine):
+            y = _ColumnParallel.apply(a, p, q, group, 2, False, 8, False, copy_engine).square().sum()
+            return y + _ColumnFusedMLP.apply(a, p, q, r, group, 2, False, 8, copy_engine).square().sum()
+        torch.compile(step)(xx, ww, bb, ww2).backward()
+        got[copy_engine] = (xx.grad, ww.grad, bb.grad, ww2.grad)
     for a, c in zip(got[False], got[True]):
         torch.testing.assert_close(c, a, rtol=1e-6, atol=1e-6)
     dist.destroy_process_group()

@@ -83,12 +83,12 @@ class CopyEngineAllReduce:
 
     def start(self, x: torch.Tensor, out: torch.Tensor | None = None) -> _Started:
         """The same on a side stream, after what the current stream has queued; ``wait()`` on the result
-        before using ``x`` or ``out`` on the current stream again. Started ones run one after another (one side
-        stream, at normal priority: --high-priority-stream-groups and the dp group's NCCL options do not reach
-        it)."""
+        before using ``x`` or ``out`` on the current stream again, and keep both alive until then (their memory
+        then goes back to the allocator in the current stream's order, after the side stream's work: no
+        record_stream, which CUDA graph capture would have to defer). Started ones run one after another (one
+        side stream, at normal priority: --high-priority-stream-groups and the dp group's NCCL options do not
+        reach it)."""
         self.side.wait_stream(torch.cuda.current_stream())
-        for t in (x, out) if out is not None else (x,):
-            t.record_stream(self.side)
         with torch.cuda.stream(self.side):
             self(x, out)
             event = torch.cuda.Event()
@@ -101,14 +101,27 @@ class CopyEngineAllReduce:
 _EXCHANGES: dict[tuple[str, torch.dtype], CopyEngineAllReduce] = {}
 
 
-def _exchange(group_name: str, t: torch.Tensor) -> CopyEngineAllReduce:
-    """The group's exchange for ``t``'s dtype, set up by the first call at ``t``'s size (a collective: every rank's
-    first backward reaches it at the same layer)."""
-    key = (group_name, t.dtype)
-    if key not in _EXCHANGES:
-        group = dist.distributed_c10d._resolve_process_group(group_name)
-        _EXCHANGES[key] = CopyEngineAllReduce(group, t.numel(), t.dtype, t.device)
-    return _EXCHANGES[key]
+def set_up_tp_exchange(group, max_numel: int, dtype: torch.dtype, device: torch.device, timeout_s: float) -> None:
+    """The tensor-parallel pair's exchange for gradients of ``dtype`` up to ``max_numel`` elements, made before
+    anything is compiled (a collective: its symmetric memory must not be allocated inside a compiled step's first
+    run, whose allocations CUDA graphs take into their pool). A failure on either rank stops both, in one line."""
+    reason = unavailable_reason(group, device)
+    exchange = error = None
+    if reason is None:
+        try:
+            exchange = CopyEngineAllReduce(group, max_numel, dtype, device, timeout_s)
+        except ValueError as e:
+            error = str(e)
+    errors = [None] * dist.get_world_size(group)
+    dist.all_gather_object(errors, reason or error, group=group)
+    if any(errors):
+        raise ValueError(f"--tp-comm-copy-engine: {next(e for e in errors if e)}")
+    _EXCHANGES[(group.group_name, dtype)] = exchange
+
+
+def release_tp_exchanges() -> None:
+    """Forget the exchanges (before their process groups end: a later group may reuse a name)."""
+    _EXCHANGES.clear()
 
 
 @torch.library.custom_op("gptrain::all_reduce_beside_wgrads", mutates_args=())
@@ -116,17 +129,21 @@ def all_reduce_beside_wgrads(t: torch.Tensor, grads: list[torch.Tensor], inputs:
                              group: str) -> list[torch.Tensor]:
     """``[t summed over the group's two ranks, grads[i].T @ inputs[i] ...]``: on GPUs the sum by the copy engines on
     a side stream while the weight gradients' matmuls run, joined before it returns (one op, so that the compiler
-    keeps the two side by side and CUDA graphs capture the fork and join); elsewhere, or for a tensor larger than
-    the first one, NCCL's or gloo's all-reduce first."""
+    keeps the two side by side, and CUDA graphs, by design, capture the fork and join); on a CPU, or for a tensor
+    larger than the exchange was set up for, gloo's or NCCL's asynchronous all-reduce beside them."""
     from gptrain.kernels.ops import linear_wgrad
 
     wgrad = linear_wgrad if tuned else (lambda g, x: g.t() @ x)
     out = torch.empty_like(t)
-    if not t.is_cuda or t.numel() > _exchange(group, t).max_numel:
+    exchange = _EXCHANGES.get((group, t.dtype)) if t.is_cuda else None
+    if t.is_cuda and exchange is None:
+        raise ValueError(f"--tp-comm-copy-engine: no exchange was set up for group {group} and {t.dtype} "
+                         "(train/build.py sets it up before compiling)")
+    if exchange is None or t.numel() > exchange.max_numel:  # a CPU (gloo), or a larger tensor than planned: NCCL
         out.copy_(t)
-        dist.all_reduce(out, group=dist.distributed_c10d._resolve_process_group(group))
-        return [out, *(wgrad(g, x) for g, x in zip(grads, inputs))]
-    started = _exchange(group, t).start(t, out)
+        started = dist.all_reduce(out, group=dist.distributed_c10d._resolve_process_group(group), async_op=True)
+    else:
+        started = exchange.start(t, out)
     weights = [wgrad(g, x) for g, x in zip(grads, inputs)]
     started.wait()
     return [out, *weights]

@@ -25,4 +25,7 @@ def end_process_group() -> None:
     """Destroy the default process group (a simulated world's too), CUDA graphs released first."""
     if dist.is_available() and dist.is_initialized():
         release_compiled_graphs()
+        from gptrain.parallel.copy_engine import release_tp_exchanges
+
+        release_tp_exchanges()  # their names may come back with the next group
         dist.destroy_process_group()

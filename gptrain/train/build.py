@@ -172,10 +172,16 @@ def build_training(cfg: RunConfig, device: torch.device, dims: ParallelDims, mes
 
         offloaded = offloaded_modules(chunks or [train_module], list(model.layers.values()), dims.offload_fraction)
     if cfg.parallel.tp_comm_copy_engine:
-        from gptrain.parallel.copy_engine import unavailable_reason
+        from gptrain.parallel.copy_engine import set_up_tp_exchange
 
-        if (reason := unavailable_reason(mesh["tp"].get_group(), device)) is not None:
-            raise ValueError(f"--tp-comm-copy-engine: {reason}")
+        if torch.distributed.get_backend() == "fake":
+            raise ValueError("--tp-comm-copy-engine maps the other GPU's memory: the rank simulator has none "
+                             "(leave the flag out of --simulate-world-size runs)")
+        # the input gradients of the column-parallel layers: the micro-batch's tokens x hidden, in the activations'
+        # dtype; set up before anything is compiled
+        set_up_tp_exchange(mesh["tp"].get_group(), cfg.train.micro_batch_size * cfg.model.seq_length *
+                           cfg.model.hidden_size, param_dtype or torch.float32, device,
+                           60 * cfg.parallel.distributed_timeout_minutes)
         impls["tensor parallel"] = ("the column-parallel layers' input gradients summed by the copy engines beside "
                                     "their weight gradients (--tp-comm-copy-engine)")
     forward, layout = parallelize(train_module, model, dims, mesh, cfg.kernels.recompute, param_dtype,

@@ -17,21 +17,8 @@ import os
 import torch
 import torch.distributed as dist
 
+from cuda_timing import cuda_ms  # benchmarks/cuda_timing.py
 from gptrain.parallel.copy_engine import CopyEngineAllReduce
-
-
-def timed(fn, reps: int) -> float:
-    """Milliseconds per call of ``fn`` on the current stream (CUDA events, after a warm-up)."""
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / reps
 
 
 def graphed(fn):
@@ -75,7 +62,7 @@ def copy_engine_pair(ce: CopyEngineAllReduce, matmul, x: torch.Tensor, reps: int
             ce(x)
         matmul()
         torch.cuda.current_stream().wait_stream(side)
-    return tuple(timed(fn, reps) for fn in (lambda: ce(x), matmul, both))
+    return tuple(cuda_ms(fn, reps) for fn in (lambda: ce(x), matmul, both))
 
 
 def main() -> None:
@@ -133,7 +120,7 @@ def main() -> None:
                         work.wait()
                     for mode in ("eager", "graph"):
                         fns = (all_reduce, matmul, both) if mode == "eager" else map(graphed, (all_reduce, matmul, both))
-                        pairs[(name, mode)] = tuple(timed(fn, args.reps) for fn in fns)
+                        pairs[(name, mode)] = tuple(cuda_ms(fn, args.reps) for fn in fns)
                 for (name, mode), (t_ar, t_mm, t_both) in pairs.items():
                     if rank == 0:
                         print(f"| {name} | {blas} | {carveout} | {shape} | {mode} | {t_ar:.3f} | {t_mm:.3f} | "

@@ -101,10 +101,10 @@ class CopyEngineAllReduce:
 _EXCHANGES: dict[tuple[str, torch.dtype], CopyEngineAllReduce] = {}
 
 
-def set_up_tp_exchange(group, max_numel: int, dtype: torch.dtype, device: torch.device, timeout_s: float) -> None:
-    """The tensor-parallel pair's exchange for gradients of ``dtype`` up to ``max_numel`` elements, made before
-    anything is compiled (a collective: its symmetric memory must not be allocated inside a compiled step's first
-    run, whose allocations CUDA graphs take into their pool). A failure on either rank stops both, in one line."""
+def paired_exchange(group, max_numel: int, dtype: torch.dtype, device: torch.device, timeout_s: float,
+                    flag: str) -> CopyEngineAllReduce:
+    """A ``CopyEngineAllReduce`` over ``group``, made on both ranks or on neither: a reason it cannot run, or a
+    failed mapping, on either rank stops both with one line naming ``flag`` (a collective)."""
     reason = unavailable_reason(group, device)
     exchange = error = None
     if reason is None:
@@ -115,8 +115,16 @@ def set_up_tp_exchange(group, max_numel: int, dtype: torch.dtype, device: torch.
     errors = [None] * dist.get_world_size(group)
     dist.all_gather_object(errors, reason or error, group=group)
     if any(errors):
-        raise ValueError(f"--tp-comm-copy-engine: {next(e for e in errors if e)}")
-    _EXCHANGES[(group.group_name, dtype)] = exchange
+        raise ValueError(f"{flag}: {next(e for e in errors if e)}")
+    return exchange
+
+
+def set_up_tp_exchange(group, max_numel: int, dtype: torch.dtype, device: torch.device, timeout_s: float) -> None:
+    """The tensor-parallel pair's exchange for gradients of ``dtype`` up to ``max_numel`` elements, made before
+    anything is compiled (its symmetric memory must not be allocated inside a compiled step's first run, whose
+    allocations CUDA graphs take into their pool)."""
+    _EXCHANGES[(group.group_name, dtype)] = paired_exchange(group, max_numel, dtype, device, timeout_s,
+                                                            "--tp-comm-copy-engine")
 
 
 def release_tp_exchanges() -> None:

@@ -59,12 +59,11 @@ class GradBuckets:
             self.members.append(count)
         self.copy_engine = None
         if copy_engine:
-            from gptrain.parallel.copy_engine import CopyEngineAllReduce, unavailable_reason
+            from gptrain.parallel.copy_engine import paired_exchange
 
-            if (reason := unavailable_reason(group, flat.device)) is not None:
-                raise ValueError(f"--grad-reduce-copy-engine: {reason}")
-            self.copy_engine = CopyEngineAllReduce(group, max(end - start for start, end in self.spans),
-                                                   reduce_dtype or flat.dtype, flat.device, timeout_s)
+            self.copy_engine = paired_exchange(group, max(end - start for start, end in self.spans),
+                                               reduce_dtype or flat.dtype, flat.device, timeout_s,
+                                               "--grad-reduce-copy-engine")
         self.armed = False
         self._got: list[list[int]] = [[] for _ in self.spans]  # this micro-batch's arrivals, by bucket
         self._launched = [False] * len(self.spans)

@@ -30,6 +30,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from gptrain.kernels.ops import linear_bias_gelu, linear_dgelu, linear_dgrad, linear_fwd, linear_wgrad
 from gptrain.model.gpt import GPT
 from gptrain.model.linear import FusedBiasGeluMLP, TunedLinear, linear_weight
+from gptrain.parallel.copy_engine import all_reduce_beside_wgrads
 
 _c10d = torch.ops._c10d_functional
 
@@ -122,8 +123,6 @@ def _start_input_grad_reduce(g2: torch.Tensor, group: str, size: int, sp: bool) 
 def _beside_wgrads(t: torch.Tensor, grads: list[torch.Tensor], inputs: list[torch.Tensor], tuned: bool,
                    group: str) -> list[torch.Tensor]:
     """``--tp-comm-copy-engine``: [t summed over the two ranks, each weight gradient] (parallel/copy_engine.py)."""
-    from gptrain.parallel.copy_engine import all_reduce_beside_wgrads
-
     return all_reduce_beside_wgrads(t.contiguous(), grads, inputs, tuned, group)
 
 

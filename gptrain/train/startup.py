@@ -149,10 +149,10 @@ def check_before_build(cfg: RunConfig) -> None:
     if t.wandb_project and importlib.util.find_spec("wandb") is None:
         raise ValueError("--wandb-project needs the wandb package, which is not installed: pip install wandb "
                          "(or leave out the --wandb-* flags)")
+    from gptrain.device import pick_device
+
     for flag_name, on in (("--grad-reduce-copy-engine", cfg.parallel.grad_reduce_copy_engine),
                           ("--tp-comm-copy-engine", cfg.parallel.tp_comm_copy_engine)):
-        from gptrain.device import pick_device
-
         if on and (kind := pick_device(cfg.train.device).type) != "cuda":
             raise ValueError(f"{flag_name} joins two GPUs of one host by their copy engines: the device here is "
                              f"{kind} (leave the flag out)")

@@ -13,6 +13,13 @@
 #               ONLY="1gpu dp2 ..." picks layouts (and nccl, comm_overlap); with
 #               MEGATRON_LM=<a Megatron-LM checkout> also Megatron-LM's own step (megatron_lm_throughput.py:
 #               megatron_1gpu megatron_dp2 megatron_tp2 megatron_tp2_sp megatron_pp2)
+#   table       every 2-GPU layout in one call (issue 36's table): benchmarks/layout_table.py under one torchrun
+#               of 2 processes that stay up from row to row (1 GPU, DP2, DP2 overlapped, TP2, TP2+SP, PP2 1F1B and
+#               interleaved, ZeRO-1/2/3; each also at the planner's fastest micro-batch; nanoGPT beside the 1-GPU
+#               and DP2 rows; the planner's prediction beside every row), no row started after TABLE_ROWS_SECONDS
+#               (default 300); then the restart suite and serve_tp.py (TP2 serving, 32 clients). Extra args go to
+#               layout_table.py (--rows "1gpu tp2" ...). Its compilation dominates: on a machine whose caches are
+#               cold, warm them first (layout_table.py --iters 1 --warmup 2, the rows split over several runs)
 #   ranks       the rank simulator on one GPU: one rank of DP2 (one all-reduce after the backward, and
 #               --overlap-grad-reduce at two bucket sizes) and of TP2 / TP2+SP (345M, micro-batch 16; TP
 #               with and without CUDA graphs, their default under TP) beside the 1-GPU step, a TP8+SP rank
@@ -224,6 +231,20 @@ suite_scaling() {
     echo "-- $name ($gpus GPUs, micro-batch $mbs, global batch $gbs)"; bench_rows "$OUT/scaling/$name.txt"
   done
   [ -n "${MEGATRON_LM:-}" ] && grep -h "^| Megatron-LM" "$OUT"/scaling/megatron_*.txt 2>/dev/null
+  return $rc
+}
+
+suite_table() {
+  need_gpu table || return
+  [ "$(gpu_count)" -ge 2 ] || { echo "table: needs 2 GPUs"; return 0; }
+  local rc=0
+  run table/layouts.txt "${TORCHRUN[@]}" 2 benchmarks/layout_table.py --best-micro-batch "${BEST_MICRO_BATCH:-}" \
+    --time-limit "${TABLE_ROWS_SECONDS:-300}" "$@" -- "${BENCH[@]}" || rc=1
+  suite_restart || rc=1
+  run table/serve_tp.txt "$PY" benchmarks/serve_tp.py --nproc 2 --new-tokens 128 --batch-sizes 1 32 --clients 32 \
+    --load-seconds 10 --workdir "$WORK/serve_tp" || rc=1
+  echo "== table"; sed -n '/^== the table/,$p' "$OUT/table/layouts.txt"
+  grep -h -E "clients,|fp32 greedy|bf16 " "$OUT/table/serve_tp.txt" 2>/dev/null
   return $rc
 }
 
@@ -519,7 +540,7 @@ trap save_compile_cache EXIT
 suite=${1:-}
 [ $# -gt 0 ] && shift
 case $suite in
-  train|scaling|ranks|decode|serve|startup|checkpoint|preprocess|lane|kernels|profile|restart|offload|llama|calibrate|memory)
+  train|scaling|table|ranks|decode|serve|startup|checkpoint|preprocess|lane|kernels|profile|restart|offload|llama|calibrate|memory)
     device_info
     "suite_$suite" "$@"
     exit $? ;;

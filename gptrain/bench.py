@@ -56,7 +56,7 @@ def _progress(message: str) -> None:
         print(f"{message} [{time.perf_counter() - gptrain.STARTED:.1f} s]", flush=True)
 
 
-def _measure(step, warmup: int, iters: int, device, label: str = "",
+def measure(step, warmup: int, iters: int, device, label: str = "",
              settle=lambda: None) -> tuple[float, float, float | None]:
     """Seconds per step, host seconds per step (until the last step returns, before the final
     synchronisation: far below the step time means the host runs ahead of the device; close to it
@@ -84,13 +84,19 @@ def _measure(step, warmup: int, iters: int, device, label: str = "",
     return seconds, host, peak
 
 
-def synthetic_trainer(argv: list[str], iters: int) -> tuple[Trainer, MicroBatchLoader]:
+def synthetic_trainer(argv: list[str], iters: int, world: int | None = None) -> tuple[Trainer, MicroBatchLoader]:
     """The real Trainer (``gptrain train``'s) on synthetic tokens, and a loader feeding it; under
-    torchrun, at the layout the flags and the world size give."""
-    world = world_from_env()[0]
+    torchrun, at the layout the flags and the world size give. ``world``: the layout's world size where it
+    is not torchrun's (a one-GPU row run by a process of a larger world before its group exists)."""
+    env_world = world_from_env()[0]
+    world = world or env_world
     cfg, _ = parse_megatron_args(argv + ["--mock-data", "--train-iters", str(iters)], world_size=world)
     dims = parallel_dims(cfg, world)
-    device = init_distributed(pick_device(cfg.train.device), alone=dims.sharded)  # offload on one process: a group of one
+    device = pick_device(cfg.train.device)
+    if world == env_world:
+        device = init_distributed(device, alone=dims.sharded)  # offload on one process: a group of one
+    if device.type == "cuda" and device.index is None:  # this process's GPU (torchrun's local rank, once joined)
+        device = torch.device("cuda", torch.cuda.current_device())
     parts = build_training(cfg, device, dims, dims.build_mesh(device.type), log=lambda s: None)
     data = MockGPTDataset("train", 10 ** 9, cfg.model.seq_length, cfg.model.vocab_size, cfg.data.seed)
     trainer = Trainer(cfg, parts, data, None, None, device, log=lambda s: None)
@@ -119,7 +125,7 @@ def bench_gptrain(argv: list[str], warmup: int, iters: int):
     cfg, device = trainer.cfg, trainer.device
     step = lambda: trainer.train_step(loader)  # noqa: E731
     try:
-        timing = _measure(step, warmup, iters, device, "gptrain", settle=trainer.settle)
+        timing = measure(step, warmup, iters, device, "gptrain", settle=trainer.settle)
         launches = count_launches(step, device, cfg.train.micro_batches_per_step(trainer.dp_size), trainer.settle)
     finally:
         trainer.settle()
@@ -160,7 +166,7 @@ def bench_baseline(cfg, device, warmup: int, iters: int, compile_model: bool = T
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    timing = _measure(step, warmup, iters, device, "baseline")
+    timing = measure(step, warmup, iters, device, "baseline")
     del model, opt
     return timing
 

@@ -178,6 +178,11 @@ class Trainer(CheckpointLoading):
         if self.host_step is not None:
             self.host_step.join()
 
+    def mean_unlogged_loss(self) -> float:
+        """The mean training loss of the steps taken since the last logged interval (every step, where none
+        was logged: a benchmark's), the same on every rank; it waits for the device."""
+        return (self._loss_sum / self._advanced.clamp(min=1)).item()
+
     def save(self) -> None:
         if not self.cfg.train.save:
             return

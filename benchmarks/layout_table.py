@@ -1,0 +1,263 @@
+"""Every layout's training step, one after another in the same processes: tokens/s per GPU, MFU and peak memory
+beside the planner's prediction (``gptrain plan --evaluate``'s) for each, and nanoGPT's step (DDP at DP2) as the
+anchor. The processes and their process group stay up from row to row, so a row costs its build, its compilation
+and its timing, not a new torchrun, imports and communicators: the whole table fits one call of a lent machine.
+
+    torchrun --standalone --nproc-per-node 2 benchmarks/layout_table.py --best-micro-batch -- \\
+        --num-layers 24 --hidden-size 1024 --num-attention-heads 16 --seq-length 1024 \\
+        --max-position-embeddings 1024 --hidden-dropout 0 --attention-dropout 0 --bf16 --compile
+
+One-GPU rows run first, in every process on its own GPU before the group exists (rank 0's is printed); the
+layouts over the world follow. ``--best-micro-batch`` adds, after the rows, each layout at the micro-batch the
+planner ranks fastest among 4-64, where that is not the row's own. Between rows the compiled code, CUDA graphs and the layout's
+communicators are released, so a row starts as a new process would, but with the compile caches warm.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from gptrain.bench import bench_baseline, measure, synthetic_trainer
+from gptrain.config import parse_megatron_args
+from gptrain.parallel.dims import MESH_DIMS, init_distributed, is_logging_rank, world_from_env
+from gptrain.parallel.teardown import end_process_group, release_compiled_graphs
+from gptrain.plan.report import local_gpu, prediction
+from gptrain.train import metrics
+
+
+@dataclass(frozen=True)
+class Row:
+    name: str
+    gpus: int
+    micro_batch: int
+    global_batch: int
+    flags: tuple[str, ...] = ()
+
+    @classmethod
+    def parse(cls, text: str) -> "Row":
+        """``NAME:GPUS:MICRO_BATCH:GLOBAL_BATCH:FLAGS`` (FLAGS space-separated; run.sh's layout notation)."""
+        parts = text.split(":", 4)
+        if len(parts) != 5:
+            raise ValueError(f"--row {text!r}: give NAME:GPUS:MICRO_BATCH:GLOBAL_BATCH:FLAGS")
+        name, gpus, mbs, gbs, flags = parts
+        return cls(name, int(gpus), int(mbs), int(gbs), tuple(flags.split()))
+
+    def argv(self, model_flags: list[str]) -> list[str]:
+        return [*model_flags, "--micro-batch-size", str(self.micro_batch), "--global-batch-size",
+                str(self.global_batch), *self.flags]
+
+
+# the layouts of two GPUs at micro-batch 16; data parallelism at one micro-batch a step (its reduction once a step,
+# unhidden by accumulation), pipelines at eight (their bubble as a training run at that batch has it)
+LAYOUTS = [Row.parse(r) for r in (
+    "1gpu:1:16:16:", "dp2:2:16:32:", "dp2_overlap:2:16:32:--overlap-grad-reduce",
+    "tp2:2:16:16:--tensor-model-parallel-size 2",
+    "tp2_sp:2:16:16:--tensor-model-parallel-size 2 --sequence-parallel",
+    "pp2:2:16:128:--pipeline-model-parallel-size 2 --decoder-last-pipeline-num-layers 10",
+    "pp2_interleaved:2:16:128:--pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 6",
+    "zero1_dp2:2:16:32:--zero-stage 1", "zero2_dp2:2:16:32:--zero-stage 2", "zero3_dp2:2:16:32:--zero-stage 3")]
+BASELINE_ROWS = ("1gpu", "dp2")  # nanoGPT's step beside rows of these names (--row's too): alone, and under DDP
+MICRO_BATCHES = (4, 8, 16, 32, 64)
+
+
+def best_micro_batch_row(row: Row, model_flags: list[str], gpu: str | None) -> Row | None:
+    """The row at the micro-batch the planner ranks fastest (fitting this GPU), keeping its micro-batches a step
+    (at least one a data-parallel rank); None where that is the row's own or there is no planner for this GPU."""
+    if gpu is None:
+        return None
+    cfg, _ = parse_megatron_args(row.argv(model_flags) + ["--mock-data", "--train-iters", "1"], world_size=row.gpus)
+    dp = row.gpus // (cfg.parallel.tensor_parallel * cfg.parallel.pipeline_parallel)
+    per_step = row.global_batch // (row.micro_batch * dp)
+    best, best_tps = None, -1.0
+    for mbs in MICRO_BATCHES:
+        candidate = Row(f"{row.name}_mb{mbs}", row.gpus, mbs, mbs * dp * per_step, row.flags)
+        try:
+            c, _ = parse_megatron_args(candidate.argv(model_flags) + ["--mock-data", "--train-iters", "1"],
+                                       world_size=row.gpus)
+        except ValueError:
+            continue
+        p = prediction(c, row.gpus, gpu)
+        if p is not None and p.fits and p.tokens_per_s_per_gpu > best_tps:
+            best, best_tps = candidate, p.tokens_per_s_per_gpu
+    return None if best is None or best.micro_batch == row.micro_batch else best
+
+
+def _release_layout(mesh) -> None:
+    """The row's compiled code, CUDA graphs (before the communicators they captured) and the mesh's own groups."""
+    release_compiled_graphs()
+    from gptrain.parallel.copy_engine import release_tp_exchanges
+
+    release_tp_exchanges()
+    if mesh is not None:
+        world = dist.group.WORLD
+        for group in {mesh.get_group(d) for d in MESH_DIMS} - {world}:
+            dist.destroy_process_group(group)
+    torch.compiler.reset()
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+@dataclass
+class Result:
+    row: Row
+    seconds: float  # per step
+    peak_gib: float | None
+    loss: float
+    tokens_per_gpu: float
+    baseline_seconds: float | None
+    wall: dict[str, float]
+
+
+def run_row(row: Row, model_flags: list[str], warmup: int, iters: int, baseline: bool) -> Result:
+    wall, t0 = {}, time.perf_counter()
+    trainer, loader = synthetic_trainer(row.argv(model_flags), warmup + iters + 1, world=row.gpus)
+    device, cfg, mesh = trainer.device, trainer.cfg, trainer.parts.mesh
+    wall["build"] = time.perf_counter() - t0
+    step = lambda: trainer.train_step(loader)  # noqa: E731
+    try:
+        seconds, _, peak = measure(step, warmup, iters, device, row.name, settle=trainer.settle)
+        loss = trainer.mean_unlogged_loss()
+    finally:
+        trainer.settle()
+        loader.close()
+    wall["steps"] = time.perf_counter() - t0 - wall["build"]
+    dp = trainer.dp_size
+    del trainer, loader, step
+    _release_layout(mesh)
+    base = None
+    if baseline:
+        t1 = time.perf_counter()
+        base = bench_baseline(cfg, device, warmup, iters, cfg.train.compile, dp)[0]
+        _release_layout(None)
+        wall["baseline"] = time.perf_counter() - t1
+    tokens = cfg.train.global_batch_size * cfg.model.seq_length / row.gpus
+    return Result(row, seconds, peak, loss, tokens / seconds, base, wall)
+
+
+def _percent(x: float | None, ref: float | None) -> str:
+    return "" if x is None or not ref else f"{100 * x / ref:.1f}%"
+
+
+def format_row(r: Result, ref: Result | None, model_flags: list[str], device: torch.device) -> str:
+    cfg, _ = parse_megatron_args(r.row.argv(model_flags) + ["--mock-data", "--train-iters", "1"], world_size=r.row.gpus)
+    gpu = local_gpu(device)
+    p = prediction(cfg, r.row.gpus, gpu) if gpu else None
+    peak_flops = metrics.device_peak_tflops(device, cfg.train.peak_tflops)
+    fpt = cfg.model.flops_per_token()
+    cells = [r.row.name, str(r.row.gpus), str(r.row.micro_batch), str(r.row.global_batch)]
+    mfu = f"{100 * r.tokens_per_gpu * fpt / 1e12 / peak_flops:.1f}%" if peak_flops else "n/a"
+    cells += [f"{1000 * r.seconds:.1f}", f"{r.tokens_per_gpu:,.0f}",
+              _percent(r.tokens_per_gpu, ref.tokens_per_gpu if ref else None), mfu,
+              "n/a" if r.peak_gib is None else f"{r.peak_gib:.2f}"]
+    if p is None:
+        cells.append("n/a")
+    else:
+        cells.append(f"{p.tokens_per_s_per_gpu:,.0f} ({r.tokens_per_gpu / p.tokens_per_s_per_gpu - 1:+.1%}); "
+                     f"{p.peak_gib:.2f} GiB" + ("" if r.peak_gib is None else f" ({r.peak_gib / p.peak_gib - 1:+.1%})"))
+    cells.append(f"{r.loss:.6f}")
+    if r.baseline_seconds is not None:
+        base_tps = cfg.train.global_batch_size * cfg.model.seq_length / r.row.gpus / r.baseline_seconds
+        cells.append(f"{1000 * r.baseline_seconds:.1f} ms, {base_tps:,.0f}")
+    else:
+        cells.append("")
+    cells.append(", ".join(f"{k} {v:.0f}" for k, v in r.wall.items()))
+    return "| " + " | ".join(cells) + " |"
+
+
+HEADER = ("| row | GPUs | micro-batch | global batch | ms/iter | tokens/s per GPU | of 1 GPU | MFU (datasheet) | "
+          "peak GiB | plan: tokens/s (measured's error); peak (error) | mean loss | nanoGPT beside it | row's wall s |\n"
+          "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                epilog="Flags after -- are gptrain train flags for every row (the model, precision, "
+                                "--compile ...); each row adds its micro-batch, global batch and layout flags.")
+    p.add_argument("--rows", default=" ".join(r.name for r in LAYOUTS),
+                   help="the built-in layouts to run, in this order (default: all: %(default)s)")
+    p.add_argument("--row", action="append", default=[], type=Row.parse,
+                   help="a further row NAME:GPUS:MICRO_BATCH:GLOBAL_BATCH:FLAGS (repeatable)")
+    p.add_argument("--best-micro-batch", nargs="?", const="", default=None, metavar="NAMES",
+                   help="after the rows, each layout again at the planner's fastest micro-batch where that differs "
+                   "(NAMES: only these rows', in this order; none given: every row's)")
+    p.add_argument("--no-baseline", action="store_true", help="leave nanoGPT's step out")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps a row (compilation happens here)")
+    p.add_argument("--iters", type=int, default=8, help="timed steps a row (1 with --warmup 2: warm a machine's "
+                   "compile caches for a later run)")
+    p.add_argument("--time-limit", type=float, default=None,
+                   help="seconds after which no further row starts (those left are listed as not run)")
+    args, model_flags = p.parse_known_args(argv)
+    model_flags = [f for f in model_flags if f != "--"]
+    by_name = {r.name: r for r in LAYOUTS}
+    unknown = [n for n in args.rows.split() if n not in by_name]
+    if unknown:
+        print(f"layout_table: unknown row(s) {', '.join(unknown)}; built in: {', '.join(by_name)}", file=sys.stderr)
+        return 2
+    rows = [by_name[n] for n in args.rows.split()] + args.row
+    world = world_from_env()[0]
+    too_big = [r.name for r in rows if r.gpus not in (1, world)]
+    if too_big:
+        print(f"layout_table: rows {', '.join(too_big)} need another world size than this {world}", file=sys.stderr)
+        return 2
+    start = time.perf_counter()
+    cuda = torch.cuda.is_available() and "--device" not in model_flags
+    if cuda:
+        torch.cuda.set_device(world_from_env()[2])
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    if args.best_micro_batch is not None:
+        names = args.best_micro_batch.split() or [r.name for r in rows]
+        missing = [n for n in names if n not in {r.name for r in rows}]
+        if missing:
+            print(f"layout_table: --best-micro-batch names rows not run: {', '.join(missing)}", file=sys.stderr)
+            return 2
+        gpu = local_gpu(device)
+        best = [best_micro_batch_row(next(r for r in rows if r.name == n), model_flags, gpu) for n in names]
+        rows += [b for b in best if b is not None]
+    # the one-GPU rows before the group exists (a process of a world would otherwise reduce with the others)
+    order = [r for r in rows if r.gpus == 1] + [r for r in rows if r.gpus > 1]
+    results, not_run = [], []
+    speak = is_logging_rank()
+    if speak:
+        print(HEADER, flush=True)
+    try:
+        for row in order:
+            late = args.time_limit is not None and time.perf_counter() - start > args.time_limit
+            if row.gpus > 1:
+                if not dist.is_initialized():
+                    init_distributed(device)
+                flag = torch.tensor(float(late), device=device)
+                dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # every rank starts the row, or none
+                late = bool(flag.item())
+            if late:
+                not_run.append(row.name)
+                continue
+            result = run_row(row, model_flags, args.warmup, args.iters,
+                             not args.no_baseline and row.name in BASELINE_ROWS)
+            results.append(result)
+            ref = next((r for r in results if r.row.gpus == 1), None)
+            if speak:
+                print(format_row(result, ref, model_flags, device), flush=True)
+    finally:
+        end_process_group()
+    if speak:
+        ref = next((r for r in results if r.row.gpus == 1), None)
+        print(f"\n== the table ({len(results)} rows in {time.perf_counter() - start:.0f} s; "
+              f"{torch.cuda.get_device_name(device) if cuda else 'cpu'} x {world}; 'of 1 GPU': of the first one-GPU "
+              "row's tokens/s per GPU; wall: the row's seconds, compilation in 'steps')")
+        print(HEADER)
+        for r in results:
+            print(format_row(r, ref, model_flags, device))
+        if not_run:
+            print(f"not run (--time-limit {args.time_limit:.0f} s): {' '.join(not_run)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,57 @@
+"""benchmarks/layout_table.py: every layout's step one after another in the same two processes. A row leaves
+nothing behind for the next (the same layout again trains to the same losses), every layout trains the one-process
+model (fp32, the same global batch), nanoGPT's step runs beside the rows it anchors, and --time-limit stops new rows
+on every rank alike."""
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from distributed import TINY, _env
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "layout_table.py"
+ROWS = ["1gpu:1:2:4:", "dp2:2:2:4:", "tp:2:2:4:--tensor-model-parallel-size 2",
+        "pp:2:1:4:--pipeline-model-parallel-size 2", "zero3:2:2:4:--zero-stage 3",
+        "tp_sp:2:2:4:--tensor-model-parallel-size 2 --sequence-parallel", "overlap:2:2:4:--overlap-grad-reduce",
+        "tp_again:2:2:4:--tensor-model-parallel-size 2", "1gpu_again:1:2:4:"]
+
+
+def _table(extra: list[str]) -> str:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(SCRIPT),
+           "--rows", "", "--warmup", "1", "--iters", "2", *extra, "--", *TINY]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=_env())
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    return done.stdout
+
+
+def _final_rows(out: str) -> dict[str, list[str]]:
+    final = out[out.index("== the table"):]
+    return {cells[0]: cells for cells in ([c.strip() for c in line.strip("|").split("|")]
+                                          for line in final.splitlines() if line.startswith("| ")
+                                          and not line.startswith(("| row ", "| ---")))}
+
+
+@pytest.mark.slow
+def test_every_layout_trains_the_same_model_one_row_after_another():
+    out = _table([x for r in ROWS for x in ("--row", r)])
+    rows = _final_rows(out)
+    assert list(rows) == ["1gpu", "1gpu_again", "dp2", "tp", "pp", "zero3", "tp_sp", "overlap", "tp_again"]  # 1 GPU first
+    loss = {name: float(cells[10]) for name, cells in rows.items()}
+    assert loss["tp_again"] == loss["tp"] and loss["1gpu_again"] == loss["1gpu"]
+    assert all(v == pytest.approx(loss["1gpu"], rel=1e-5) for v in loss.values()), loss
+    assert rows["1gpu"][6] == "100.0%" and re.fullmatch(r"\d+\.\d%", rows["tp"][6])  # of the first one-GPU row
+    # nanoGPT beside the rows it anchors, and only there
+    assert [name for name, cells in rows.items() if cells[11]] == ["1gpu", "dp2"]
+    assert re.fullmatch(r"[\d.]+ ms, [\d,]+", rows["dp2"][11])
+    assert re.fullmatch(r"build \d+, steps \d+, baseline \d+", rows["dp2"][12])
+
+
+@pytest.mark.slow
+def test_no_row_starts_after_the_time_limit():
+    out = _table(["--no-baseline", "--time-limit", "0", "--row", "1gpu:1:2:4:", "--row", "dp2:2:2:4:"])
+    assert "not run (--time-limit 0 s): 1gpu dp2" in out
+    assert _final_rows(out) == {}

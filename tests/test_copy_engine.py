@@ -149,23 +149,26 @@ def test_a_cpu_tensor_parallel_run_with_it_is_refused_before_the_build():
 
 def _layers_backward(rank: int, device: str) -> None:
     """A column-parallel linear and the fused MLP, each rank on its shard: the same gradients through the op as
-    through the functional all-reduce (on CPU the op's gloo path, on GPUs its copy engines)."""
+    through the functional all-reduce (on CPU the op's gloo path in fp32, on GPUs its copy engines in bf16: the
+    fused MLP's cuBLASLt kernels take half precision only, as training runs them)."""
     from gptrain.parallel.copy_engine import all_reduce_beside_wgrads
     from gptrain.parallel.tensor_parallel import _ColumnFusedMLP, _ColumnParallel
 
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
     if device == "cuda":
         from gptrain.parallel.copy_engine import set_up_tp_exchange
 
         torch.cuda.set_device(rank)
         dist.init_process_group("nccl", device_id=torch.device("cuda", rank))
-        set_up_tp_exchange(dist.group.WORLD, 2 * 8 * 16, torch.float32, torch.device("cuda", rank), 60.0)
+        set_up_tp_exchange(dist.group.WORLD, 2 * 8 * 16, dtype, torch.device("cuda", rank), 60.0)
     else:
         dist.init_process_group("gloo")
     group = dist.group.WORLD.group_name
     gen = torch.Generator().manual_seed(0)  # the same whole tensors on both ranks
+    tol = {"rtol": 1e-6, "atol": 1e-6} if dtype == torch.float32 else {}  # bf16: assert_close's own
 
     def draw(*shape):
-        return torch.randn(*shape, generator=gen).to(device)
+        return torch.randn(*shape, generator=gen).to(device, dtype)
     x, w, b, out_grad = draw(2, 8, 16), draw(12, 16), draw(12), draw(2, 8, 12)
     w1, b1, w2, mlp_grad = draw(24, 16), draw(24), draw(16, 24), draw(2, 8, 16)
     shards = {"w": w.chunk(2)[rank], "b": b.chunk(2)[rank], "w1": w1.chunk(2)[rank], "b1": b1.chunk(2)[rank],
@@ -180,14 +183,14 @@ def _layers_backward(rank: int, device: str) -> None:
         (z * mlp_grad).sum().backward()
         got[copy_engine] = [xs[0].grad, xs[1].grad] + [p[k].grad for k in sorted(p)]
     for a, c in zip(got[False], got[True]):
-        torch.testing.assert_close(c, a, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(c, a, **tol)
     # the op itself: the sum and the weight gradients
     t, g, inp = draw(10, 4) + rank, draw(10, 3), draw(10, 5)
     summed, wg = all_reduce_beside_wgrads(t, [g], [inp], False, group)
     expected = t.clone()
     dist.all_reduce(expected)
     torch.testing.assert_close(summed, expected, rtol=0, atol=0)
-    torch.testing.assert_close(wg, g.t() @ inp)
+    torch.testing.assert_close(wg, g.t() @ inp, **tol)
     dist.destroy_process_group()
 
 

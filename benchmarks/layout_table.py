@@ -9,8 +9,10 @@ and its timing, not a new torchrun, imports and communicators: the whole table f
 
 One-GPU rows run first, in every process on its own GPU before the group exists (rank 0's is printed); the
 layouts over the world follow. ``--best-micro-batch`` adds, after the rows, each layout at the micro-batch the
-planner ranks fastest among 4-64, where that is not the row's own. Between rows the compiled code, CUDA graphs and the layout's
-communicators are released, so a row starts as a new process would, but with the compile caches warm.
+planner ranks fastest among 4-64, where that is not the row's own. Between rows the compiled code, CUDA graphs and
+the layout's communicators are released, so a row starts as a new process would, but with the compile caches warm.
+A row's peak memory is its own: above what was still allocated when it started, which the table shows beside it
+(on GPUs, some rows have left memory behind: the largest tensors still reachable are then printed, with holders).
 """
 from __future__ import annotations
 
@@ -108,14 +110,33 @@ def _release_layout(mesh) -> None:
 class Result:
     row: Row
     seconds: float  # per step
-    peak_gib: float | None
+    peak_gib: float | None  # the row's own: above what was allocated when it started
+    left_gib: float | None  # GPU memory still allocated when the row started (what earlier rows left behind)
     loss: float
     tokens_per_gpu: float
     baseline_seconds: float | None
     wall: dict[str, float]
 
 
+def _allocated_gib() -> float | None:
+    return torch.cuda.memory_allocated() / 2 ** 30 if torch.cuda.is_available() else None
+
+
+def left_behind(limit: int = 5) -> str:
+    """The largest CUDA tensors Python can still reach, and who holds each (what a row failed to release; tensors
+    held only from C++, by a communicator's pending work say, do not show)."""
+    tensors = sorted((o for o in gc.get_objects() if isinstance(o, torch.Tensor) and o.is_cuda),
+                     key=lambda t: -t.untyped_storage().nbytes())[:limit]
+    found = [f"{tuple(t.shape)} {t.dtype} {t.untyped_storage().nbytes() / 2 ** 30:.2f} GiB held by "
+             + ", ".join(sorted({type(r).__name__ for r in gc.get_referrers(t)} - {"list", "frame"}))
+             for t in tensors]
+    return "; ".join(found) or "no CUDA tensor reachable from Python"
+
+
 def run_row(row: Row, model_flags: list[str], warmup: int, iters: int, baseline: bool) -> Result:
+    left = _allocated_gib()
+    if left and left > 0.25 and is_logging_rank():
+        print(f"{row.name}: {left:.2f} GiB still allocated from earlier rows: {left_behind()}", flush=True)
     wall, t0 = {}, time.perf_counter()
     trainer, loader = synthetic_trainer(row.argv(model_flags), warmup + iters + 1, world=row.gpus)
     device, cfg, mesh = trainer.device, trainer.cfg, trainer.parts.mesh
@@ -138,7 +159,8 @@ def run_row(row: Row, model_flags: list[str], warmup: int, iters: int, baseline:
         _release_layout(None)
         wall["baseline"] = time.perf_counter() - t1
     tokens = cfg.train.global_batch_size * cfg.model.seq_length / row.gpus
-    return Result(row, seconds, peak, loss, tokens / seconds, base, wall)
+    own_peak = None if peak is None else peak - (left or 0.0)
+    return Result(row, seconds, own_peak, left, loss, tokens / seconds, base, wall)
 
 
 def _percent(x: float | None, ref: float | None) -> str:
@@ -167,13 +189,15 @@ def format_row(r: Result, ref: Result | None, model_flags: list[str], device: to
         cells.append(f"{1000 * r.baseline_seconds:.1f} ms, {base_tps:,.0f}")
     else:
         cells.append("")
+    cells.append("" if r.left_gib is None else f"{r.left_gib:.2f}")
     cells.append(", ".join(f"{k} {v:.0f}" for k, v in r.wall.items()))
     return "| " + " | ".join(cells) + " |"
 
 
 HEADER = ("| row | GPUs | micro-batch | global batch | ms/iter | tokens/s per GPU | of 1 GPU | MFU (datasheet) | "
-          "peak GiB | plan: tokens/s (measured's error); peak (error) | mean loss | nanoGPT beside it | row's wall s |\n"
-          "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+          "peak GiB | plan: tokens/s (measured's error); peak (error) | mean loss | nanoGPT beside it | "
+          "GiB left by earlier rows | row's wall s |\n"
+          "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
 
 
 def main(argv: list[str]) -> int:

@@ -181,8 +181,9 @@ def format_row(r: Result, ref: Result | None, model_flags: list[str], device: to
     if p is None:
         cells.append("n/a")
     else:
-        cells.append(f"{p.tokens_per_s_per_gpu:,.0f} ({r.tokens_per_gpu / p.tokens_per_s_per_gpu - 1:+.1%}); "
-                     f"{p.peak_gib:.2f} GiB" + ("" if r.peak_gib is None else f" ({r.peak_gib / p.peak_gib - 1:+.1%})"))
+        # errors as benchmarks/plan_error.py gives them: predicted over measured (positive: the planner is optimistic)
+        cells.append(f"{p.tokens_per_s_per_gpu:,.0f} ({p.tokens_per_s_per_gpu / r.tokens_per_gpu - 1:+.1%}); "
+                     f"{p.peak_gib:.2f} GiB" + ("" if r.peak_gib is None else f" ({p.peak_gib / r.peak_gib - 1:+.1%})"))
     cells.append(f"{r.loss:.6f}")
     if r.baseline_seconds is not None:
         base_tps = cfg.train.global_batch_size * cfg.model.seq_length / r.row.gpus / r.baseline_seconds
@@ -195,7 +196,7 @@ def format_row(r: Result, ref: Result | None, model_flags: list[str], device: to
 
 
 HEADER = ("| row | GPUs | micro-batch | global batch | ms/iter | tokens/s per GPU | of 1 GPU | MFU (datasheet) | "
-          "peak GiB | plan: tokens/s (measured's error); peak (error) | mean loss | nanoGPT beside it | "
+          "peak GiB | plan: tokens/s (error); peak (error) | mean loss | nanoGPT beside it | "
           "GiB left by earlier rows | row's wall s |\n"
           "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
 

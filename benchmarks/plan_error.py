@@ -65,6 +65,11 @@ ZERO_CUBLASLT = ("cuBLASLt linears, which auto no longer picks under any ZeRO st
                  "(their host calls on top of FSDP2's hooks: 189.5 against 147.0 ms at ZeRO-2 on one machine, s24)")
 
 
+ZERO_HISTORY = ("ZeRO at micro-batch 16 moves 15-20% between runs (ZeRO-1 125,346-130,499 and ZeRO-3 114,147 tokens/s in "
+                "fresh processes in s24/s26, held above; here 107,528 and 93,938 after eight other rows in the same "
+                "process, while ZeRO-2 ran faster than in s24): not yet told apart from the process's history")
+
+
 def mb(mbs: int, gbs: int) -> str:
     return f"--micro-batch-size {mbs} --global-batch-size {gbs}"
 
@@ -327,6 +332,35 @@ ROWS = [
           ("DP2 overlap", "dp", 8, f"{mb(16, 32)} --overlap-grad-reduce", 184_042, 19.74),
           ("DP2", "dp", 16, mb(16, 32), 189_379, 18.38),
           ("TP2 (CUDA graphs by default)", "tp", 16, f"{mb(16, 16)} {TP2}", 133_881, None))),
+    # two H200s (s30 call C): the whole table in one call (benchmarks/layout_table.py, one process per GPU for every
+    # row, caches warmed by call B on the same machine); memory only where no earlier row in the process had left
+    # memory allocated (the later rows' peaks held 3.3-9.0 GiB that was not theirs), and none under CUDA graphs
+    *(Row(name, "h200", world, flags, tokens, gib, "s30 2xH200 call C",
+          excluded=ZERO_HISTORY if "--zero-stage" in flags and mbs == 16 and name != "ZeRO-2 DP2, mbs 16" else None)
+      for name, world, mbs, flags, tokens, gib in (
+          ("1 GPU, mbs 16", 1, 16, mb(16, 16), 208_904, 18.38),
+          ("DP2, mbs 16", 2, 16, mb(16, 32), 195_300, 18.45),
+          ("DP2 overlap, mbs 16", 2, 16, f"{mb(16, 32)} --overlap-grad-reduce", 177_867, 19.80),
+          ("TP2, mbs 16 (CUDA graphs by default)", 2, 16, f"{mb(16, 16)} {TP2}", 137_928, None),
+          ("TP2+SP, mbs 16 (CUDA graphs by default)", 2, 16, f"{mb(16, 16)} {TP2} {SP}", 129_553, None),
+          ("PP2 1F1B 14+10, mbs 16, global 128", 2, 16, f"{mb(16, 128)} {PP2} --decoder-last-pipeline-num-layers 10",
+           174_880, None),
+          ("PP2 interleaved, mbs 16, global 128", 2, 16,
+           f"{mb(16, 128)} {PP2} --num-layers-per-virtual-pipeline-stage 6", 171_710, None),
+          ("ZeRO-1 DP2, mbs 16", 2, 16, f"{mb(16, 32)} --zero-stage 1", 107_528, None),
+          ("ZeRO-2 DP2, mbs 16", 2, 16, f"{mb(16, 32)} --zero-stage 2", 124_716, None),
+          ("ZeRO-3 DP2, mbs 16", 2, 16, f"{mb(16, 32)} --zero-stage 3", 93_938, None),
+          ("1 GPU, mbs 64", 1, 64, mb(64, 64), 219_834, 59.33),
+          ("DP2, mbs 64", 2, 64, mb(64, 128), 214_791, None),
+          ("DP2 overlap, mbs 64", 2, 64, f"{mb(64, 128)} --overlap-grad-reduce", 212_519, None),
+          ("TP2, mbs 64 (CUDA graphs by default)", 2, 64, f"{mb(64, 64)} {TP2}", 162_200, None),
+          ("TP2+SP, mbs 64 (CUDA graphs by default)", 2, 64, f"{mb(64, 64)} {TP2} {SP}", 155_780, None),
+          ("PP2 1F1B 14+10, mbs 64, global 512", 2, 64, f"{mb(64, 512)} {PP2} --decoder-last-pipeline-num-layers 10",
+           194_980, None),
+          ("PP2 interleaved, mbs 64, global 512", 2, 64,
+           f"{mb(64, 512)} {PP2} --num-layers-per-virtual-pipeline-stage 6", 181_675, None),
+          ("ZeRO-1 DP2, mbs 64", 2, 64, f"{mb(64, 128)} --zero-stage 1", 209_551, None),
+          ("ZeRO-2 DP2, mbs 64", 2, 64, f"{mb(64, 128)} --zero-stage 2", 208_558, None))),
 ]
 
 

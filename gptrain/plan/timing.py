@@ -49,6 +49,10 @@ COLLECTIVE_LATENCY_S = 50e-6  # per collective inside a step: launch, the ranks 
 # per token, hidden unit and block, where blocks are compiled one by one: what one graph fuses across
 # the blocks' boundaries and between forward and backward, written and read again (fitted)
 BLOCK_BYTES = 70.0
+# above this many tokens a micro-batch, what compiling the blocks one by one adds grows with the square root of
+# the tokens, not with them (fitted to the micro-batch-64 rows of RESULTS.md's one-call table, which linear growth
+# made pessimistic: pipeline, ZeRO and the overlapped reduction alike)
+BLOCK_TOKENS = 16_384
 DEVICE_GAPS = 0.02  # the device's idle time between kernels, a fraction of their time (fitted)
 HOST_DEVICE_SHARPNESS = 8.0  # how fast the wall time approaches max(device, host) as they part (fitted)
 BF16_REDUCE_CAST_BYTES = 12.0  # per parameter: fp32 read and bf16 written, bf16 read and fp32 written back
@@ -185,6 +189,11 @@ def tp_collectives(cfg: RunConfig, layers: int, first: bool, last: bool, sp: boo
     return forward + backward
 
 
+def per_block_tokens(tokens: int) -> float:
+    """The tokens a micro-batch's per-block compilation costs as if it moved BLOCK_BYTES for each."""
+    return tokens if tokens <= BLOCK_TOKENS else BLOCK_TOKENS * math.sqrt(tokens / BLOCK_TOKENS)
+
+
 def stage_time(cfg: RunConfig, dims: ParallelDims, gpu: Gpu, layers: int, first: bool, last: bool, sp: bool,
                tp_gbps: float) -> StageTime:
     m, t = cfg.model, dims.tp
@@ -195,8 +204,9 @@ def stage_time(cfg: RunConfig, dims: ParallelDims, gpu: Gpu, layers: int, first:
                 + gpu.matmul_s(tokens, h, f // t) + gpu.matmul_s(tokens, f // t, h))
     attention = gpu.attention_s(4.0 * b * s * s * h / t, m.head_dim)
     shard = 1.0 / t if sp else (1.0 / 3 + 2.0 / (3 * t))  # without SP, LayerNorms and residuals run whole
-    elementwise_bytes = ELEMENTWISE_BYTES + (BLOCK_BYTES if per_block(cfg, dims) else 0.0)
-    elementwise = gpu.memory_s(elementwise_bytes * tokens * h * shard)
+    elementwise = gpu.memory_s(ELEMENTWISE_BYTES * tokens * h * shard)
+    if per_block(cfg, dims):
+        elementwise += gpu.memory_s(BLOCK_BYTES * per_block_tokens(tokens) * h * shard)
     per_block_s = 3 * (block_mm + attention) + elementwise  # the element-wise bytes are forward and backward's
     if recompute == "full":
         per_block_s += block_mm + attention + elementwise / 3

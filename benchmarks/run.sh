@@ -20,7 +20,10 @@
 #               (default 300); then the restart suite and serve_tp.py (TP2 serving, 32 clients; needs fastapi and
 #               uvicorn, which the lent machines lack: carry them as wheels). Extra args go to
 #               layout_table.py (--rows "1gpu tp2" ...). Its compilation dominates: on a machine whose caches are
-#               cold, warm them first (layout_table.py --iters 1 --warmup 2, the rows split over several runs)
+#               cold, warm them first with `table_warm` (in a call before, on the same machine, held)
+#   table_warm  warms this machine's compile caches for `table`: its rows split over four concurrent
+#               layout_table.py runs at --warmup 2 --iters 1 (their timings meaningless, and not printed as
+#               results), with the restart suite and serve_tp.py beside them (about 280 s on 2 x H200)
 #   ranks       the rank simulator on one GPU: one rank of DP2 (one all-reduce after the backward, and
 #               --overlap-grad-reduce at two bucket sizes) and of TP2 / TP2+SP (345M, micro-batch 16; TP
 #               with and without CUDA graphs, their default under TP) beside the 1-GPU step, a TP8+SP rank
@@ -246,6 +249,33 @@ suite_table() {
     --load-seconds 10 --workdir "$WORK/serve_tp" || rc=1
   echo "== table"; sed -n '/^== the table/,$p' "$OUT/table/layouts.txt"
   grep -h -E "clients,|fp32 greedy|bf16 " "$OUT/table/serve_tp.txt" 2>/dev/null
+  return $rc
+}
+
+suite_table_warm() {
+  need_gpu table_warm || return
+  [ "$(gpu_count)" -ge 2 ] || { echo "table_warm: needs 2 GPUs"; return 0; }
+  local rows best extra pids=() rc=0 i=0
+  # rows:best: the layouts compiled as one graph also at their best micro-batch (compiling those from nothing costs
+  # 30-50 s a row); the pipeline's and ZeRO's, compiled block by block, take seconds, and their big micro-batches
+  # beside the others would crowd the GPUs' memory
+  for rows in "1gpu dp2 dp2_overlap:1gpu dp2 dp2_overlap" "tp2 tp2_sp:tp2 tp2_sp" "pp2 pp2_interleaved:-" \
+              "zero1_dp2 zero2_dp2 zero3_dp2:-"; do
+    IFS=: read -r rows best <<< "$rows"
+    i=$((i + 1))
+    extra=()
+    [ "$best" = - ] || extra=(--best-micro-batch "$best")
+    run table_warm/rows$i.txt "${TORCHRUN[@]}" 2 benchmarks/layout_table.py --rows "$rows" "${extra[@]}" \
+      --warmup 2 --iters 1 "$@" -- "${BENCH[@]}" > /dev/null &
+    pids+=($!)
+  done
+  OUT=$OUT/table_warm suite_restart > /dev/null &
+  pids+=($!)
+  run table_warm/serve_tp.txt "$PY" benchmarks/serve_tp.py --nproc 2 --new-tokens 128 --batch-sizes 1 32 --clients 32 \
+    --load-seconds 5 --workdir "$WORK/serve_tp" > /dev/null &
+  pids+=($!)
+  for i in "${pids[@]}"; do wait "$i" || rc=1; done
+  echo "== table_warm (timings meaningless: the runs shared the GPUs)"; grep -h -E "^\(exit" "$OUT"/table_warm/*.txt
   return $rc
 }
 
@@ -541,7 +571,7 @@ trap save_compile_cache EXIT
 suite=${1:-}
 [ $# -gt 0 ] && shift
 case $suite in
-  train|scaling|table|ranks|decode|serve|startup|checkpoint|preprocess|lane|kernels|profile|restart|offload|llama|calibrate|memory)
+  train|scaling|table|table_warm|ranks|decode|serve|startup|checkpoint|preprocess|lane|kernels|profile|restart|offload|llama|calibrate|memory)
     device_info
     "suite_$suite" "$@"
     exit $? ;;

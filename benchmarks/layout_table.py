@@ -7,12 +7,13 @@ and its timing, not a new torchrun, imports and communicators: the whole table f
         --num-layers 24 --hidden-size 1024 --num-attention-heads 16 --seq-length 1024 \\
         --max-position-embeddings 1024 --hidden-dropout 0 --attention-dropout 0 --bf16 --compile
 
-One-GPU rows run first, in every process on its own GPU before the group exists (rank 0's is printed); the
-layouts over the world follow. ``--best-micro-batch`` adds, after the rows, each layout at the micro-batch the
-planner ranks fastest among 4-64, where that is not the row's own. Between rows the compiled code, CUDA graphs and
-the layout's communicators are released, so a row starts as a new process would, but with the compile caches warm.
-A row's peak memory is its own: above what was still allocated when it started, which the table shows beside it
-(on GPUs, some rows have left memory behind: the largest tensors still reachable are then printed, with holders).
+One-GPU rows run first, on the first rank alone before the group exists; the layouts over the world follow, each
+compared with the one-GPU row at its micro-batch. ``--best-micro-batch`` adds, after the rows, each layout at the
+micro-batch the planner ranks fastest among 4-64, where that is not the row's own. Between rows the compiled code,
+CUDA graphs and every process group the row made are released, so a row starts much as a new process would, with
+the compile caches warm. A row's peak memory is its own: above what was still allocated when it started, which the
+table shows beside it (on GPUs some rows have left memory behind; the largest tensors still reachable are then
+printed with their holders).
 """
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ import torch.distributed as dist
 
 from gptrain.bench import bench_baseline, measure, synthetic_trainer
 from gptrain.config import parse_megatron_args
-from gptrain.parallel.dims import MESH_DIMS, init_distributed, is_logging_rank, world_from_env
+from gptrain.parallel.dims import init_distributed, is_logging_rank, world_from_env
 from gptrain.parallel.teardown import end_process_group, release_compiled_graphs
 from gptrain.plan.report import local_gpu, prediction
 from gptrain.train import metrics
@@ -90,16 +91,20 @@ def best_micro_batch_row(row: Row, model_flags: list[str], gpu: str | None) -> R
     return None if best is None or best.micro_batch == row.micro_batch else best
 
 
-def _release_layout(mesh) -> None:
-    """The row's compiled code, CUDA graphs (before the communicators they captured) and the mesh's own groups."""
+def _process_groups() -> set:
+    """The process groups that exist now (torch keeps no public list of them)."""
+    return set(dist.distributed_c10d._world.pg_map) if dist.is_initialized() else set()
+
+
+def _release_layout(groups_before: set) -> None:
+    """The row's compiled code, CUDA graphs (before the communicators they captured) and every process group made
+    since ``groups_before`` (the mesh's, the pipeline's embedding groups ...)."""
     release_compiled_graphs()
     from gptrain.parallel.copy_engine import release_tp_exchanges
 
     release_tp_exchanges()
-    if mesh is not None:
-        world = dist.group.WORLD
-        for group in {mesh.get_group(d) for d in MESH_DIMS} - {world}:
-            dist.destroy_process_group(group)
+    for group in _process_groups() - groups_before - {dist.group.WORLD}:
+        dist.destroy_process_group(group)
     torch.compiler.reset()
     gc.collect()
     if torch.cuda.is_available():
@@ -125,11 +130,17 @@ def _allocated_gib() -> float | None:
 def left_behind(limit: int = 5) -> str:
     """The largest CUDA tensors Python can still reach, and who holds each (what a row failed to release; tensors
     held only from C++, by a communicator's pending work say, do not show)."""
-    tensors = sorted((o for o in gc.get_objects() if isinstance(o, torch.Tensor) and o.is_cuda),
-                     key=lambda t: -t.untyped_storage().nbytes())[:limit]
+    storages = {}  # one tensor a storage (views share theirs); plain tensors only (a subclass's storage may not be
+    for o in gc.get_objects():  # reachable, and it wraps plain ones anyway)
+        if type(o) in (torch.Tensor, torch.nn.Parameter) and o.is_cuda:
+            try:
+                storages.setdefault(o.untyped_storage().data_ptr(), o)
+            except RuntimeError:
+                continue
+    largest = sorted(storages.values(), key=lambda t: -t.untyped_storage().nbytes())[:limit]
     found = [f"{tuple(t.shape)} {t.dtype} {t.untyped_storage().nbytes() / 2 ** 30:.2f} GiB held by "
-             + ", ".join(sorted({type(r).__name__ for r in gc.get_referrers(t)} - {"list", "frame"}))
-             for t in tensors]
+             + ", ".join(sorted({type(r).__name__ for r in gc.get_referrers(t)} - {"list", "frame", "dict"}))
+             for t in largest]
     return "; ".join(found) or "no CUDA tensor reachable from Python"
 
 
@@ -137,9 +148,10 @@ def run_row(row: Row, model_flags: list[str], warmup: int, iters: int, baseline:
     left = _allocated_gib()
     if left and left > 0.25 and is_logging_rank():
         print(f"{row.name}: {left:.2f} GiB still allocated from earlier rows: {left_behind()}", flush=True)
+    groups = _process_groups()
     wall, t0 = {}, time.perf_counter()
     trainer, loader = synthetic_trainer(row.argv(model_flags), warmup + iters + 1, world=row.gpus)
-    device, cfg, mesh = trainer.device, trainer.cfg, trainer.parts.mesh
+    device, cfg = trainer.device, trainer.cfg
     wall["build"] = time.perf_counter() - t0
     step = lambda: trainer.train_step(loader)  # noqa: E731
     try:
@@ -151,16 +163,29 @@ def run_row(row: Row, model_flags: list[str], warmup: int, iters: int, baseline:
     wall["steps"] = time.perf_counter() - t0 - wall["build"]
     dp = trainer.dp_size
     del trainer, loader, step
-    _release_layout(mesh)
+    _release_layout(groups)
     base = None
     if baseline:
         t1 = time.perf_counter()
         base = bench_baseline(cfg, device, warmup, iters, cfg.train.compile, dp)[0]
-        _release_layout(None)
+        _release_layout(groups)
         wall["baseline"] = time.perf_counter() - t1
     tokens = cfg.train.global_batch_size * cfg.model.seq_length / row.gpus
     own_peak = None if peak is None else peak - (left or 0.0)
     return Result(row, seconds, own_peak, left, loss, tokens / seconds, base, wall)
+
+
+def _sharded_alone(row: Row, model_flags: list[str]) -> bool:
+    from gptrain.train.build import parallel_dims
+
+    cfg, _ = parse_megatron_args(row.argv(model_flags) + ["--mock-data", "--train-iters", "1"], world_size=row.gpus)
+    return parallel_dims(cfg, row.gpus).sharded
+
+
+def reference(r: Result, results: list[Result]) -> Result | None:
+    """The one-GPU row ``r`` is compared with: the one at its micro-batch, else the first."""
+    ones = [x for x in results if x.row.gpus == 1]
+    return next((x for x in ones if x.row.micro_batch == r.row.micro_batch), ones[0] if ones else None)
 
 
 def _percent(x: float | None, ref: float | None) -> str:
@@ -181,7 +206,8 @@ def format_row(r: Result, ref: Result | None, model_flags: list[str], device: to
     if p is None:
         cells.append("n/a")
     else:
-        # errors as benchmarks/plan_error.py gives them: predicted over measured (positive: the planner is optimistic)
+        # errors as benchmarks/plan_error.py gives them, predicted over measured: a positive time error is an
+        # optimistic planner, a positive memory error a pessimistic one
         cells.append(f"{p.tokens_per_s_per_gpu:,.0f} ({p.tokens_per_s_per_gpu / r.tokens_per_gpu - 1:+.1%}); "
                      f"{p.peak_gib:.2f} GiB" + ("" if r.peak_gib is None else f" ({p.peak_gib / r.peak_gib - 1:+.1%})"))
     cells.append(f"{r.loss:.6f}")
@@ -231,6 +257,11 @@ def main(argv: list[str]) -> int:
     if too_big:
         print(f"layout_table: rows {', '.join(too_big)} need another world size than this {world}", file=sys.stderr)
         return 2
+    needs_group = [r.name for r in rows if r.gpus == 1 and _sharded_alone(r, model_flags)]
+    if needs_group:
+        print(f"layout_table: one-GPU rows {', '.join(needs_group)} need a process group of their own (--cpu-offload): "
+              "measure them with gptrain bench", file=sys.stderr)
+        return 2
     start = time.perf_counter()
     cuda = torch.cuda.is_available() and "--device" not in model_flags
     if cuda:
@@ -245,7 +276,8 @@ def main(argv: list[str]) -> int:
         gpu = local_gpu(device)
         best = [best_micro_batch_row(next(r for r in rows if r.name == n), model_flags, gpu) for n in names]
         rows += [b for b in best if b is not None]
-    # the one-GPU rows before the group exists (a process of a world would otherwise reduce with the others)
+    # the one-GPU rows first, on the first rank alone (the others wait for the group, leaving it the host), before the
+    # group exists (a process of a world would otherwise reduce with the others)
     order = [r for r in rows if r.gpus == 1] + [r for r in rows if r.gpus > 1]
     results, not_run = [], []
     speak = is_logging_rank()
@@ -253,6 +285,8 @@ def main(argv: list[str]) -> int:
         print(HEADER, flush=True)
     try:
         for row in order:
+            if row.gpus == 1 and not speak:
+                continue
             late = args.time_limit is not None and time.perf_counter() - start > args.time_limit
             if row.gpus > 1:
                 if not dist.is_initialized():
@@ -266,19 +300,18 @@ def main(argv: list[str]) -> int:
             result = run_row(row, model_flags, args.warmup, args.iters,
                              not args.no_baseline and row.name in BASELINE_ROWS)
             results.append(result)
-            ref = next((r for r in results if r.row.gpus == 1), None)
             if speak:
-                print(format_row(result, ref, model_flags, device), flush=True)
+                print(format_row(result, reference(result, results), model_flags, device), flush=True)
     finally:
         end_process_group()
     if speak:
-        ref = next((r for r in results if r.row.gpus == 1), None)
         print(f"\n== the table ({len(results)} rows in {time.perf_counter() - start:.0f} s; "
-              f"{torch.cuda.get_device_name(device) if cuda else 'cpu'} x {world}; 'of 1 GPU': of the first one-GPU "
-              "row's tokens/s per GPU; wall: the row's seconds, compilation in 'steps')")
+              f"{torch.cuda.get_device_name(device) if cuda else 'cpu'} x {world}; 'of 1 GPU': of the tokens/s per GPU "
+              "of the one-GPU row at the same micro-batch, else of the first; wall: the row's seconds, compilation in "
+              "'steps')")
         print(HEADER)
         for r in results:
-            print(format_row(r, ref, model_flags, device))
+            print(format_row(r, reference(r, results), model_flags, device))
         if not_run:
             print(f"not run (--time-limit {args.time_limit:.0f} s): {' '.join(not_run)}")
     return 0

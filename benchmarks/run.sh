@@ -17,7 +17,8 @@
 #               of 2 processes that stay up from row to row (1 GPU, DP2, DP2 overlapped, TP2, TP2+SP, PP2 1F1B and
 #               interleaved, ZeRO-1/2/3; each also at the planner's fastest micro-batch; nanoGPT beside the 1-GPU
 #               and DP2 rows; the planner's prediction beside every row), no row started after TABLE_ROWS_SECONDS
-#               (default 300); then the restart suite and serve_tp.py (TP2 serving, 32 clients; needs fastapi and
+#               (default 300; BEST_MICRO_BATCH="tp2 dp2" limits the best-micro-batch rows to those layouts); then
+#               the restart suite and serve_tp.py (TP2 serving, 32 clients; needs fastapi and
 #               uvicorn, which the lent machines lack: carry them as wheels). Extra args go to
 #               layout_table.py (--rows "1gpu tp2" ...). Its compilation dominates: on a machine whose caches are
 #               cold, warm them first with `table_warm` (in a call before, on the same machine, held)

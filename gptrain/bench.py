@@ -57,7 +57,7 @@ def _progress(message: str) -> None:
 
 
 def measure(step, warmup: int, iters: int, device, label: str = "",
-             settle=lambda: None) -> tuple[float, float, float | None]:
+            settle=lambda: None) -> tuple[float, float, float | None]:
     """Seconds per step, host seconds per step (until the last step returns, before the final
     synchronisation: far below the step time means the host runs ahead of the device; close to it
     means either a CPU-bound step or a full launch queue, which only a profile tells apart), and

@@ -1,7 +1,7 @@
-"""benchmarks/layout_table.py: every layout's step one after another in the same two processes. A row leaves
-nothing behind for the next (the same layout again trains to the same losses), every layout trains the one-process
-model (fp32, the same global batch), nanoGPT's step runs beside the rows it anchors, and --time-limit stops new rows
-on every rank alike."""
+"""benchmarks/layout_table.py: every layout's step one after another in the same two processes. A row leaves nothing
+behind that changes the next (the same layout again trains to the same losses), every layout trains the one-process
+model (fp32, the same global batch), nanoGPT's step runs beside the rows it anchors, --time-limit stops new rows on
+every rank alike, and a one-GPU row that would need a group of its own is refused before anything runs."""
 from __future__ import annotations
 
 import re
@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from bench_script import load
 from distributed import TINY, _env
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "layout_table.py"
@@ -56,3 +57,9 @@ def test_no_row_starts_after_the_time_limit():
     out = _table(["--no-baseline", "--time-limit", "0", "--row", "1gpu:1:2:4:", "--row", "dp2:2:2:4:"])
     assert "not run (--time-limit 0 s): 1gpu dp2" in out
     assert _final_rows(out) == {}
+
+
+def test_a_one_gpu_row_needing_its_own_group_is_refused(capsys):
+    table = load("layout_table")
+    assert table.main(["--rows", "", "--row", "offload:1:2:4:--zero-stage 3 --cpu-offload", "--", *TINY]) == 2
+    assert "one-GPU rows offload need a process group of their own (--cpu-offload)" in capsys.readouterr().err

@@ -6,7 +6,8 @@ prints each against its prediction):
   its FLOPs in the backward; full recompute runs the forward again, selective the core attention),
   attention on the FLOPs the MFU formula counts, element-wise and memory-bound work (LayerNorms, GELU,
   residuals, dropout, the loss) at the memory bandwidth, more of it where the blocks are compiled one
-  by one (FSDP2, pipeline stages: no fusion across blocks; --overlap-grad-reduce, whose compile is cut
+  by one (growing with the square root of a micro-batch's tokens beyond BLOCK_TOKENS; FSDP2, pipeline
+  stages: no fusion across blocks; --overlap-grad-reduce, whose compile is cut
   where its buckets end, costs about as much: its NCCL kernels slow the backward's matmuls beside them,
   which s22's two-H200 rows hold within 2.4%), FSDP2's casts and
   copies around its collectives, each tensor-parallel collective's copies; and the device's gaps

@@ -126,6 +126,19 @@ def tokens_per_s(base: str, batch: int, new_tokens: int, repeats: int = 3) -> fl
     return best
 
 
+def fp32_check(ckpt: Path, nproc: int, new_tokens: int) -> None:
+    """fp32: TP equals one GPU (bf16 partial sums would differ in the last bits and a random model's near-flat
+    logits can then pick another token)."""
+    with server(ckpt, 1, "--dtype", "fp32") as base:
+        one = greedy(base, new_tokens)
+    with server(ckpt, nproc, "--dtype", "fp32") as base:
+        tp = greedy(base, new_tokens)
+    same = sum(a == b for a, b in zip(one["tokens"], tp["tokens"]))
+    diff = max(abs(x - y) for a, b in zip(one["logprobs"], tp["logprobs"]) for x, y in zip(a, b))
+    print(f"fp32 greedy, {len(PROMPTS)} prompts x {new_tokens} tokens: {same}/{len(PROMPTS)} rows identical, "
+          f"max |logprob difference| {diff:.2e}", flush=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--nproc", type=int, default=2)
@@ -134,6 +147,8 @@ def main() -> None:
     p.add_argument("--clients", type=int, default=32, help="serve_load.py's concurrent clients (0: none)")
     p.add_argument("--load-seconds", type=float, default=20)
     p.add_argument("--workdir", default="/tmp/gptrain_serve_tp")
+    p.add_argument("--skip-fp32-check", action="store_true",
+                   help="leave out the fp32 comparison of TP with one GPU (two server starts; run.sh table's time)")
     args = p.parse_args()
     import torch
 
@@ -141,16 +156,8 @@ def main() -> None:
     print(f"devices: {args.nproc} x {torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
     ckpt = make_checkpoint(Path(args.workdir) / "gpt345m")
 
-    # fp32: TP equals one GPU (bf16 partial sums would differ in the last bits and a random model's
-    # near-flat logits can then pick another token)
-    with server(ckpt, 1, "--dtype", "fp32") as base:
-        one = greedy(base, args.new_tokens)
-    with server(ckpt, args.nproc, "--dtype", "fp32") as base:
-        tp = greedy(base, args.new_tokens)
-    same = sum(a == b for a, b in zip(one["tokens"], tp["tokens"]))
-    diff = max(abs(x - y) for a, b in zip(one["logprobs"], tp["logprobs"]) for x, y in zip(a, b))
-    print(f"fp32 greedy, {len(PROMPTS)} prompts x {args.new_tokens} tokens: {same}/{len(PROMPTS)} rows identical, "
-          f"max |logprob difference| {diff:.2e}", flush=True)
+    if not args.skip_fp32_check:
+        fp32_check(ckpt, args.nproc, args.new_tokens)
 
     for nproc in (1, args.nproc):
         how = "1 GPU" if nproc == 1 else f"TP{nproc}"

@@ -103,7 +103,9 @@ def _release_layout(groups_before: set) -> None:
     from gptrain.parallel.copy_engine import release_tp_exchanges
 
     release_tp_exchanges()
-    for group in _process_groups() - groups_before - {dist.group.WORLD}:
+    made = _process_groups() - groups_before - {dist.group.WORLD}
+    names = dist.distributed_c10d._world.pg_names
+    for group in sorted(made, key=lambda g: names.get(g, ""), reverse=True):  # the same order on every rank
         dist.destroy_process_group(group)
     torch.compiler.reset()
     gc.collect()
@@ -138,8 +140,9 @@ def left_behind(limit: int = 5) -> str:
             except RuntimeError:
                 continue
     largest = sorted(storages.values(), key=lambda t: -t.untyped_storage().nbytes())[:limit]
+    mine = {id(storages), id(largest)}
     found = [f"{tuple(t.shape)} {t.dtype} {t.untyped_storage().nbytes() / 2 ** 30:.2f} GiB held by "
-             + ", ".join(sorted({type(r).__name__ for r in gc.get_referrers(t)} - {"list", "frame", "dict"}))
+             + ", ".join(sorted({type(r).__name__ for r in gc.get_referrers(t) if id(r) not in mine} - {"frame"}))
              for t in largest]
     return "; ".join(found) or "no CUDA tensor reachable from Python"
 

@@ -25,7 +25,8 @@
 #               cold, warm them first with `table_warm` (in a call before, on the same machine, held)
 #   table_warm  warms this machine's compile caches for `table`: its rows split over four concurrent
 #               layout_table.py runs at --warmup 2 --iters 1 (their timings meaningless, and not printed as
-#               results), with the restart suite and serve_tp.py beside them (about 280 s on 2 x H200)
+#               results), with the restart suite and serve_tp.py beside them (two at a time on GPUs under
+#               130 GiB); its first form, without the restart and serving, took 283 s on 2 x H200
 #   ranks       the rank simulator on one GPU: one rank of DP2 (one all-reduce after the backward, and
 #               --overlap-grad-reduce at two bucket sizes) and of TP2 / TP2+SP (345M, micro-batch 16; TP
 #               with and without CUDA graphs, their default under TP) beside the 1-GPU step, a TP8+SP rank
@@ -257,7 +258,11 @@ suite_table() {
 suite_table_warm() {
   need_gpu table_warm || return
   [ "$(gpu_count)" -ge 2 ] || { echo "table_warm: needs 2 GPUs"; return 0; }
-  local rows best extra pids=() rc=0 i=0
+  local rows best extra rc=0 i=0 gib limit=6
+  # all six jobs at once hold about 130 GiB on a GPU at their peaks (call B's set on 2 x H200): on smaller GPUs,
+  # two at a time
+  gib=$("$PY" -c "import torch; print(int(torch.cuda.get_device_properties(0).total_memory / 2 ** 30))")
+  [ "$gib" -ge 130 ] || limit=2
   # rows:best: the layouts compiled as one graph also at their best micro-batch (compiling those from nothing costs
   # 30-50 s a row); the pipeline's and ZeRO's, compiled block by block, take seconds, and their big micro-batches
   # beside the others would crowd the GPUs' memory
@@ -267,18 +272,26 @@ suite_table_warm() {
     i=$((i + 1))
     extra=()
     [ "$best" = - ] || extra=(--best-micro-batch "$best")
+    _warm_slot "$limit" || rc=1
     run table_warm/rows$i.txt "${TORCHRUN[@]}" 2 benchmarks/layout_table.py --rows "$rows" "${extra[@]}" \
       --warmup 2 --iters 1 "$@" -- "${BENCH[@]}" > /dev/null &
-    pids+=($!)
   done
+  _warm_slot "$limit" || rc=1
   OUT=$OUT/table_warm suite_restart > /dev/null &
-  pids+=($!)
+  _warm_slot "$limit" || rc=1
   run table_warm/serve_tp.txt "$PY" benchmarks/serve_tp.py --nproc 2 --new-tokens 128 --batch-sizes 1 32 --clients 32 \
     --load-seconds 5 --skip-fp32-check --workdir "$WORK/serve_tp" > /dev/null &
-  pids+=($!)
-  for i in "${pids[@]}"; do wait "$i" || rc=1; done
-  echo "== table_warm (timings meaningless: the runs shared the GPUs)"; grep -h -E "^\(exit" "$OUT"/table_warm/*.txt
+  _warm_slot 1 || rc=1
+  echo "== table_warm (timings meaningless: the runs shared the GPUs)"
+  grep -h -E "^\(exit" "$OUT"/table_warm/*.txt "$OUT"/table_warm/restart/*.txt
   return $rc
+}
+
+# _warm_slot N: wait until fewer than N background jobs run (1: all done); fails if one that ended failed
+_warm_slot() {
+  local ok=0
+  while [ "$(jobs -rp | wc -l)" -ge "$1" ]; do wait -n || ok=1; done
+  return $ok
 }
 
 suite_restart() {

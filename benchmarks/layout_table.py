@@ -55,6 +55,11 @@ class Row:
         return [*model_flags, "--micro-batch-size", str(self.micro_batch), "--global-batch-size",
                 str(self.global_batch), *self.flags]
 
+    def config(self, model_flags: list[str]):
+        """The row's run configuration (ValueError where gptrain train would refuse it)."""
+        return parse_megatron_args(self.argv(model_flags) + ["--mock-data", "--train-iters", "1"],
+                                   world_size=self.gpus)[0]
+
 
 # the layouts of two GPUs at micro-batch 16; data parallelism at one micro-batch a step (its reduction once a step,
 # unhidden by accumulation), pipelines at eight (their bubble as a training run at that batch has it)
@@ -74,15 +79,14 @@ def best_micro_batch_row(row: Row, model_flags: list[str], gpu: str | None) -> R
     (at least one a data-parallel rank); None where that is the row's own or there is no planner for this GPU."""
     if gpu is None:
         return None
-    cfg, _ = parse_megatron_args(row.argv(model_flags) + ["--mock-data", "--train-iters", "1"], world_size=row.gpus)
+    cfg = row.config(model_flags)
     dp = row.gpus // (cfg.parallel.tensor_parallel * cfg.parallel.pipeline_parallel)
     per_step = row.global_batch // (row.micro_batch * dp)
     best, best_tps = None, -1.0
     for mbs in MICRO_BATCHES:
         candidate = Row(f"{row.name}_mb{mbs}", row.gpus, mbs, mbs * dp * per_step, row.flags)
         try:
-            c, _ = parse_megatron_args(candidate.argv(model_flags) + ["--mock-data", "--train-iters", "1"],
-                                       world_size=row.gpus)
+            c = candidate.config(model_flags)
         except ValueError:
             continue
         p = prediction(c, row.gpus, gpu)
@@ -181,8 +185,7 @@ def run_row(row: Row, model_flags: list[str], warmup: int, iters: int, baseline:
 def _sharded_alone(row: Row, model_flags: list[str]) -> bool:
     from gptrain.train.build import parallel_dims
 
-    cfg, _ = parse_megatron_args(row.argv(model_flags) + ["--mock-data", "--train-iters", "1"], world_size=row.gpus)
-    return parallel_dims(cfg, row.gpus).sharded
+    return parallel_dims(row.config(model_flags), row.gpus).sharded
 
 
 def reference(r: Result, results: list[Result]) -> Result | None:
@@ -196,7 +199,7 @@ def _percent(x: float | None, ref: float | None) -> str:
 
 
 def format_row(r: Result, ref: Result | None, model_flags: list[str], device: torch.device) -> str:
-    cfg, _ = parse_megatron_args(r.row.argv(model_flags) + ["--mock-data", "--train-iters", "1"], world_size=r.row.gpus)
+    cfg = r.row.config(model_flags)
     gpu = local_gpu(device)
     p = prediction(cfg, r.row.gpus, gpu) if gpu else None
     peak_flops = metrics.device_peak_tflops(device, cfg.train.peak_tflops)

@@ -342,8 +342,8 @@ class ParallelConfig:
         "--tp-comm-copy-engine", group="distributed",
         help="tensor parallelism over two GPUs of one host, without --sequence-parallel: in the backward, sum each "
              "column-parallel layer's input gradient by copies into the other GPU's memory (the copy engines) while "
-             "its weight gradients compute, instead of NCCL's all-reduce, which holds SMs; experimental: the "
-             "exchange is measured on its own (benchmarks/RESULTS.md), the flag has not yet run on GPUs"))
+             "its weight gradients compute, instead of NCCL's all-reduce, which holds SMs; experimental: measured "
+             "once on two GPUs (benchmarks/RESULTS.md)"))
     # interleaved 1F1B (Megatron's virtual pipeline stages)
     layers_per_virtual_stage: int | None = field(default=None, metadata=flag(
         "--num-layers-per-virtual-pipeline-stage", group="distributed",
@@ -414,8 +414,7 @@ class ParallelConfig:
         "--grad-reduce-copy-engine", group="distributed",
         help="with --overlap-grad-reduce over two GPUs of one host: all-reduce each bucket by copies into the other "
              "GPU's memory (the copy engines; symmetric memory) instead of NCCL's kernels, which slow the backward "
-             "beside them; experimental: the exchange is measured on its own (benchmarks/RESULTS.md), the flag has "
-             "not yet run on GPUs"))
+             "beside them; experimental: on two GPUs it has not yet been faster than NCCL (benchmarks/RESULTS.md)"))
     grad_reduce_in_bf16: bool = field(default=False, metadata=flag(
         "--grad-reduce-in-bf16", group="distributed",
         help="all-reduce plain data parallelism's gradients in bf16 instead of fp32 (half the bytes)"))

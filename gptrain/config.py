@@ -344,13 +344,6 @@ class ParallelConfig:
              "column-parallel layer's input gradient by copies into the other GPU's memory (the copy engines) while "
              "its weight gradients compute, instead of NCCL's all-reduce, which holds SMs; experimental: measured "
              "once on two GPUs (benchmarks/RESULTS.md)"))
-    # gptrain's own (DeepSpeed's Domino): the micro-batch in two halves through the blocks, each half's all-reduces
-    # beside the other half's matmuls (parallel/overlapped_halves.py)
-    tp_overlap_halves: bool = field(default=False, metadata=flag(
-        "--tp-overlap-halves", group="distributed",
-        help="tensor parallelism without --sequence-parallel: run the blocks on two halves of each micro-batch, "
-             "interleaved, so that each half's forward all-reduces run while the other half computes (DeepSpeed's "
-             "Domino); the same losses; benchmarks/RESULTS.md says what it was measured to give"))
     # interleaved 1F1B (Megatron's virtual pipeline stages)
     layers_per_virtual_stage: int | None = field(default=None, metadata=flag(
         "--num-layers-per-virtual-pipeline-stage", group="distributed",

@@ -24,16 +24,15 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
 
 
 def hashed_dropout(x: torch.Tensor, p: float, step: torch.Tensor, salt: int, shard: int = 0,
-                   shards: int = 1, first_row: int = 0) -> torch.Tensor:
+                   shards: int = 1) -> torch.Tensor:
     """Dropout of ``x`` (batch, seq, hidden) with a mask that depends only on ``step`` (an int64
     tensor), ``salt`` (which dropout site) and each element's position in the whole sequence, of
-    which ``x`` holds part ``shard`` of ``shards`` (sequence parallelism); ``x``'s rows are the
-    micro-batch's from ``first_row`` on (a part of it: --tp-overlap-halves)."""
+    which ``x`` holds part ``shard`` of ``shards`` (sequence parallelism)."""
     if p <= 0.0:
         return x
     b, s, h = x.shape
     dev = x.device
-    rows = (torch.arange(b, device=dev).view(b, 1, 1) + first_row) * (s * shards)
+    rows = torch.arange(b, device=dev).view(b, 1, 1) * (s * shards)
     positions = (torch.arange(s, device=dev) + shard * s).view(1, s, 1)
     index = (rows + positions) * h + torch.arange(h, device=dev).view(1, 1, h)
     # the step's high bits (iteration >= 2^15 once the loop shifts it by 16) fold in through their

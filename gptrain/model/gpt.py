@@ -71,10 +71,6 @@ class CausalSelfAttention(nn.Module):
         return qkv.view(b, s, qkv.shape[-1] // (3 * self.head_dim), 3, self.head_dim).permute(3, 0, 2, 1, 4)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.proj(self.mix(x))
-
-    def mix(self, x: torch.Tensor) -> torch.Tensor:
-        """The heads' outputs side by side, (batch, seq, heads x dim): what the output projection takes."""
         qkv = self.qkv(x)
         # the local head count: a tensor-parallel shard holds whole heads; (batch, seq) from qkv, which
         # covers every token of the micro-batch also where x holds a sequence-parallel share
@@ -84,7 +80,7 @@ class CausalSelfAttention(nn.Module):
             y = checkpoint(self.core, qkv, use_reentrant=False)
         else:
             y = self.core(qkv)
-        return y.reshape(b, s, -1)
+        return self.proj(y.reshape(b, s, -1))
 
 
 def rotary_cos_sin(positions: torch.Tensor, dim: int, base: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -151,10 +147,6 @@ class GroupedQueryAttention(nn.Module):
         return q, k, v
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.proj(self.mix(x))
-
-    def mix(self, x: torch.Tensor) -> torch.Tensor:
-        """The heads' outputs side by side, (batch, seq, heads x dim): what the output projection takes."""
         qkv = self.qkv(x)
         b, s = qkv.shape[:2]
         q, k, v = self.heads(qkv, torch.arange(s, device=qkv.device))
@@ -162,7 +154,7 @@ class GroupedQueryAttention(nn.Module):
             y = checkpoint(self.core, q, k, v, use_reentrant=False)
         else:
             y = self.core(q, k, v)
-        return y.reshape(b, s, -1)
+        return self.proj(y.reshape(b, s, -1))
 
 
 class MLP(nn.Module):
@@ -172,12 +164,8 @@ class MLP(nn.Module):
         self.fc2 = nn.Linear(cfg.ffn_hidden_size, cfg.hidden_size, bias=cfg.add_bias_linear)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(self.hidden(x))
-
-    def hidden(self, x: torch.Tensor) -> torch.Tensor:
-        """fc2's input."""
         # tanh GELU: Megatron's fused bias-GELU and Hugging Face GPT-2's "gelu_new"
-        return F.gelu(self.fc1(x), approximate="tanh")
+        return self.fc2(F.gelu(self.fc1(x), approximate="tanh"))
 
 
 class SwiGLUMLP(nn.Module):
@@ -191,11 +179,7 @@ class SwiGLUMLP(nn.Module):
         self.fc2 = nn.Linear(cfg.ffn_hidden_size, cfg.hidden_size, bias=cfg.add_bias_linear)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(self.hidden(x))
-
-    def hidden(self, x: torch.Tensor) -> torch.Tensor:
-        """fc2's input."""
-        return F.silu(self.gate(x)) * self.up(x)
+        return self.fc2(F.silu(self.gate(x)) * self.up(x))
 
 
 def make_norm(cfg: GPTConfig) -> nn.Module:
@@ -218,17 +202,14 @@ class Block(nn.Module):
         # (hashed dropout, the same mask on every tensor-parallel rank); None: F.dropout
         self.dropout_shard: tuple[int, int] | None = None
 
-    def dropout(self, y: torch.Tensor, step: torch.Tensor | None, site: int, first_row: int = 0) -> torch.Tensor:
-        """The hidden dropout after the attention (``site`` 0) or the MLP (1); ``first_row``: ``y`` holds the
-        micro-batch's rows from there on (--tp-overlap-halves runs the block on halves of it)."""
+    def _dropout(self, y: torch.Tensor, step: torch.Tensor | None, site: int) -> torch.Tensor:
         if self.dropout_shard is None or step is None or not self.training:
             return F.dropout(y, self.hidden_dropout, self.training)
-        return hashed_dropout(y, self.hidden_dropout, step, 2 * self.layer_number + site, *self.dropout_shard,
-                              first_row=first_row)
+        return hashed_dropout(y, self.hidden_dropout, step, 2 * self.layer_number + site, *self.dropout_shard)
 
     def forward(self, x: torch.Tensor, dropout_step: torch.Tensor | None = None) -> torch.Tensor:
-        x = x + self.dropout(self.attn(self.ln1(x)), dropout_step, 0)
-        return x + self.dropout(self.mlp(self.ln2(x)), dropout_step, 1)
+        x = x + self._dropout(self.attn(self.ln1(x)), dropout_step, 0)
+        return x + self._dropout(self.mlp(self.ln2(x)), dropout_step, 1)
 
 
 class OutputLayer(nn.Module):
@@ -277,9 +258,6 @@ class GPT(nn.Module):
         # sequence parallelism's entry after the embeddings and exit after the final LayerNorm
         # (parallel/tensor_parallel.py swaps them in; identities otherwise)
         self.scatter_tokens, self.gather_tokens = nn.Identity(), nn.Identity()
-        # how the blocks run: None, one after another; tensor parallelism's --tp-overlap-halves swaps in a module
-        # that runs them on two halves of the micro-batch (parallel/overlapped_halves.py)
-        self.block_runner: nn.Module | None = None
         # pipeline stages (Megatron's names): the first embeds, the last ends with the final LayerNorm
         self.pre_process = self.post_process = True
 
@@ -390,16 +368,11 @@ class GPT(nn.Module):
             self.dropout_step.add_(1)
         if embed:
             x = self.scatter_tokens(self.embed(x, step))
-        if self.block_runner is not None:
-            return self._end(self.block_runner(x, blocks, step), final)
         for block in blocks:
             if self.recompute_blocks and self.training:
                 x = checkpoint(block, x, step, use_reentrant=False)
             else:
                 x = block(x, step)
-        return self._end(x, final)
-
-    def _end(self, x: torch.Tensor, final: bool) -> torch.Tensor:
         return self.gather_tokens(self.final_layernorm(x)) if final else x
 
     def logits(self, tokens: torch.Tensor) -> torch.Tensor:

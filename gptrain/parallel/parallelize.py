@@ -86,8 +86,7 @@ def parallelize(train_module: nn.Module, model: GPT, dims: ParallelDims, mesh: D
                 recompute: str | None, param_dtype: torch.dtype | None, compile_model: bool,
                 compile_mode: str | None, sequence_parallel: bool = False,
                 pipeline_chunks: list[nn.Module] | None = None, bucket_bytes: int = 0,
-                comm_overlap: bool = False, offloaded: set[nn.Module] = frozenset(), tp_copy_engine: bool = False,
-                tp_overlap_halves: bool = False):
+                comm_overlap: bool = False, offloaded: set[nn.Module] = frozenset(), tp_copy_engine: bool = False):
     """Transform in place; returns the callable the trainer runs forward through:
     ``(tokens, labels, loss_mask) -> loss`` (None with pipeline parallelism: the schedule runs the
     ``pipeline_chunks``) and the tensor-parallel ``ShardLayout`` (empty without tensor parallelism).
@@ -95,14 +94,13 @@ def parallelize(train_module: nn.Module, model: GPT, dims: ParallelDims, mesh: D
     parameters, so gradients reach their hooks as each graph's backward ends (overlapped data-parallel
     reduction, parallel/bucketed_compile.py). ``comm_overlap``:
     async tensor parallelism (parallel/async_tp.py). ``offloaded``: the FSDP2 units --cpu-offload keeps in host
-    memory (parallel/offload_split.py). ``tp_copy_engine``: --tp-comm-copy-engine (parallel/copy_engine.py);
-    ``tp_overlap_halves``: --tp-overlap-halves (parallel/overlapped_halves.py)."""
+    memory (parallel/offload_split.py). ``tp_copy_engine``: --tp-comm-copy-engine (parallel/copy_engine.py)."""
     from gptrain.parallel.tensor_parallel import ShardLayout, VocabParallelLMLoss, apply_tensor_parallel
 
     apply_recompute(model, recompute)
     layout = ShardLayout()
     if dims.tp > 1:
-        layout = apply_tensor_parallel(model, mesh, sequence_parallel, comm_overlap, tp_copy_engine, tp_overlap_halves)
+        layout = apply_tensor_parallel(model, mesh, sequence_parallel, comm_overlap, tp_copy_engine)
         if comm_overlap:
             from gptrain.parallel.async_tp import enable_async_tp
 

@@ -112,46 +112,6 @@ class _GatherTokens(torch.autograd.Function):
         return tokens[ctx.rank * n:(ctx.rank + 1) * n].reshape(1, n, g.shape[-1]), None, None, None, None
 
 
-class _StartSum(torch.autograd.Function):
-    """Partial sums -> their all-reduce started, not yet waited on (``_FinishSum``); backward: identity. The
-    pair is ``_ExitRegion`` without sequence parallelism, with other work between its two ends."""
-
-    @staticmethod
-    def forward(ctx, y, group: str):
-        return _all_reduce(y, group)
-
-    @staticmethod
-    def backward(ctx, g):
-        return g, None
-
-
-@torch.library.custom_op("gptrain::wait_after", mutates_args=("started",))
-def _wait_after(started: torch.Tensor, after: torch.Tensor) -> None:
-    """Wait for the collective writing ``started``, placed after ``after`` is computed: a data dependency
-    that keeps the compiler from fusing the work before ``after`` with the work after the wait (which would
-    move the wait up, in front of what should run beside the collective)."""
-    _c10d.wait_tensor(started)
-
-
-@_wait_after.register_fake
-def _(started, after):
-    return None
-
-
-class _FinishSum(torch.autograd.Function):
-    """The sum ``_StartSum`` started, waited on once ``after`` (the other half's work) is queued."""
-
-    @staticmethod
-    def forward(ctx, started, after):
-        _wait_after(started, after)
-        ctx.mark_dirty(started)
-        return started
-
-    @staticmethod
-    def backward(ctx, g):
-        return g, None
-
-
 def _enter(x2: torch.Tensor, group: str, size: int, sp: bool) -> torch.Tensor:
     return _wait(_all_gather(x2, size, group)) if sp else x2
 
@@ -292,15 +252,6 @@ class RowParallelLinear(nn.Module):
         y = _ExitRegion.apply(y, self.tp.name, self.tp.size, self.tp.sequence_parallel)
         return y if self.bias is None else y + self.bias
 
-    def start(self, x: torch.Tensor) -> torch.Tensor:
-        """``forward`` up to its all-reduce, started (no sequence parallelism); ``finish`` ends it."""
-        return _StartSum.apply(linear_weight(x, self.weight, self.tuned), self.tp.name)
-
-    def finish(self, started: torch.Tensor, after: torch.Tensor) -> torch.Tensor:
-        """The sum waited on after ``after`` is computed, plus the bias."""
-        y = _FinishSum.apply(started, after)
-        return y if self.bias is None else y + self.bias
-
 
 class TensorParallelFusedMLP(nn.Module):
     """``FusedBiasGeluMLP`` on this rank's shards of fc1 (rows) and fc2 (columns)."""
@@ -318,16 +269,6 @@ class TensorParallelFusedMLP(nn.Module):
         y = _ColumnFusedMLP.apply(x, self.fc1.weight, self.fc1.bias, self.fc2.weight, tp.name, tp.size,
                                   tp.sequence_parallel, tp.seq_length, tp.copy_engine)
         return _ExitRegion.apply(y, tp.name, tp.size, tp.sequence_parallel) + self.fc2.bias
-
-    def start(self, x: torch.Tensor) -> torch.Tensor:
-        """``forward`` up to fc2's all-reduce, started (no sequence parallelism); ``finish`` ends it."""
-        tp = self.tp
-        y = _ColumnFusedMLP.apply(x, self.fc1.weight, self.fc1.bias, self.fc2.weight, tp.name, tp.size, False,
-                                  tp.seq_length, tp.copy_engine)
-        return _StartSum.apply(y, tp.name)
-
-    def finish(self, started: torch.Tensor, after: torch.Tensor) -> torch.Tensor:
-        return _FinishSum.apply(started, after) + self.fc2.bias
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -530,15 +471,12 @@ def split_dim_of(name: str) -> int | None:
 
 
 def apply_tensor_parallel(model: GPT, mesh: DeviceMesh, sequence_parallel: bool = False,
-                          comm_overlap: bool = False, copy_engine: bool = False,
-                          overlap_halves: bool = False) -> ShardLayout:
+                          comm_overlap: bool = False, copy_engine: bool = False) -> ShardLayout:
     """Megatron's split of ``model`` (on the meta device, after the kernel converter) over the
     mesh's ``tp`` dimension: the blocks' linear layers, the word embeddings and, with
     ``sequence_parallel``, the token split of the residual stream. Returns which parameter is
     split where. ``comm_overlap``: the column-parallel layers in the form async TP rewrites;
-    ``copy_engine``: their input gradients summed by the copy engines beside the weight gradients;
-    ``overlap_halves``: the blocks run on two halves of the micro-batch, each half's all-reduces beside the
-    other's matmuls (parallel/overlapped_halves.py)."""
+    ``copy_engine``: their input gradients summed by the copy engines beside the weight gradients."""
     tp = TPGroup.of(mesh["tp"].get_group(), sequence_parallel, model.cfg.seq_length, comm_overlap, copy_engine)
     # Megatron's dropout: the same masks on every tensor-parallel rank outside the parallel regions
     # (hashed, per position in the micro-batch), a per-rank stream inside them (train/run.py)
@@ -563,10 +501,6 @@ def apply_tensor_parallel(model: GPT, mesh: DeviceMesh, sequence_parallel: bool 
         model.output_layer.weight = _shard(model.output_layer.weight, 0, tp)  # vocabulary rows, as the embeddings
     if sequence_parallel:
         model.scatter_tokens, model.gather_tokens = ScatterTokens(tp), GatherTokens(tp)
-    if overlap_halves:
-        from gptrain.parallel.overlapped_halves import OverlappedHalves
-
-        model.block_runner = OverlappedHalves()
     layout = ShardLayout(tp, mesh)
     for name, _ in model.named_parameters():
         if (dim := split_dim_of(name)) is not None:

@@ -89,8 +89,6 @@ def parallel_dims(cfg: RunConfig, world_size: int) -> ParallelDims:
         raise ValueError("--tp-comm-copy-engine sums a tensor-parallel pair's input gradients by the copy engines: "
                          f"it needs --tensor-model-parallel-size 2 (got {dims.tp}) without --sequence-parallel or "
                          "--tp-comm-overlap")
-    if cfg.parallel.tp_overlap_halves:
-        check_overlap_halves(cfg, dims)
     if cfg.parallel.grad_reduce_copy_engine and not overlap_grad_reduce(cfg, dims):
         raise ValueError("--grad-reduce-copy-engine reduces --overlap-grad-reduce's buckets: it needs "
                          "--overlap-grad-reduce with plain data parallelism (no ZeRO stage, no pipeline)")
@@ -112,25 +110,6 @@ def parallel_dims(cfg: RunConfig, world_size: int) -> ParallelDims:
         except ValueError as err:
             raise ValueError(f"--rampup-batch-size: at global batch {batch}, {err}") from None
     return dims
-
-
-def check_overlap_halves(cfg: RunConfig, dims: ParallelDims) -> None:
-    """--tp-overlap-halves runs the whole model's blocks itself, on halves of the micro-batch: the layouts where it
-    can, refused with the reason."""
-    why = None
-    if dims.tp == 1:
-        why = "it needs --tensor-model-parallel-size above 1"
-    elif cfg.parallel.sequence_parallel or cfg.parallel.tp_comm_overlap:
-        why = "the halves overlap plain tensor parallelism's all-reduces: leave out --sequence-parallel"
-    elif dims.pp > 1 or dims.sharded:
-        why = ("pipeline stages and ZeRO compile and shard block by block, which the halves' interleaving would "
-               "bypass: use it with tensor and data parallelism only")
-    elif cfg.kernels.recompute == "full":
-        why = "full recompute checkpoints whole blocks, which the halves' interleaving splits: leave one out"
-    elif cfg.train.micro_batch_size % 2:
-        why = f"it halves each micro-batch: --micro-batch-size {cfg.train.micro_batch_size} is odd"
-    if why:
-        raise ValueError(f"--tp-overlap-halves: {why}")
 
 
 def build_optimizer(params: dict[str, torch.Tensor], cfg: RunConfig) -> torch.optim.AdamW:
@@ -209,8 +188,7 @@ def build_training(cfg: RunConfig, device: torch.device, dims: ParallelDims, mes
                                   cfg.train.compile, mode, cfg.parallel.sequence_parallel, chunks,
                                   bucket_bytes=overlap_bucket_bytes(cfg, dims, param_dtype),
                                   comm_overlap=cfg.parallel.tp_comm_overlap, offloaded=offloaded,
-                                  tp_copy_engine=cfg.parallel.tp_comm_copy_engine,
-                                  tp_overlap_halves=cfg.parallel.tp_overlap_halves)
+                                  tp_copy_engine=cfg.parallel.tp_comm_copy_engine)
     if mode != cfg.train.compile_mode:
         impls["compile"] = ("CUDA graphs over the compiled step (--compile-mode reduce-overhead, the default for "
                             "tensor parallelism on GPUs; --compile-mode default leaves them out)")

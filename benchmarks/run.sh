@@ -16,11 +16,13 @@
 #   table       every 2-GPU layout in one call (issue 36's table): benchmarks/layout_table.py under one torchrun
 #               of 2 processes that stay up from row to row (1 GPU, DP2, DP2 overlapped, TP2, TP2+SP, PP2 1F1B and
 #               interleaved, ZeRO-1/2/3; each also at the planner's fastest micro-batch; nanoGPT beside the 1-GPU
-#               and DP2 rows; the planner's prediction beside every row), no row started after TABLE_ROWS_SECONDS
-#               (default 300; BEST_MICRO_BATCH="tp2 dp2" limits the best-micro-batch rows to those layouts); then
-#               the restart suite and serve_tp.py (TP2 serving beside 1 GPU's, batch 1 and 32, 32 clients; its fp32
-#               comparison left to `run.sh serve`; needs fastapi and
-#               uvicorn, which the lent machines lack: carry them as wheels). Extra args go to
+#               and DP2 rows; the planner's prediction beside every row), after the restart suite and serve_tp.py
+#               (TP2 serving beside 1 GPU's, batch 1 and 32, 32 clients; its fp32 comparison left to `run.sh
+#               serve`; needs fastapi and uvicorn, which the lent machines lack: carry them as wheels), which come
+#               first so that a call's time limit cuts rows, not them. No row starts after TABLE_ROWS_SECONDS
+#               (default 300), or, with TABLE_CALL_SECONDS, after what is left of that many seconds from the
+#               suite's start less 45 (BEST_MICRO_BATCH="tp2 dp2" limits the best-micro-batch rows to those
+#               layouts). Extra args go to
 #               layout_table.py (--rows "1gpu tp2" ...). Its compilation dominates: on a machine whose caches are
 #               cold, warm them first with `table_warm` (in a call before, on the same machine, held)
 #   table_warm  warms this machine's compile caches for `table`: its rows split over four concurrent
@@ -244,12 +246,14 @@ suite_scaling() {
 suite_table() {
   need_gpu table || return
   [ "$(gpu_count)" -ge 2 ] || { echo "table: needs 2 GPUs"; return 0; }
-  local rc=0
-  run table/layouts.txt "${TORCHRUN[@]}" 2 benchmarks/layout_table.py --best-micro-batch "${BEST_MICRO_BATCH:-}" \
-    --time-limit "${TABLE_ROWS_SECONDS:-300}" "$@" -- "${BENCH[@]}" || rc=1
+  local rc=0 start=$SECONDS rows_s=${TABLE_ROWS_SECONDS:-300}
   suite_restart || rc=1
   run table/serve_tp.txt "$PY" benchmarks/serve_tp.py --nproc 2 --new-tokens 128 --batch-sizes 1 32 --clients 32 \
     --load-seconds 10 --skip-fp32-check --workdir "$WORK/serve_tp" || rc=1
+  [ -n "${TABLE_CALL_SECONDS:-}" ] && rows_s=$((TABLE_CALL_SECONDS - (SECONDS - start) - 45))
+  echo "rows: none started after ${rows_s} s"
+  run table/layouts.txt "${TORCHRUN[@]}" 2 benchmarks/layout_table.py --best-micro-batch "${BEST_MICRO_BATCH:-}" \
+    --time-limit "$rows_s" "$@" -- "${BENCH[@]}" || rc=1
   echo "== table"; sed -n '/^== the table/,$p' "$OUT/table/layouts.txt"
   grep -h -E "clients,|fp32 greedy|bf16 " "$OUT/table/serve_tp.txt" 2>/dev/null
   return $rc

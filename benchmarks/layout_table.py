@@ -20,7 +20,9 @@ from __future__ import annotations
 import argparse
 import gc
 import sys
+import threading
 import time
+import types
 from dataclasses import dataclass
 
 import torch
@@ -129,13 +131,17 @@ class Result:
     wall: dict[str, float]
 
 
+LEFT_GIB = 0.25  # above this, a row reports what earlier rows left allocated
+
+
 def _allocated_gib() -> float | None:
     return torch.cuda.memory_allocated() / 2 ** 30 if torch.cuda.is_available() else None
 
 
-def left_behind(limit: int = 5) -> str:
+def left_behind(limit: int = 5, chain: bool = False) -> str:
     """The largest CUDA tensors Python can still reach, and who holds each (what a row failed to release; tensors
-    held only from C++, by a communicator's pending work say, do not show)."""
+    held only from C++, by a communicator's pending work say, do not show); ``chain``: also what keeps the largest
+    alive, up to a module, frame or thread (``holder_chain``: several scans of the heap)."""
     storages = {}  # one tensor a storage (views share theirs); plain tensors only (a subclass's storage may not be
     for o in gc.get_objects():  # reachable, and it wraps plain ones anyway)
         if type(o) in (torch.Tensor, torch.nn.Parameter) and o.is_cuda:
@@ -148,13 +154,63 @@ def left_behind(limit: int = 5) -> str:
     found = [f"{tuple(t.shape)} {t.dtype} {t.untyped_storage().nbytes() / 2 ** 30:.2f} GiB held by "
              + ", ".join(sorted({type(r).__name__ for r in gc.get_referrers(t) if id(r) not in mine} - {"frame"}))
              for t in largest]
+    if largest and chain:
+        found.append(f"the largest kept alive through {holder_chain(largest[0], mine | {id(found)})}")
     return "; ".join(found) or "no CUDA tensor reachable from Python"
 
 
-def run_row(row: Row, model_flags: list[str], warmup: int, iters: int, baseline: bool) -> Result:
+def _describe(o) -> str:
+    if isinstance(o, types.ModuleType):
+        return f"module {o.__name__}"
+    if isinstance(o, (types.FunctionType, types.MethodType)):
+        return f"{type(o).__name__} {o.__qualname__}"
+    if isinstance(o, types.FrameType):
+        return f"frame {o.f_code.co_qualname}"
+    return type(o).__name__
+
+
+def holder_chain(obj, ignore: set[int] = frozenset(), max_depth: int = 16, width: int = 64) -> str:
+    """The shortest chain of referrers from ``obj`` up to what keeps it alive: a module, a live frame, a thread or
+    a class (Python's roots, as far as ``gc`` sees them); else the longest chain found within ``max_depth`` links,
+    each level's first ``width`` referrers followed. Each link is named by its type (functions and frames by name),
+    so a leak reads ``Tensor <- GradBuckets <- method ... <- module x``. One scan of the heap per level."""
+    own_frames = (holder_chain.__code__, left_behind.__code__)
+    parents: dict[int, int | None] = {id(obj): None}
+    objects = {id(obj): obj}
+    level, end = [obj], None
+    for _ in range(max_depth):
+        ids = {id(o) for o in level}
+        found = []
+        for r in gc.get_referrers(*level):
+            if id(r) in ignore or id(r) in parents or r is level or r is found or r is objects or r is parents:
+                continue
+            if isinstance(r, types.FrameType) and r.f_code in own_frames:
+                continue  # the search's own frames
+            parent = next((p for p in gc.get_referents(r) if id(p) in ids), None)
+            if parent is None:
+                continue
+            parents[id(r)], objects[id(r)] = id(parent), r
+            if isinstance(r, (types.ModuleType, types.FrameType, threading.Thread, type)):
+                end = id(r)
+                break
+            found.append(r)
+        if end is not None or not found:
+            break
+        level = found[:width]
+    if end is None:
+        end = next(reversed(parents))  # the last found: as far up as the search went
+    chain = []
+    while end is not None:
+        chain.append(_describe(objects[end]))
+        end = parents[end]
+    return " <- ".join(chain[::-1])
+
+
+def run_row(row: Row, model_flags: list[str], warmup: int, iters: int, baseline: bool, explain: bool = True) -> Result:
+    """One row, timed. ``explain``: where earlier rows left memory allocated, say what keeps it (the first time)."""
     left = _allocated_gib()
-    if left and left > 0.25 and is_logging_rank():
-        print(f"{row.name}: {left:.2f} GiB still allocated from earlier rows: {left_behind()}", flush=True)
+    if left and left > LEFT_GIB and is_logging_rank():
+        print(f"{row.name}: {left:.2f} GiB still allocated from earlier rows: {left_behind(chain=explain)}", flush=True)
     groups = _process_groups()
     wall, t0 = {}, time.perf_counter()
     trainer, loader = synthetic_trainer(row.argv(model_flags), warmup + iters + 1, world=row.gpus)
@@ -303,8 +359,9 @@ def main(argv: list[str]) -> int:
             if late:
                 not_run.append(row.name)
                 continue
+            explained = any(r.left_gib and r.left_gib > LEFT_GIB for r in results)
             result = run_row(row, model_flags, args.warmup, args.iters,
-                             not args.no_baseline and row.name in BASELINE_ROWS)
+                             not args.no_baseline and row.name in BASELINE_ROWS, explain=not explained)
             results.append(result)
             if speak:
                 print(format_row(result, reference(result, results), model_flags, device), flush=True)

@@ -65,9 +65,10 @@ ZERO_CUBLASLT = ("cuBLASLt linears, which auto no longer picks under any ZeRO st
                  "(their host calls on top of FSDP2's hooks: 189.5 against 147.0 ms at ZeRO-2 on one machine, s24)")
 
 
-ZERO_HISTORY = ("ZeRO at micro-batch 16 moves 11-18% between runs (ZeRO-1 125,346-130,499, ZeRO-2 111,423 and ZeRO-3 "
-                "114,147 tokens/s in fresh processes in s24/s26, held above; here 107,528, 124,716 and 93,938 after "
-                "eight to ten other rows in the same process): not yet told apart from the process's history")
+ZERO_HISTORY = ("ZeRO at micro-batch 16 moves 11-27% between runs (ZeRO-1 125,346-130,499, ZeRO-2 111,423 and ZeRO-3 "
+                "114,147 tokens/s in fresh processes in s24/s26, held above; 107,528, 124,716 and 93,938 in s30 and "
+                "116,186, 98,807 and 83,923 in s31, after eight to ten other rows in the same process): not yet told "
+                "apart from the process's history")
 
 
 def mb(mbs: int, gbs: int) -> str:
@@ -361,6 +362,26 @@ ROWS = [
            f"{mb(64, 512)} {PP2} --num-layers-per-virtual-pipeline-stage 6", 181_675, None),
           ("ZeRO-1 DP2, mbs 64", 2, 64, f"{mb(64, 128)} --zero-stage 1", 209_551, None),
           ("ZeRO-2 DP2, mbs 64", 2, 64, f"{mb(64, 128)} --zero-stage 2", 208_558, None))),
+    # two H200s (s31 call 3): the table again, after the restart and TP serving in the same call, caches warmed by
+    # call 2 on the same machine; 13 rows fitted the call; memory as in s30 (rows with under 0.25 GiB left by others)
+    *(Row(name, "h200", world, flags, tokens, gib, "s31 2xH200 call 3",
+          excluded=ZERO_HISTORY if "--zero-stage" in flags and mbs == 16 else None)
+      for name, world, mbs, flags, tokens, gib in (
+          ("1 GPU, mbs 16", 1, 16, mb(16, 16), 204_871, 18.38),
+          ("DP2, mbs 16", 2, 16, mb(16, 32), 194_181, 18.35),
+          ("DP2 overlap, mbs 16", 2, 16, f"{mb(16, 32)} --overlap-grad-reduce", 191_464, 19.71),
+          ("TP2, mbs 16 (CUDA graphs by default)", 2, 16, f"{mb(16, 16)} {TP2}", 136_872, None),
+          ("TP2+SP, mbs 16 (CUDA graphs by default)", 2, 16, f"{mb(16, 16)} {TP2} {SP}", 128_918, None),
+          ("PP2 1F1B 14+10, mbs 16, global 128", 2, 16, f"{mb(16, 128)} {PP2} --decoder-last-pipeline-num-layers 10",
+           165_677, None),
+          ("PP2 interleaved, mbs 16, global 128", 2, 16,
+           f"{mb(16, 128)} {PP2} --num-layers-per-virtual-pipeline-stage 6", 171_802, None),
+          ("ZeRO-1 DP2, mbs 16", 2, 16, f"{mb(16, 32)} --zero-stage 1", 116_186, None),
+          ("ZeRO-2 DP2, mbs 16", 2, 16, f"{mb(16, 32)} --zero-stage 2", 98_807, None),
+          ("ZeRO-3 DP2, mbs 16", 2, 16, f"{mb(16, 32)} --zero-stage 3", 83_923, None),
+          ("1 GPU, mbs 64", 1, 64, mb(64, 64), 217_259, 59.23),
+          ("DP2, mbs 64", 2, 64, mb(64, 128), 213_112, None),
+          ("DP2 overlap, mbs 64", 2, 64, f"{mb(64, 128)} --overlap-grad-reduce", 209_896, None))),
 ]
 
 

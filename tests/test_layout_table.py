@@ -63,3 +63,29 @@ def test_a_one_gpu_row_needing_its_own_group_is_refused(capsys):
     table = load("layout_table")
     assert table.main(["--rows", "", "--row", "offload:1:2:4:--zero-stage 3 --cpu-offload", "--", *TINY]) == 2
     assert "one-GPU rows offload need a process group of their own (--cpu-offload)" in capsys.readouterr().err
+
+
+class _Buckets:  # stands in for a trainer's part that outlives its row
+    def __init__(self, flat):
+        self.flat = flat
+
+    def arrived(self, i: int) -> None:
+        pass
+
+
+def test_holder_chain_names_what_keeps_a_tensor_alive_up_to_its_module():
+    import types
+
+    import torch
+
+    table = load("layout_table")
+    registry = types.ModuleType("registry_for_the_test")
+    leaked = torch.zeros(4)
+    registry.hooks = [_Buckets(leaked).arrived]  # a bound method kept in a module-level list, as a hook would be
+    sys.modules[registry.__name__] = registry
+    try:
+        chain = table.holder_chain(leaked)
+    finally:
+        del sys.modules[registry.__name__]
+    assert chain.split(" <- ") == ["Tensor", "_Buckets", "method _Buckets.arrived", "list", "dict",  # its globals
+                                   "module registry_for_the_test"], chain

@@ -180,6 +180,18 @@ class TrainConfig:
         "--no-check-for-nan-in-loss-and-grad", group="training", action="store_false",
         help="do not name the rank whose own loss or gradients went NaN/Inf (on by default, as in Megatron-LM; "
              "a NaN/Inf step is skipped on every rank and counted either way)"))
+    # Megatron-LM's: Python's collector off during training, collections at chosen points (train/manual_gc.py)
+    manual_gc: bool = field(default=False, metadata=flag(
+        "--manual-gc", group="training",
+        help="turn Python's garbage collector off while training and collect at fixed points only (before and "
+             "after each evaluation, and every --manual-gc-interval iterations), at the same iteration on every "
+             "rank, instead of whenever a rank's allocations trip it"))
+    manual_gc_interval: int = field(default=0, metadata=flag(
+        "--manual-gc-interval", group="training",
+        help="with --manual-gc: a full collection after every this many iterations (0: never during training)"))
+    manual_gc_eval: bool = field(default=True, metadata=flag(
+        "--no-manual-gc-eval", group="training", action="store_false",
+        help="with --manual-gc: no collections around the periodic evaluations"))
     tensorboard_dir: str | None = field(default=None, metadata=flag(
         "--tensorboard-dir", group="logging", help="write TensorBoard scalars here"))
     compile: bool = field(default=False, metadata=flag(
@@ -250,6 +262,8 @@ class TrainConfig:
             self.train_iters = train_iters_for_samples(self.train_samples, self.global_batch_size, rampup_of(self))
         if self.log_interval < 1:
             raise ValueError("--log-interval must be positive")
+        if self.manual_gc_interval < 0:
+            raise ValueError(f"--manual-gc-interval {self.manual_gc_interval}: give 0 (never during training) or more")
 
     def micro_batches_per_step(self, data_parallel: int) -> int:
         """Micro-batches each data-parallel rank runs per optimizer step: the global batch over

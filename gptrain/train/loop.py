@@ -21,6 +21,7 @@ from gptrain.parallel.collectives import all_reduce_, global_norm_and_sum, local
 from gptrain.parallel.data_parallel import average_flat, average_gradients
 from gptrain.parallel.dims import is_logging_rank, world_from_env
 from gptrain.train import metrics
+from gptrain.train.manual_gc import ManualGC
 from gptrain.train.startup import datetime_line
 from gptrain.train.interval_log import TrainingStopped, log_interval  # noqa: F401 (re-exported)
 from gptrain.train.build import TrainingParts
@@ -86,6 +87,9 @@ class Trainer(CheckpointLoading):
         self.optimizer = parts.optimizer
         self.host_step = parts.host_step  # --overlap-cpu-optimizer-d2h-h2d: the step in flight on a thread
         self.schedule = LRSchedule.from_config(cfg.optim, cfg.train)
+        # --manual-gc: the collector's points in the loop (train/manual_gc.py)
+        self.manual_gc = ManualGC(cfg.train.manual_gc_interval, cfg.train.manual_gc_eval) if cfg.train.manual_gc \
+            else None
         self.scaler = LossScaler.from_config(cfg.precision)
         self.progress = TrainProgress()
         self.loaded_iteration: int | None = None
@@ -403,6 +407,8 @@ class Trainer(CheckpointLoading):
         stats = IntervalStats(start_time=time.perf_counter())
         exit_reason = None
         self.global_batch = t.global_batch_at(self.consumed_train)  # where a resumed run's ramp-up stands
+        if self.manual_gc is not None:
+            self.manual_gc.start()
         try:
             while self.iteration < t.train_iters and not t.skip_train:
                 stall_point(world_from_env()[1], self.iteration + 1)
@@ -423,13 +429,19 @@ class Trainer(CheckpointLoading):
                 if skipped:
                     stats.skipped += 1
                     self.total_skipped += 1
+                if self.manual_gc is not None:
+                    self.manual_gc.after_step(self.iteration)
                 if self.iteration % t.log_interval == 0:
                     self._log_interval(stats)
                     restart_note.record(t.save, self.iteration)
                     stats = IntervalStats(start_time=time.perf_counter())
                 if t.eval_interval and self.iteration % t.eval_interval == 0 and t.eval_iters > 0 \
                         and self.valid_ds is not None:
+                    if self.manual_gc is not None:
+                        self.manual_gc.before_eval()
                     self._validate(f"iteration {self.iteration}")
+                    if self.manual_gc is not None:
+                        self.manual_gc.after_eval()
                     stats.start_time = time.perf_counter()  # evaluation time is not training time
                 if t.save_interval and self.iteration % t.save_interval == 0:
                     self.save()
@@ -452,6 +464,8 @@ class Trainer(CheckpointLoading):
         finally:
             loader.close()
             self.settle()
+            if self.manual_gc is not None:
+                self.manual_gc.end()
         # the final state, unless it is already saved or nothing ran since the checkpoint it came from
         if self.iteration and self.iteration != self.loaded_iteration \
                 and not (t.save_interval and self.iteration % t.save_interval == 0):

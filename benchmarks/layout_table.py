@@ -165,15 +165,19 @@ def _describe(o) -> str:
     if isinstance(o, (types.FunctionType, types.MethodType)):
         return f"{type(o).__name__} {o.__qualname__}"
     if isinstance(o, types.FrameType):
-        return f"frame {o.f_code.co_qualname}"
+        return f"frame {getattr(o.f_code, 'co_qualname', o.f_code.co_name)}"
+    if isinstance(o, type):
+        return f"class {o.__qualname__}"
     return type(o).__name__
 
 
 def holder_chain(obj, ignore: set[int] = frozenset(), max_depth: int = 16, width: int = 64) -> str:
-    """The shortest chain of referrers from ``obj`` up to what keeps it alive: a module, a live frame, a thread or
-    a class (Python's roots, as far as ``gc`` sees them); else the longest chain found within ``max_depth`` links,
-    each level's first ``width`` referrers followed. Each link is named by its type (functions and frames by name),
-    so a leak reads ``Tensor <- GradBuckets <- method ... <- module x``. One scan of the heap per level."""
+    """The shortest chain of referrers from ``obj`` up to what keeps it alive: a module, a thread, a class or a
+    frame object (one a traceback keeps: from Python 3.11 an executing function's locals are not visible to ``gc``,
+    so a tensor held only by a running function's local shows no holder); else the longest chain found within
+    ``max_depth`` links, each level's first ``width`` referrers followed, marked as ending without a root. Each link
+    is named by its type (functions, frames and classes by name), so a leak reads ``Tensor <- GradBuckets <- method
+    ... <- module x``. One scan of the heap per level."""
     own_frames = (holder_chain.__code__, left_behind.__code__)
     parents: dict[int, int | None] = {id(obj): None}
     objects = {id(obj): obj}
@@ -197,13 +201,14 @@ def holder_chain(obj, ignore: set[int] = frozenset(), max_depth: int = 16, width
         if end is not None or not found:
             break
         level = found[:width]
-    if end is None:
+    rooted = end is not None
+    if not rooted:
         end = next(reversed(parents))  # the last found: as far up as the search went
     chain = []
     while end is not None:
         chain.append(_describe(objects[end]))
         end = parents[end]
-    return " <- ".join(chain[::-1])
+    return " <- ".join(chain[::-1]) + ("" if rooted else f" (no module, thread or class within {max_depth} links)")
 
 
 def run_row(row: Row, model_flags: list[str], warmup: int, iters: int, baseline: bool, explain: bool = True) -> Result:

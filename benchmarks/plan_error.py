@@ -65,7 +65,7 @@ ZERO_CUBLASLT = ("cuBLASLt linears, which auto no longer picks under any ZeRO st
                  "(their host calls on top of FSDP2's hooks: 189.5 against 147.0 ms at ZeRO-2 on one machine, s24)")
 
 
-ZERO_HISTORY = ("ZeRO at micro-batch 16 moves 11-27% between runs (ZeRO-1 125,346-130,499, ZeRO-2 111,423 and ZeRO-3 "
+ZERO_HISTORY = ("ZeRO at micro-batch 16 moves 7-27% between runs (ZeRO-1 125,346-130,499, ZeRO-2 111,423 and ZeRO-3 "
                 "114,147 tokens/s in fresh processes in s24/s26, held above; 107,528, 124,716 and 93,938 in s30 and "
                 "116,186, 98,807 and 83,923 in s31, after eight to ten other rows in the same process): not yet told "
                 "apart from the process's history")

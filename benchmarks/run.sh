@@ -20,9 +20,9 @@
 #               (TP2 serving beside 1 GPU's, batch 1 and 32, 32 clients; its fp32 comparison left to `run.sh
 #               serve`; needs fastapi and uvicorn, which the lent machines lack: carry them as wheels), which come
 #               first so that a call's time limit cuts rows, not them. No row starts after TABLE_ROWS_SECONDS
-#               (default 300), or, with TABLE_CALL_SECONDS, after what is left of that many seconds from the
-#               suite's start less 45 (BEST_MICRO_BATCH="tp2 dp2" limits the best-micro-batch rows to those
-#               layouts). Extra args go to
+#               (default 300), or, with TABLE_CALL_SECONDS (which overrides it), after what is left of that many
+#               seconds from run.sh's start less 60 (BEST_MICRO_BATCH="tp2 dp2" limits the best-micro-batch rows
+#               to those layouts). Extra args go to
 #               layout_table.py (--rows "1gpu tp2" ...). Its compilation dominates: on a machine whose caches are
 #               cold, warm them first with `table_warm` (in a call before, on the same machine, held)
 #   table_warm  warms this machine's compile caches for `table`: its rows split over four concurrent
@@ -246,11 +246,18 @@ suite_scaling() {
 suite_table() {
   need_gpu table || return
   [ "$(gpu_count)" -ge 2 ] || { echo "table: needs 2 GPUs"; return 0; }
-  local rc=0 start=$SECONDS rows_s=${TABLE_ROWS_SECONDS:-300}
+  local rc=0 rows_s=${TABLE_ROWS_SECONDS:-300}
+  if [ -n "${TABLE_CALL_SECONDS:-}" ] && ! [[ "$TABLE_CALL_SECONDS" =~ ^[0-9]+$ ]]; then
+    echo "table: TABLE_CALL_SECONDS=$TABLE_CALL_SECONDS is not a whole number of seconds"; return 2
+  fi
   suite_restart || rc=1
   run table/serve_tp.txt "$PY" benchmarks/serve_tp.py --nproc 2 --new-tokens 128 --batch-sizes 1 32 --clients 32 \
     --load-seconds 10 --skip-fp32-check --workdir "$WORK/serve_tp" || rc=1
-  [ -n "${TABLE_CALL_SECONDS:-}" ] && rows_s=$((TABLE_CALL_SECONDS - (SECONDS - start) - 45))
+  # SECONDS: since this script started; 60 s for the row under way at the limit, the table's print and the exit
+  [ -n "${TABLE_CALL_SECONDS:-}" ] && rows_s=$((TABLE_CALL_SECONDS - SECONDS - 60))
+  if [ "$rows_s" -le 0 ]; then
+    echo "table: no time left for the rows (TABLE_CALL_SECONDS=$TABLE_CALL_SECONDS)"; return 1
+  fi
   echo "rows: none started after ${rows_s} s"
   run table/layouts.txt "${TORCHRUN[@]}" 2 benchmarks/layout_table.py --best-micro-batch "${BEST_MICRO_BATCH:-}" \
     --time-limit "$rows_s" "$@" -- "${BENCH[@]}" || rc=1

@@ -29,8 +29,8 @@ def test_the_collector_runs_only_at_the_loops_points_and_comes_back(monkeypatch)
     assert calls == []  # without the flag the loop never collects
     managed = train_main(RUN + ["--manual-gc", "--manual-gc-interval", "2"], log=lines.append)
     assert managed.exit_code == plain.exit_code == 0
-    # the start; at iterations 2 and 4: the interval's, then before and after the evaluation
-    assert calls == [(2, False)] + [(2, False), (2, False), (0, False)] * 2
+    # the start; at iterations 2 and 4: before and after the evaluation, then the interval's (Megatron's order)
+    assert calls == [(2, False)] + [(2, False), (0, False), (2, False)] * 2
     assert gc.isenabled()
     assert managed.train_losses == plain.train_losses and len(plain.train_losses) == 4
     assert any("garbage collection: Python's collector off while training (--manual-gc); collections at the start, "
@@ -42,6 +42,23 @@ def test_no_collections_around_evaluation_with_no_manual_gc_eval(monkeypatch):
     monkeypatch.setattr(manual_gc.gc, "collect", lambda generation=2: calls.append(generation) or 0)
     assert train_main(RUN + ["--manual-gc", "--no-manual-gc-eval"], log=lambda s: None).exit_code == 0
     assert calls == [2]  # the start's only: no interval, no evaluation's
+
+
+def test_the_collector_comes_back_when_a_step_fails(monkeypatch):
+    from gptrain.train.loop import Trainer
+
+    real_step = Trainer.train_step
+
+    def failing_step(self, *args, **kwargs):
+        if self.iteration == 1:
+            assert not gc.isenabled()
+            raise RuntimeError("a step failed")
+        return real_step(self, *args, **kwargs)
+
+    monkeypatch.setattr(Trainer, "train_step", failing_step)
+    with pytest.raises(RuntimeError, match="a step failed"):
+        train_main(RUN + ["--manual-gc"], log=lambda s: None)
+    assert gc.isenabled()
 
 
 def test_a_collector_that_was_off_stays_off():

@@ -407,9 +407,9 @@ class Trainer(CheckpointLoading):
         stats = IntervalStats(start_time=time.perf_counter())
         exit_reason = None
         self.global_batch = t.global_batch_at(self.consumed_train)  # where a resumed run's ramp-up stands
-        if self.manual_gc is not None:
-            self.manual_gc.start()
         try:
+            if self.manual_gc is not None and not t.skip_train:
+                self.manual_gc.start()
             while self.iteration < t.train_iters and not t.skip_train:
                 stall_point(world_from_env()[1], self.iteration + 1)
                 heartbeat.progress(self.iteration + 1, "training step")
@@ -429,8 +429,6 @@ class Trainer(CheckpointLoading):
                 if skipped:
                     stats.skipped += 1
                     self.total_skipped += 1
-                if self.manual_gc is not None:
-                    self.manual_gc.after_step(self.iteration)
                 if self.iteration % t.log_interval == 0:
                     self._log_interval(stats)
                     restart_note.record(t.save, self.iteration)
@@ -443,6 +441,8 @@ class Trainer(CheckpointLoading):
                     if self.manual_gc is not None:
                         self.manual_gc.after_eval()
                     stats.start_time = time.perf_counter()  # evaluation time is not training time
+                if self.manual_gc is not None:  # after the evaluation, as Megatron-LM's step callbacks
+                    self.manual_gc.after_step(self.iteration)
                 if t.save_interval and self.iteration % t.save_interval == 0:
                     self.save()
                 if t.exit_duration_in_mins and self._out_of_time(run_start):
@@ -462,10 +462,10 @@ class Trainer(CheckpointLoading):
                 self.checkpointer.finish_interrupted()
             raise
         finally:
+            if self.manual_gc is not None:  # first: what follows may raise
+                self.manual_gc.end()
             loader.close()
             self.settle()
-            if self.manual_gc is not None:
-                self.manual_gc.end()
         # the final state, unless it is already saved or nothing ran since the checkpoint it came from
         if self.iteration and self.iteration != self.loaded_iteration \
                 and not (t.save_interval and self.iteration % t.save_interval == 0):

@@ -1,7 +1,8 @@
 """Megatron-LM's ``--manual-gc``: Python's garbage collector off while training, full collections only at
 points every rank reaches together (the start, before and after each periodic evaluation, every
-``--manual-gc-interval`` iterations). A collection that a rank's own allocations trigger at its own moment
-stalls that rank's host, and in a step that waits on every rank's collectives the others wait with it.
+``--manual-gc-interval`` iterations after that iteration's evaluation). A collection that a rank's own
+allocations trigger at its own moment stalls that rank's host, and in a step that waits on every rank's
+collectives the others wait with it.
 """
 from __future__ import annotations
 
@@ -33,5 +34,7 @@ class ManualGC:
             gc.collect(generation=0)
 
     def end(self) -> None:
+        """The collector as ``start()`` found it (nothing if it never started)."""
         if self._was_enabled:
             gc.enable()
+        self._was_enabled = None

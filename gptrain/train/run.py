@@ -189,7 +189,7 @@ def _train_main(argv: list[str], log=None) -> TrainResult:
             log(f" > optimizer: {parts.impls['optimizer']}")
         if "host threads" in parts.impls:
             log(f" > host threads: {parts.impls['host threads']}")
-        if trainer.manual_gc is not None:
+        if trainer.manual_gc is not None and not cfg.train.skip_train:
             every = cfg.train.manual_gc_interval
             log(" > garbage collection: Python's collector off while training (--manual-gc); collections at the "
                 + ", ".join(["start"] + (["before and after each evaluation"] if cfg.train.manual_gc_eval else [])

@@ -56,6 +56,13 @@ class OptimConfig:
     lr: float = field(default=1.5e-4, metadata=flag("--lr", group="learning rate", help="peak learning rate"))
     min_lr: float = field(default=0.0, metadata=flag(
         "--min-lr", group="learning rate", help="learning rate at the end of the decay"))
+    # Megatron-LM's: the word embeddings' and output layer's own peak and final rates, same warmup and decay
+    decoupled_lr: float | None = field(default=None, metadata=flag(
+        "--decoupled-lr", group="learning rate",
+        help="peak learning rate of the word embeddings and the output layer (the rest keep --lr)"))
+    decoupled_min_lr: float | None = field(default=None, metadata=flag(
+        "--decoupled-min-lr", group="learning rate",
+        help="with --decoupled-lr: their rate at the end of the decay (default --min-lr)"))
     weight_decay: float = field(default=0.01, metadata=flag(
         "--weight-decay", group="regularization", help="AdamW weight decay (not on biases and LayerNorms)"))
     adam_beta1: float = field(default=0.9, metadata=flag("--adam-beta1", group="regularization", help="AdamW beta1"))

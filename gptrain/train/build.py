@@ -112,18 +112,25 @@ def parallel_dims(cfg: RunConfig, world_size: int) -> ParallelDims:
     return dims
 
 
+DECOUPLED_LR_PARAMS = ("word_embeddings.weight", "output_layer.weight")  # Megatron's is_embedding_or_output_parameter
+
+
 def build_optimizer(params: dict[str, torch.Tensor], cfg: RunConfig) -> torch.optim.AdamW:
     """AdamW over the named parameters; biases and LayerNorm parameters without weight decay
-    (Megatron's rule)."""
+    (Megatron's rule); with --decoupled-lr the word embeddings and output layer in groups marked
+    ``decoupled`` (the Trainer gives those their own rate)."""
     from torch.distributed.tensor import DTensor
 
-    # one group per (weight decay, DTensor or not): the fused kernel takes one kind of tensor per call,
-    # and tensor parallelism leaves LayerNorms and position embeddings plain
-    groups: dict[tuple[bool, bool], list[torch.Tensor]] = {}
-    for p in params.values():
-        groups.setdefault((p.ndim > 1, isinstance(p, DTensor)), []).append(p)
-    groups = [{"params": ps, "weight_decay": cfg.optim.weight_decay if decay else 0.0}
-              for (decay, _), ps in sorted(groups.items(), key=lambda kv: (not kv[0][0], kv[0][1]))]
+    # one group per (weight decay, DTensor or not, decoupled rate): the fused kernel takes one kind of tensor per
+    # call, and tensor parallelism leaves LayerNorms and position embeddings plain
+    decoupled_lr = cfg.optim.decoupled_lr is not None
+    groups: dict[tuple[bool, bool, bool], list[torch.Tensor]] = {}
+    for name, p in params.items():
+        groups.setdefault((p.ndim > 1, isinstance(p, DTensor), decoupled_lr and name in DECOUPLED_LR_PARAMS),
+                          []).append(p)
+    groups = [{"params": ps, "weight_decay": cfg.optim.weight_decay if decay else 0.0, "decoupled": decoupled}
+              for (decay, _, decoupled), ps in sorted(groups.items(), key=lambda kv: (not kv[0][0], kv[0][1],
+                                                                                        kv[0][2]))]
     return torch.optim.AdamW(groups, lr=cfg.optim.lr, betas=(cfg.optim.adam_beta1, cfg.optim.adam_beta2),
                              eps=cfg.optim.adam_eps, fused=True)
 

@@ -242,8 +242,9 @@ class Trainer(CheckpointLoading):
             self.straggler.stop()
         self.settle()
         lr = self.schedule.lr()
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
+        o = self.cfg.optim
+        for group in self.optimizer.param_groups:  # --decoupled-lr: the embeddings' and output layer's own
+            group["lr"] = self.schedule.lr(o.decoupled_lr, o.decoupled_min_lr) if group.get("decoupled") else lr
         layout = self.parts.layout
         named = [(n, p.grad) for n, p in self.opt_params.items() if p.grad is not None]
         dims = self.parts.dims

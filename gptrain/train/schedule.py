@@ -35,20 +35,24 @@ class LRSchedule:
             warmup_steps = optim.lr_warmup_iters * gbs
         return cls(optim.lr, optim.min_lr, warmup_steps, decay_steps, optim.lr_decay_style)
 
-    def lr(self) -> float:
+    def lr(self, max_lr: float | None = None, min_lr: float | None = None) -> float:
+        """The rate at the current count; ``max_lr``/``min_lr``: a parameter group's own peak and final rates
+        (--decoupled-lr's), the same warmup and decay (Megatron's per-group overrides)."""
+        max_lr = self.max_lr if max_lr is None else max_lr
+        min_lr = self.min_lr if min_lr is None else min_lr
         n = self.num_steps
         if self.warmup_steps > 0 and n <= self.warmup_steps:
-            return self.max_lr * float(n) / float(self.warmup_steps)
+            return max_lr * float(n) / float(self.warmup_steps)
         if self.style == "constant":
-            return self.max_lr
+            return max_lr
         if n > self.decay_steps:
-            return self.min_lr
+            return min_lr
         if self.style == "inverse-square-root":
             warmup = max(self.warmup_steps, 1)
-            return max(self.min_lr, self.max_lr * warmup ** 0.5 / max(n, 1) ** 0.5)
+            return max(min_lr, max_lr * warmup ** 0.5 / max(n, 1) ** 0.5)
         ratio = float(n - self.warmup_steps) / float(self.decay_steps - self.warmup_steps)
         coeff = 1.0 - ratio if self.style == "linear" else 0.5 * (math.cos(math.pi * ratio) + 1.0)
-        return self.min_lr + coeff * (self.max_lr - self.min_lr)
+        return min_lr + coeff * (max_lr - min_lr)
 
     def step(self, increment: int) -> None:
         self.num_steps += increment

@@ -187,6 +187,11 @@ class TrainConfig:
         "--no-check-for-nan-in-loss-and-grad", group="training", action="store_false",
         help="do not name the rank whose own loss or gradients went NaN/Inf (on by default, as in Megatron-LM; "
              "a NaN/Inf step is skipped on every rank and counted either way)"))
+    # Megatron-LM's: the CUDA caching allocator's unused blocks given back to the driver at points in each step
+    empty_unused_memory_level: int = field(default=0, metadata=flag(
+        "--empty-unused-memory-level", group="training", choices=(0, 1, 2),
+        help="1: release the CUDA allocator's unused cached memory after each step's forward and backward passes "
+             "and each evaluation batch; 2: also after the optimizer step (slower; for runs sharing a GPU)"))
     # Megatron-LM's: Python's collector off during training, collections at chosen points (train/manual_gc.py)
     manual_gc: bool = field(default=False, metadata=flag(
         "--manual-gc", group="training",

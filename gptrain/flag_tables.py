@@ -154,6 +154,14 @@ COMPATIBILITY: tuple[Compat, ...] = (
     Compat("--DDP-impl", "data parallelism is gptrain's own", "value", ("local", "torch")),
     Compat("--distributed-backend", "NCCL on GPUs, gloo on CPUs, chosen by device", "value", ("nccl", "gloo")),
     Compat("--num-workers", "batches are assembled in a background thread", "value"),
+    Compat("--context-parallel-size", "context parallelism (a sequence split over ranks) is not implemented", "value",
+           ("1",)),
+    Compat("--no-create-attention-mask-in-dataloader", "no attention mask is built anywhere: the attention kernels "
+           "are causal themselves"),
+    Compat("--no-mmap-bin-files", "the .bin token files are always memory-mapped (the same tokens, read on use)"),
+    Compat("--cross-entropy-loss-fusion", "under --compile torch.compile fuses the loss's softmax and cross-entropy; "
+           "with tensor parallelism the vocabulary-parallel loss never gathers the logits; --fused-cross-entropy also "
+           "chunks them"),
     Compat("--rotary-interleaved", "not implemented: RoPE rotates split halves (Megatron's default, Hugging Face "
            "Llama's)", "refused"),
     Compat("--qk-layernorm", "not implemented: no normalization of queries and keys", "refused"),

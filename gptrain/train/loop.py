@@ -240,6 +240,7 @@ class Trainer(CheckpointLoading):
         loss_acc = self._forward_backward(loader, scale if self.scaler else 1.0, n_micro)
         if self.straggler:
             self.straggler.stop()
+        self._empty_unused_memory(1)
         self.settle()
         lr = self.schedule.lr()
         o = self.cfg.optim
@@ -348,6 +349,12 @@ class Trainer(CheckpointLoading):
             self.main.release_grads()
             if updated:
                 self.main.copy_to_model()
+        self._empty_unused_memory(2)
+
+    def _empty_unused_memory(self, level: int) -> None:
+        """--empty-unused-memory-level: at this point of the step from ``level`` on (Megatron-LM's points)."""
+        if self.cfg.train.empty_unused_memory_level >= level:
+            torch.cuda.empty_cache()  # nothing where CUDA was never initialised
 
     # ---- evaluation
     @torch.no_grad()
@@ -365,11 +372,14 @@ class Trainer(CheckpointLoading):
                     tokens, labels = loader.next_step(self.num_micro_batches)
                     mask = self._loss_mask(tokens) if self.pipeline.last else None
                     total += self.pipeline.eval_step(tokens, labels, mask, self.device)
+                    self._empty_unused_memory(1)
             else:
-                for _ in range(n):
+                for i in range(n):
                     tokens, labels = loader.next()
                     with self._autocast():
                         total += module(tokens, labels, self._loss_mask(tokens)).float()
+                    if (i + 1) % self.num_micro_batches == 0:  # each evaluation batch, as Megatron-LM
+                        self._empty_unused_memory(1)
         finally:
             loader.close()
             module.train()

@@ -47,8 +47,19 @@ class DataConfig:
         "--seed", group="initialization", help="seed of the weights, the data order and dropout"))
     eod_mask_loss: bool = field(default=False, metadata=flag(
         "--eod-mask-loss", group="data and dataloader", help="tokens whose input is the end-of-document token do not count"))
+    # Megatron-LM's per-token loss: every token of the global batch weighs the same
+    calculate_per_token_loss: bool = field(default=False, metadata=flag(
+        "--calculate-per-token-loss", group="training",
+        help="every token of the global batch weighs the same in the loss (Megatron-LM's per-token mean); without "
+             "--eod-mask-loss every micro-batch holds as many tokens, so this is the mean of the micro-batches' means "
+             "that gptrain computes (with --eod-mask-loss: not built yet, refused)"))
     eod_token: int | None = None  # the tokenizer's (RunConfig.with_tokenizer)
     tokenizer_sha256: str | None = None  # the tokenizer's vocabulary and merges (a resume compares it)
+
+    def __post_init__(self):
+        if self.calculate_per_token_loss and self.eod_mask_loss:
+            raise ValueError("--calculate-per-token-loss with --eod-mask-loss is not built yet: its micro-batches count "
+                             "different tokens, which gptrain's per-micro-batch mean does not weigh (leave one out)")
 
 
 @dataclass
@@ -206,6 +217,27 @@ class TrainConfig:
         help="with --manual-gc: no collections around the periodic evaluations"))
     tensorboard_dir: str | None = field(default=None, metadata=flag(
         "--tensorboard-dir", group="logging", help="write TensorBoard scalars here"))
+    # Megatron-LM's profiling window (train/profiling.py)
+    profile: bool = field(default=False, metadata=flag(
+        "--profile", group="logging",
+        help="profile iterations --profile-step-start to --profile-step-end: nsys's capture started and stopped "
+             "through CUDA (run under `nsys profile --capture-range=cudaProfilerApi`), or torch's profiler with "
+             "--use-pytorch-profiler"))
+    profile_step_start: int = field(default=10, metadata=flag(
+        "--profile-step-start", group="logging", help="with --profile: the iteration count it starts after"))
+    profile_step_end: int = field(default=12, metadata=flag(
+        "--profile-step-end", group="logging", help="with --profile: the iteration count it stops at"))
+    profile_ranks: list[int] = field(default_factory=list, metadata=flag(
+        "--profile-ranks", group="logging", type=int, nargs="+", metavar="RANK",
+        help="with --profile: the global ranks that profile (default: all)"))
+    use_pytorch_profiler: bool = field(default=False, metadata=flag(
+        "--use-pytorch-profiler", group="logging",
+        help="with --profile: torch's profiler, a Chrome trace per rank in --tensorboard-dir/../torch_profile/"))
+    pytorch_profiler_collect_shapes: bool = field(default=False, metadata=flag(
+        "--pytorch-profiler-collect-shapes", group="logging", help="with --use-pytorch-profiler: record tensor shapes"))
+    pytorch_profiler_collect_callstack: bool = field(default=False, metadata=flag(
+        "--pytorch-profiler-collect-callstack", group="logging",
+        help="with --use-pytorch-profiler: record Python call stacks"))
     compile: bool = field(default=False, metadata=flag(
         "--compile", group="kernels and speed (gptrain)", help="torch.compile the model"))
     compile_mode: str | None = field(default=None, metadata=flag(  # torch.compile mode; None is its default
@@ -274,6 +306,12 @@ class TrainConfig:
             self.train_iters = train_iters_for_samples(self.train_samples, self.global_batch_size, rampup_of(self))
         if self.log_interval < 1:
             raise ValueError("--log-interval must be positive")
+        if self.profile and self.profile_step_end <= self.profile_step_start:
+            raise ValueError(f"--profile-step-end {self.profile_step_end} must be above --profile-step-start "
+                             f"{self.profile_step_start}")
+        if self.profile and self.use_pytorch_profiler and not self.tensorboard_dir:
+            raise ValueError("--use-pytorch-profiler writes its traces beside --tensorboard-dir "
+                             "(DIR/../torch_profile): give --tensorboard-dir")
         if self.manual_gc_interval < 0:
             raise ValueError(f"--manual-gc-interval {self.manual_gc_interval}: give 0 (never during training) or more")
 

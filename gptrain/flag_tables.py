@@ -49,6 +49,8 @@ MODEL_FLAGS: dict[str, Flag] = {
                             action="store_false"),
     "add_qkv_bias": Flag(("--add-qkv-bias",), "network size", "a bias on QKV even with --disable-bias-linear"),
     "kv_channels": Flag(("--kv-channels",), "network size", "channels per attention head (default: hidden / heads)"),
+    "apply_layernorm_1p": Flag(("--apply-layernorm-1p",), "network size", "zero-centred LayerNorm / RMSNorm "
+                               "weights: each norm scales by 1 + its weight, which starts at 0"),
 }
 
 # flags that set no single field: translated by config.parse_megatron_args (each dest is read there)
@@ -162,6 +164,8 @@ COMPATIBILITY: tuple[Compat, ...] = (
     Compat("--cross-entropy-loss-fusion", "under --compile torch.compile fuses the loss's softmax and cross-entropy; "
            "with tensor parallelism the vocabulary-parallel loss never gathers the logits; --fused-cross-entropy also "
            "chunks them"),
+    Compat("--tiktoken-pattern", "the split pattern of Megatron's TikTokenizer, which gptrain does not read (its "
+           "NullTokenizer and HuggingFaceTokenizer runs never use it)", "value", ("v1", "v2")),
     Compat("--rotary-interleaved", "not implemented: RoPE rotates split halves (Megatron's default, Hugging Face "
            "Llama's)", "refused"),
     Compat("--qk-layernorm", "not implemented: no normalization of queries and keys", "refused"),

@@ -79,13 +79,14 @@ def test_megatron_core_gptmodel_loads_it_with_gptrains_logits(converted, tmp_pat
     assert diff <= 1e-4 * max(1.0, ours.abs().max().item()), diff
 
 
-@pytest.mark.parametrize("flag", ["rotary_interleaved", "qk_layernorm", "apply_layernorm_1p", "use_rope_scaling"])
+@pytest.mark.parametrize("flag", ["rotary_interleaved", "qk_layernorm", "use_rope_scaling"])
 def test_what_gptrain_cannot_hold_is_refused(flag):
     args = {"swiglu": True, "normalization": "RMSNorm", "position_embedding_type": "rope", "num_attention_heads": 4,
             "group_query_attention": True, "num_query_groups": 2, flag: True}
     with pytest.raises(ValueError, match=f"does not support.*--{flag.replace('_', '-')}"):
         check_supported(args, "ckpt")
     check_supported({**args, flag: False}, "ckpt")
+    check_supported({**args, flag: False, "apply_layernorm_1p": True}, "ckpt")  # zero-centred norms: held (1p)
 
 
 def test_load_into_a_run_checks_the_family_flags(converted):

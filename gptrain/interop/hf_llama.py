@@ -29,6 +29,8 @@ def llama_problems(cfg: GPTConfig) -> list[str]:
         problems.append("Llama's MLP is SwiGLU (--swiglu)")
     if cfg.normalization != "RMSNorm":
         problems.append("Llama normalizes with RMSNorm (--normalization RMSNorm)")
+    if cfg.apply_layernorm_1p:
+        problems.append("Llama's norm weights are not zero-centred (--apply-layernorm-1p's conversion is not built)")
     if cfg.position_embedding_type != "rope":
         problems.append("Llama's positions are RoPE (--position-embedding-type rope)")
     elif cfg.rotary_percent != 1.0:

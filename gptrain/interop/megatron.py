@@ -183,8 +183,6 @@ def check_supported(args: dict, where) -> None:
         problems.append("--multi-latent-attention")
     if args.get("qk_layernorm"):
         problems.append("--qk-layernorm")
-    if args.get("apply_layernorm_1p"):
-        problems.append("--apply-layernorm-1p")
     if args.get("squared_relu"):
         problems.append("--squared-relu")
     if problems:

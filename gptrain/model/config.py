@@ -40,6 +40,7 @@ class GPTConfig:
     add_bias_linear: bool = True
     add_qkv_bias: bool = False
     kv_channels: int | None = None  # default: hidden / heads
+    apply_layernorm_1p: bool = False  # Megatron's zero-centred norm weights: the scale applied is 1 + weight
 
     def __post_init__(self):
         if self.ffn_hidden_size is None:
@@ -68,7 +69,8 @@ class GPTConfig:
     @property
     def gpt2_layout(self) -> bool:
         """Whether this is the GPT-2 architecture the fused kernels and parallel plans were written for."""
-        return (not self.swiglu and self.normalization == "LayerNorm" and self.position_embedding_type ==
+        return (not self.swiglu and self.normalization == "LayerNorm" and not self.apply_layernorm_1p
+                and self.position_embedding_type ==
                 "learned_absolute" and self.num_query_groups == self.num_attention_heads and self.add_bias_linear
                 and not self.untie_embeddings_and_output_weights
                 and self.kv_channels * self.num_attention_heads == self.hidden_size)

@@ -182,10 +182,24 @@ class SwiGLUMLP(nn.Module):
         return self.fc2(F.silu(self.gate(x)) * self.up(x))
 
 
+class ZeroCenteredLayerNorm(nn.LayerNorm):
+    """Megatron's --apply-layernorm-1p: the weight is stored centred on zero and the norm scales by 1 + it."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x, self.normalized_shape, self.weight + 1, self.bias, self.eps)
+
+
+class ZeroCenteredRMSNorm(nn.RMSNorm):
+    """RMSNorm with --apply-layernorm-1p's zero-centred weight (Megatron's zero_centered_gamma)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, self.normalized_shape, self.weight + 1, self.eps)
+
+
 def make_norm(cfg: GPTConfig) -> nn.Module:
     if cfg.normalization == "RMSNorm":
-        return nn.RMSNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon)
-    return nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon)
+        return (ZeroCenteredRMSNorm if cfg.apply_layernorm_1p else nn.RMSNorm)(cfg.hidden_size, eps=cfg.layernorm_epsilon)
+    return (ZeroCenteredLayerNorm if cfg.apply_layernorm_1p else nn.LayerNorm)(cfg.hidden_size, eps=cfg.layernorm_epsilon)
 
 
 class Block(nn.Module):
@@ -332,7 +346,7 @@ class GPT(nn.Module):
             if name.endswith("bias"):
                 target.zero_()
             elif "layernorm" in name or ".ln" in name:
-                target.fill_(1.0)
+                target.fill_(0.0 if self.cfg.apply_layernorm_1p else 1.0)  # zero-centred: a scale of 1 either way
             elif name in ("word_embeddings.weight", "output_layer.weight"):  # the latter when untied
                 target.zero_()
                 rows = region[0]

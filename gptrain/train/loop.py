@@ -22,6 +22,7 @@ from gptrain.parallel.data_parallel import average_flat, average_gradients
 from gptrain.parallel.dims import is_logging_rank, world_from_env
 from gptrain.train import metrics
 from gptrain.train.manual_gc import ManualGC
+from gptrain.train.profiling import ProfileWindow
 from gptrain.train.startup import datetime_line
 from gptrain.train.interval_log import TrainingStopped, log_interval  # noqa: F401 (re-exported)
 from gptrain.train.build import TrainingParts
@@ -87,6 +88,8 @@ class Trainer(CheckpointLoading):
         self.optimizer = parts.optimizer
         self.host_step = parts.host_step  # --overlap-cpu-optimizer-d2h-h2d: the step in flight on a thread
         self.schedule = LRSchedule.from_config(cfg.optim, cfg.train)
+        # --profile: the iterations profiled on this rank (train/profiling.py)
+        self.profile = ProfileWindow.of(cfg.train, world_from_env()[1])
         # --manual-gc: the collector's points in the loop (train/manual_gc.py)
         self.manual_gc = ManualGC(cfg.train.manual_gc_interval, cfg.train.manual_gc_eval) if cfg.train.manual_gc \
             else None
@@ -421,8 +424,12 @@ class Trainer(CheckpointLoading):
         try:
             if self.manual_gc is not None and not t.skip_train:
                 self.manual_gc.start()
+            if self.profile is not None and not t.skip_train:
+                self.profile.begin()
             while self.iteration < t.train_iters and not t.skip_train:
                 stall_point(world_from_env()[1], self.iteration + 1)
+                if self.profile is not None:
+                    self.profile.before_step(self.iteration)
                 heartbeat.progress(self.iteration + 1, "training step")
                 # Megatron's order: the global batch from the samples consumed so far (the ramp-up's); when it
                 # changes, Megatron-LM saves a checkpoint first (unless this iteration's is saved already)
@@ -454,6 +461,8 @@ class Trainer(CheckpointLoading):
                     stats.start_time = time.perf_counter()  # evaluation time is not training time
                 if self.manual_gc is not None:  # after the evaluation, as Megatron-LM's step callbacks
                     self.manual_gc.after_step(self.iteration)
+                if self.profile is not None:
+                    self.profile.after_step(self.iteration)
                 if t.save_interval and self.iteration % t.save_interval == 0:
                     self.save()
                 if t.exit_duration_in_mins and self._out_of_time(run_start):
@@ -475,6 +484,8 @@ class Trainer(CheckpointLoading):
         finally:
             if self.manual_gc is not None:  # first: what follows may raise
                 self.manual_gc.end()
+            if self.profile is not None:
+                self.profile.close()
             loader.close()
             self.settle()
         # the final state, unless it is already saved or nothing ran since the checkpoint it came from

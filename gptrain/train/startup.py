@@ -151,6 +151,9 @@ def check_before_build(cfg: RunConfig) -> None:
                          "(or leave out the --wandb-* flags)")
     from gptrain.device import pick_device
 
+    if t.profile and not t.use_pytorch_profiler and (kind := pick_device(t.device).type) != "cuda":
+        raise ValueError(f"--profile starts and stops nsys's capture through CUDA: this run is on {kind} (add "
+                         "--use-pytorch-profiler for torch's profiler)")
     for flag_name, on in (("--grad-reduce-copy-engine", cfg.parallel.grad_reduce_copy_engine),
                           ("--tp-comm-copy-engine", cfg.parallel.tp_comm_copy_engine)):
         if on and (kind := pick_device(cfg.train.device).type) != "cuda":

@@ -1,6 +1,7 @@
 """Megatron-LM's flags of today's Llama scripts that gptrain takes: --empty-unused-memory-level releases the CUDA
 allocator's unused blocks after each step's forward and backward passes and each evaluation batch (1), and after
-the optimizer step too (2), as Megatron-LM's training loop does; --context-parallel-size 1,
+the optimizer step too (2), as Megatron-LM's training loop does; --calculate-per-token-loss is the mean gptrain
+takes where every micro-batch counts the same tokens, refused with --eod-mask-loss; --context-parallel-size 1,
 --no-create-attention-mask-in-dataloader, --no-mmap-bin-files and --cross-entropy-loss-fusion are accepted with
 what gptrain does instead, and a context-parallel size above 1 is refused in one line."""
 from __future__ import annotations
@@ -38,3 +39,11 @@ def test_todays_llama_script_flags_are_accepted_with_their_reason():
         assert f"{flag}: accepted, " in said
     with pytest.raises(ValueError, match="--context-parallel-size 2: only 1 is supported; context parallelism"):
         parse_megatron_args(RUN + ["--context-parallel-size", "2"], world_size=1)
+
+
+def test_per_token_loss_trains_the_same_mean_and_is_refused_with_an_eod_mask():
+    plain = train_main(RUN, log=lambda s: None)
+    per_token = train_main(RUN + ["--calculate-per-token-loss"], log=lambda s: None)
+    assert per_token.exit_code == 0 and per_token.train_losses == plain.train_losses  # every micro-batch: 64 tokens
+    with pytest.raises(ValueError, match="--calculate-per-token-loss with --eod-mask-loss is not built yet"):
+        parse_megatron_args(RUN + ["--calculate-per-token-loss", "--eod-mask-loss"], world_size=1)

@@ -103,6 +103,9 @@ class OptimConfig:
             raise ValueError("give --lr-warmup-fraction or --lr-warmup-iters, not both")
         if self.min_lr > self.lr:
             raise ValueError(f"--min-lr {self.min_lr} is above --lr {self.lr}")
+        if self.decoupled_lr is not None and (self.decoupled_min_lr or self.min_lr) > self.decoupled_lr:
+            raise ValueError(f"--decoupled-min-lr {self.decoupled_min_lr or self.min_lr} is above --decoupled-lr "
+                             f"{self.decoupled_lr}")
 
 
 @dataclass
@@ -224,9 +227,12 @@ class TrainConfig:
              "through CUDA (run under `nsys profile --capture-range=cudaProfilerApi`), or torch's profiler with "
              "--use-pytorch-profiler"))
     profile_step_start: int = field(default=10, metadata=flag(
-        "--profile-step-start", group="logging", help="with --profile: the iteration count it starts after"))
+        "--profile-step-start", group="logging",
+        help="with --profile: where the window starts (nsys: after this many iterations; torch's profiler: at "
+             "this iteration, as Megatron-LM's schedule has it)"))
     profile_step_end: int = field(default=12, metadata=flag(
-        "--profile-step-end", group="logging", help="with --profile: the iteration count it stops at"))
+        "--profile-step-end", group="logging",
+        help="with --profile: where it ends (nsys: after this iteration; torch's profiler: before it)"))
     profile_ranks: list[int] = field(default_factory=list, metadata=flag(
         "--profile-ranks", group="logging", type=int, nargs="+", metavar="RANK",
         help="with --profile: the global ranks that profile (default: all)"))

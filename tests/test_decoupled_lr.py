@@ -74,3 +74,8 @@ def test_without_the_flag_no_group_is_decoupled():
         assert not any(g["decoupled"] for g in trainer.optimizer.param_groups)
     finally:
         loader.close()
+
+
+def test_a_decoupled_final_rate_above_its_peak_is_refused():
+    with pytest.raises(ValueError, match="--decoupled-min-lr 0.02 is above --decoupled-lr 0.01"):
+        parse_megatron_args(FLAGS + ["--decoupled-lr", "1e-2", "--decoupled-min-lr", "2e-2"], world_size=1)

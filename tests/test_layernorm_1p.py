@@ -38,6 +38,15 @@ def test_a_1p_model_is_the_plain_model_with_each_norm_weight_less_one(family):
     assert norms and all(torch.count_nonzero(p) == 0 for p in norms)  # zero-centred: a scale of 1
 
 
+def test_the_scale_is_taken_in_fp32_under_bf16():
+    norm = GPT(tiny_config(**LLAMA, apply_layernorm_1p=True)).final_layernorm.to(torch.bfloat16)
+    with torch.no_grad():
+        norm.weight.fill_(0.003)  # 1.003 rounds to 1.0 in bf16
+    x = torch.randn(4, norm.weight.shape[0]).to(torch.bfloat16)
+    want = (torch.nn.functional.rms_norm(x.float(), norm.normalized_shape, eps=norm.eps) * 1.003).to(torch.bfloat16)
+    assert norm(x).dtype == torch.bfloat16 and torch.equal(norm(x), want)
+
+
 @pytest.mark.parametrize("family", [[], ["--swiglu", "--normalization", "RMSNorm", "--disable-bias-linear"]],
                          ids=["layernorm", "rmsnorm"])
 def test_training_follows_the_plain_models_losses(family):
@@ -51,8 +60,20 @@ def test_training_follows_the_plain_models_losses(family):
 
 def test_megatron_checkpoints_carry_it_and_hugging_face_conversion_refuses_it():
     assert megatron_llama.family({"apply_layernorm_1p": True})["apply_layernorm_1p"] is True
+    # Megatron-LM's args since the flag became TransformerConfig's field
+    assert megatron_llama.family({"layernorm_zero_centered_gamma": True})["apply_layernorm_1p"] is True
     assert megatron_llama.family({})["apply_layernorm_1p"] is False
     cfg = tiny_config(**LLAMA, apply_layernorm_1p=True)
-    assert megatron_llama.writer_args(cfg)["apply_layernorm_1p"] is True
+    written = megatron_llama.writer_args(cfg)
+    assert written["apply_layernorm_1p"] is written["layernorm_zero_centered_gamma"] is True
     assert not cfg.gpt2_layout  # the fused GPT-2 decode kernels read plain LayerNorm weights
     assert any("--apply-layernorm-1p" in p for p in hf_llama.llama_problems(cfg))
+
+
+def test_loading_a_checkpoint_of_the_other_kind_is_refused():
+    from gptrain.config import parse_megatron_args
+    from gptrain.train.megatron_load import check_family
+
+    cfg, _ = parse_megatron_args(TINY + ["--train-iters", "1"], world_size=1)
+    with pytest.raises(ValueError, match="--apply-layernorm-1p: the run has apply_layernorm_1p False, ckpt implies True"):
+        check_family(tiny_config(apply_layernorm_1p=True), cfg, "ckpt")

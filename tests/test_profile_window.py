@@ -1,5 +1,5 @@
 """Megatron-LM's --profile window with --use-pytorch-profiler: torch's profiler records iterations
---profile-step-start + 1 to --profile-step-end (Megatron's schedule) and writes one Chrome trace per rank beside
+--profile-step-start to --profile-step-end - 1 (Megatron's schedule) and writes one Chrome trace per rank beside
 --tensorboard-dir; the nsys form is refused off a GPU, and a window that ends before it starts in one line."""
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ def test_torchs_profiler_records_the_window_and_writes_the_trace(tmp_path):
     trace = tmp_path / "torch_profile" / "rank-0.json.gz"
     events = json.loads(gzip.decompress(trace.read_bytes()))["traceEvents"]
     steps = sorted({int(m.group(1)) for e in events if (m := re.fullmatch(r"ProfilerStep#(\d+)", e.get("name", "")))})
-    assert len(steps) == 2, steps  # iterations 3 and 4
+    assert len(steps) == 2, steps  # iterations 2 and 3
     # the optimizer's update ran inside them: a training step, not only the loop's bookkeeping
     assert any("AdamW" in e.get("name", "") or "adamw" in e.get("name", "") for e in events)
 

@@ -30,7 +30,9 @@ def family(args: dict) -> dict:
                untie_embeddings_and_output_weights=bool(args.get("untie_embeddings_and_output_weights")),
                # QKV has a bias with either; add_qkv_bias matters (and is kept) only without the other
                add_bias_linear=bias, add_qkv_bias=bool(args.get("add_qkv_bias")) and not bias,
-               kv_channels=args.get("kv_channels"), apply_layernorm_1p=bool(args.get("apply_layernorm_1p")))
+               kv_channels=args.get("kv_channels"),
+               # the flag's older name, and the TransformerConfig field that replaced it in Megatron-LM's args
+               apply_layernorm_1p=bool(args.get("apply_layernorm_1p") or args.get("layernorm_zero_centered_gamma")))
     if pos == "rope":
         cfg["rotary_base"] = int(args.get("rotary_base") or 10000)
         cfg["rotary_percent"] = float(args.get("rotary_percent") or 1.0)
@@ -112,4 +114,5 @@ def writer_args(cfg) -> dict:
                 num_query_groups=cfg.num_query_groups, kv_channels=cfg.kv_channels,
                 untie_embeddings_and_output_weights=cfg.untie_embeddings_and_output_weights,
                 add_bias_linear=cfg.add_bias_linear, add_qkv_bias=cfg.add_qkv_bias,
-                bias_swiglu_fusion=cfg.swiglu, apply_layernorm_1p=cfg.apply_layernorm_1p)
+                bias_swiglu_fusion=cfg.swiglu, apply_layernorm_1p=cfg.apply_layernorm_1p,
+                layernorm_zero_centered_gamma=cfg.apply_layernorm_1p)

@@ -183,17 +183,19 @@ class SwiGLUMLP(nn.Module):
 
 
 class ZeroCenteredLayerNorm(nn.LayerNorm):
-    """Megatron's --apply-layernorm-1p: the weight is stored centred on zero and the norm scales by 1 + it."""
+    """Megatron's --apply-layernorm-1p: the weight is stored centred on zero and the norm scales by 1 + it, in
+    fp32 (1 + w in bf16 would round away a small w: what zero-centring is for)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.layer_norm(x, self.normalized_shape, self.weight + 1, self.bias, self.eps)
+        bias = None if self.bias is None else self.bias.float()
+        return F.layer_norm(x.float(), self.normalized_shape, self.weight.float() + 1, bias, self.eps).to(x.dtype)
 
 
 class ZeroCenteredRMSNorm(nn.RMSNorm):
-    """RMSNorm with --apply-layernorm-1p's zero-centred weight (Megatron's zero_centered_gamma)."""
+    """RMSNorm with --apply-layernorm-1p's zero-centred weight (Megatron's zero_centered_gamma), scaled in fp32."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x, self.normalized_shape, self.weight + 1, self.eps)
+        return F.rms_norm(x.float(), self.normalized_shape, self.weight.float() + 1, self.eps).to(x.dtype)
 
 
 def make_norm(cfg: GPTConfig) -> nn.Module:

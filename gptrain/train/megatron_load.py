@@ -29,7 +29,8 @@ _ARCHITECTURE = {"num_layers": ("num_layers", "--num-layers"), "hidden_size": ("
 _FAMILY = {"swiglu": "--swiglu", "normalization": "--normalization",
            "position_embedding_type": "--position-embedding-type", "num_query_groups": "--num-query-groups",
            "kv_channels": "--kv-channels", "rotary_base": "--rotary-base", "add_bias_linear": "--disable-bias-linear",
-           "untie_embeddings_and_output_weights": "--untie-embeddings-and-output-weights"}
+           "untie_embeddings_and_output_weights": "--untie-embeddings-and-output-weights",
+           "apply_layernorm_1p": "--apply-layernorm-1p"}
 
 
 def check_architecture(args: dict, cfg: RunConfig, where: str) -> None:

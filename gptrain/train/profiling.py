@@ -1,9 +1,11 @@
-"""Megatron-LM's ``--profile`` window: iterations ``--profile-step-start`` + 1 to ``--profile-step-end`` profiled
-on the ranks of ``--profile-ranks`` (all by default), either by starting and stopping nsys's capture through the
-CUDA profiler API (``nsys profile --capture-range=cudaProfilerApi --capture-range-end=stop``) or, with
-``--use-pytorch-profiler``, by torch's profiler on Megatron's schedule, its Chrome trace written to
-``--tensorboard-dir/../torch_profile/rank-N.json.gz``. The calls come where Megatron-LM's loop makes them: at the
-top of each iteration (``before_step``, with the iterations done so far) and after it (``after_step``).
+"""Megatron-LM's ``--profile`` window on the ranks of ``--profile-ranks`` (all by default): nsys's capture started
+and stopped through the CUDA profiler API (``nsys profile --capture-range=cudaProfilerApi --capture-range-end=stop``),
+which records iterations ``--profile-step-start`` + 1 to ``--profile-step-end``; or, with ``--use-pytorch-profiler``,
+torch's profiler on Megatron's schedule, which records iterations ``--profile-step-start`` to
+``--profile-step-end`` - 1, counted from the loop's start (a resumed run's first iteration is its 1), its Chrome
+trace written to ``--tensorboard-dir/../torch_profile/rank-N.json.gz``. Both exactly as Megatron-LM does: the calls
+come where its loop makes them, at the top of each iteration (``before_step``, with the iterations done so far) and
+after it (``after_step``). A run ending inside the window leaves nsys's capture to end with the process.
 """
 from __future__ import annotations
 

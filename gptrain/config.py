@@ -173,6 +173,12 @@ class TrainConfig:
     train_samples: int | None = field(default=None, metadata=flag(
         "--train-samples", group="training", help="samples to train for (instead of --train-iters; the "
         "schedule then in samples: --lr-decay-samples, --lr-warmup-samples)"))
+    # Megatron-LM's replacement of the ramp-up: global batch sizes from thresholds of consumed tokens
+    step_batch_size_schedule: str | None = field(default=None, metadata=flag(
+        "--step-batch-size-schedule", group="training", metavar="SCHEDULE",
+        help="with --train-samples, instead of --global-batch-size: \"THRESHOLD:BATCH ...\" global batch sizes from "
+             "each threshold of consumed tokens on (K, M, B, T suffixes; the first threshold 0), as Megatron-LM's"))
+    schedule_seq_length: int | None = None  # the model's, for the schedule's tokens -> samples (parse_megatron_args)
     rampup_batch_size: list[int] | None = field(default=None, metadata=flag(
         "--rampup-batch-size", group="training", type=int, nargs=3, metavar=("START", "INCREMENT", "SAMPLES"),
         help="with --train-samples: start at global batch START, add INCREMENT every SAMPLES / ((global - START) "
@@ -328,15 +334,18 @@ class TrainConfig:
         if data_parallel < 1 or self.global_batch_size % per_pass:
             raise ValueError(f"--global-batch-size {self.global_batch_size} is not divisible by --micro-batch-size "
                              f"{self.micro_batch_size} x data-parallel size {data_parallel} = {per_pass}")
-        odd = [b for b in (rampup_of(self).sizes() if self.rampup_batch_size else []) if b % per_pass]
+        rampup = rampup_of(self)
+        odd = [b for b in (rampup.sizes() if rampup is not None else []) if b % per_pass]
         if odd:  # megatron-core's consistency check, before the run rather than at the step
-            raise ValueError(f"--rampup-batch-size: global batch {odd[0]} of the ramp-up is not divisible by "
+            flag = "--step-batch-size-schedule" if self.step_batch_size_schedule else "--rampup-batch-size"
+            raise ValueError(f"{flag}: global batch {odd[0]} of the ramp-up is not divisible by "
                              f"--micro-batch-size {self.micro_batch_size} x data-parallel size {data_parallel}")
         return self.global_batch_size // per_pass
 
     def global_batch_at(self, consumed: int) -> int:
         """The global batch of the iteration starting at ``consumed`` samples (the ramp-up's, else constant)."""
-        return self.global_batch_size if self.rampup_batch_size is None else rampup_of(self).global_batch_at(consumed)
+        rampup = rampup_of(self)
+        return self.global_batch_size if rampup is None else rampup.global_batch_at(consumed)
 
 
 @dataclass
@@ -601,7 +610,8 @@ def parse_megatron_args(argv: list[str], world_size: int | None = None) -> tuple
     if train["micro_batch_size"] is None:
         train["micro_batch_size"] = 1
     if train["global_batch_size"] is None:  # Megatron's default: one micro-batch per data-parallel rank
-        train["global_batch_size"] = train["micro_batch_size"] * data_parallel
+        train["global_batch_size"] = train["micro_batch_size"] * data_parallel  # with a schedule: evaluation's
+    train["schedule_seq_length"] = model["seq_length"]
     train["compile"] = train["compile"] or train["compile_mode"] is not None
     model["tensor_parallel_size"] = parallel["tensor_parallel"]
     values["kernels"]["recompute"] = _recompute_mode(args)

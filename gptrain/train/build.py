@@ -104,7 +104,8 @@ def parallel_dims(cfg: RunConfig, world_size: int) -> ParallelDims:
                          "device or with plain data parallelism)")
     virtual = virtual_stages(cfg.model.num_layers, dims.pp, cfg.parallel.layers_per_virtual_stage)
     check_micro_batches(cfg.train.micro_batches_per_step(dims.dp), dims.pp, virtual)
-    for batch in (rampup_of(cfg.train).sizes() if cfg.train.rampup_batch_size and dims.pp > 1 else []):
+    rampup = rampup_of(cfg.train)
+    for batch in (rampup.sizes() if rampup is not None and dims.pp > 1 else []):
         try:  # the pipeline runs each ramp-up batch's micro-batch count (parallel/pipeline.py)
             check_micro_batches(batch // (cfg.train.micro_batch_size * dims.dp), dims.pp, virtual)
         except ValueError as err:

@@ -82,6 +82,38 @@ def ms(step_ms: float, gbs: int, world: int, seq: int = 1024) -> float:
 
 S4 = 203_376  # s4's 1-GPU micro-batch 16 figure, the options table's reference
 TP2, SP, PP2 = "--tensor-model-parallel-size 2", "--sequence-parallel", "--pipeline-model-parallel-size 2"
+# benchmarks/layout_table.py's rows by the names their calls' rows have here: (GPUs, micro-batch, flags)
+TABLE_LAYOUTS = {
+    "1 GPU, mbs 16": (1, 16, mb(16, 16)),
+    "DP2, mbs 16": (2, 16, mb(16, 32)),
+    "DP2 overlap, mbs 16": (2, 16, f"{mb(16, 32)} --overlap-grad-reduce"),
+    "TP2, mbs 16 (CUDA graphs by default)": (2, 16, f"{mb(16, 16)} {TP2}"),
+    "TP2+SP, mbs 16 (CUDA graphs by default)": (2, 16, f"{mb(16, 16)} {TP2} {SP}"),
+    "PP2 1F1B 14+10, mbs 16, global 128": (2, 16, f"{mb(16, 128)} {PP2} --decoder-last-pipeline-num-layers 10"),
+    "PP2 interleaved, mbs 16, global 128": (2, 16, f"{mb(16, 128)} {PP2} --num-layers-per-virtual-pipeline-stage 6"),
+    "ZeRO-1 DP2, mbs 16": (2, 16, f"{mb(16, 32)} --zero-stage 1"),
+    "ZeRO-2 DP2, mbs 16": (2, 16, f"{mb(16, 32)} --zero-stage 2"),
+    "ZeRO-3 DP2, mbs 16": (2, 16, f"{mb(16, 32)} --zero-stage 3"),
+    "1 GPU, mbs 64": (1, 64, mb(64, 64)),
+    "DP2, mbs 64": (2, 64, mb(64, 128)),
+    "DP2 overlap, mbs 64": (2, 64, f"{mb(64, 128)} --overlap-grad-reduce"),
+    "TP2, mbs 64 (CUDA graphs by default)": (2, 64, f"{mb(64, 64)} {TP2}"),
+    "TP2+SP, mbs 64 (CUDA graphs by default)": (2, 64, f"{mb(64, 64)} {TP2} {SP}"),
+    "PP2 1F1B 14+10, mbs 64, global 512": (2, 64, f"{mb(64, 512)} {PP2} --decoder-last-pipeline-num-layers 10"),
+    "PP2 interleaved, mbs 64, global 512": (2, 64, f"{mb(64, 512)} {PP2} --num-layers-per-virtual-pipeline-stage 6"),
+    "ZeRO-1 DP2, mbs 64": (2, 64, f"{mb(64, 128)} --zero-stage 1"),
+    "ZeRO-2 DP2, mbs 64": (2, 64, f"{mb(64, 128)} --zero-stage 2"),
+}
+
+
+def table_rows(call: str, measured) -> list[Row]:
+    """A layout_table call's rows, each (layout name, tokens/s per GPU, own peak GiB or None); ZeRO at
+    micro-batch 16 held out for its run-to-run variance."""
+    return [Row(name, "h200", world, flags, tokens, gib, call,
+                excluded=ZERO_HISTORY if "--zero-stage" in flags and mbs == 16 else None)
+            for name, tokens, gib in measured for world, mbs, flags in [TABLE_LAYOUTS[name]]]
+
+
 ROWS = [
     # one GPU (Current figures, Training throughput)
     Row("1 GPU, mbs 16, FA4 installed", "h100", 1, mb(16, 16), 203_376, 18.38, "s4 H100"),
@@ -336,52 +368,44 @@ ROWS = [
     # two H200s (s30 call C): the whole table in one call (benchmarks/layout_table.py, one process per GPU for every
     # row, caches warmed by call B on the same machine); memory only where no earlier row in the process had left
     # memory allocated (the later rows' peaks held 3.3-9.0 GiB that was not theirs), and none under CUDA graphs
-    *(Row(name, "h200", world, flags, tokens, gib, "s30 2xH200 call C",
-          excluded=ZERO_HISTORY if "--zero-stage" in flags and mbs == 16 else None)
-      for name, world, mbs, flags, tokens, gib in (
-          ("1 GPU, mbs 16", 1, 16, mb(16, 16), 208_904, 18.38),
-          ("DP2, mbs 16", 2, 16, mb(16, 32), 195_300, 18.45),
-          ("DP2 overlap, mbs 16", 2, 16, f"{mb(16, 32)} --overlap-grad-reduce", 177_867, 19.80),
-          ("TP2, mbs 16 (CUDA graphs by default)", 2, 16, f"{mb(16, 16)} {TP2}", 137_928, None),
-          ("TP2+SP, mbs 16 (CUDA graphs by default)", 2, 16, f"{mb(16, 16)} {TP2} {SP}", 129_553, None),
-          ("PP2 1F1B 14+10, mbs 16, global 128", 2, 16, f"{mb(16, 128)} {PP2} --decoder-last-pipeline-num-layers 10",
-           174_880, None),
-          ("PP2 interleaved, mbs 16, global 128", 2, 16,
-           f"{mb(16, 128)} {PP2} --num-layers-per-virtual-pipeline-stage 6", 171_710, None),
-          ("ZeRO-1 DP2, mbs 16", 2, 16, f"{mb(16, 32)} --zero-stage 1", 107_528, None),
-          ("ZeRO-2 DP2, mbs 16", 2, 16, f"{mb(16, 32)} --zero-stage 2", 124_716, None),
-          ("ZeRO-3 DP2, mbs 16", 2, 16, f"{mb(16, 32)} --zero-stage 3", 93_938, None),
-          ("1 GPU, mbs 64", 1, 64, mb(64, 64), 219_834, 59.33),
-          ("DP2, mbs 64", 2, 64, mb(64, 128), 214_791, None),
-          ("DP2 overlap, mbs 64", 2, 64, f"{mb(64, 128)} --overlap-grad-reduce", 212_519, None),
-          ("TP2, mbs 64 (CUDA graphs by default)", 2, 64, f"{mb(64, 64)} {TP2}", 162_200, None),
-          ("TP2+SP, mbs 64 (CUDA graphs by default)", 2, 64, f"{mb(64, 64)} {TP2} {SP}", 155_780, None),
-          ("PP2 1F1B 14+10, mbs 64, global 512", 2, 64, f"{mb(64, 512)} {PP2} --decoder-last-pipeline-num-layers 10",
-           194_980, None),
-          ("PP2 interleaved, mbs 64, global 512", 2, 64,
-           f"{mb(64, 512)} {PP2} --num-layers-per-virtual-pipeline-stage 6", 181_675, None),
-          ("ZeRO-1 DP2, mbs 64", 2, 64, f"{mb(64, 128)} --zero-stage 1", 209_551, None),
-          ("ZeRO-2 DP2, mbs 64", 2, 64, f"{mb(64, 128)} --zero-stage 2", 208_558, None))),
+    *table_rows("s30 2xH200 call C", (
+        ("1 GPU, mbs 16", 208_904, 18.38),
+        ("DP2, mbs 16", 195_300, 18.45),
+        ("DP2 overlap, mbs 16", 177_867, 19.80),
+        ("TP2, mbs 16 (CUDA graphs by default)", 137_928, None),
+        ("TP2+SP, mbs 16 (CUDA graphs by default)", 129_553, None),
+        ("PP2 1F1B 14+10, mbs 16, global 128", 174_880, None),
+        ("PP2 interleaved, mbs 16, global 128", 171_710, None),
+        ("ZeRO-1 DP2, mbs 16", 107_528, None),
+        ("ZeRO-2 DP2, mbs 16", 124_716, None),
+        ("ZeRO-3 DP2, mbs 16", 93_938, None),
+        ("1 GPU, mbs 64", 219_834, 59.33),
+        ("DP2, mbs 64", 214_791, None),
+        ("DP2 overlap, mbs 64", 212_519, None),
+        ("TP2, mbs 64 (CUDA graphs by default)", 162_200, None),
+        ("TP2+SP, mbs 64 (CUDA graphs by default)", 155_780, None),
+        ("PP2 1F1B 14+10, mbs 64, global 512", 194_980, None),
+        ("PP2 interleaved, mbs 64, global 512", 181_675, None),
+        ("ZeRO-1 DP2, mbs 64", 209_551, None),
+        ("ZeRO-2 DP2, mbs 64", 208_558, None),
+    )),
     # two H200s (s31 call 3): the table again, after the restart and TP serving in the same call, caches warmed by
     # call 2 on the same machine; 13 rows fitted the call; memory as in s30 (rows with under 0.25 GiB left by others)
-    *(Row(name, "h200", world, flags, tokens, gib, "s31 2xH200 call 3",
-          excluded=ZERO_HISTORY if "--zero-stage" in flags and mbs == 16 else None)
-      for name, world, mbs, flags, tokens, gib in (
-          ("1 GPU, mbs 16", 1, 16, mb(16, 16), 204_871, 18.38),
-          ("DP2, mbs 16", 2, 16, mb(16, 32), 194_181, 18.35),
-          ("DP2 overlap, mbs 16", 2, 16, f"{mb(16, 32)} --overlap-grad-reduce", 191_464, 19.71),
-          ("TP2, mbs 16 (CUDA graphs by default)", 2, 16, f"{mb(16, 16)} {TP2}", 136_872, None),
-          ("TP2+SP, mbs 16 (CUDA graphs by default)", 2, 16, f"{mb(16, 16)} {TP2} {SP}", 128_918, None),
-          ("PP2 1F1B 14+10, mbs 16, global 128", 2, 16, f"{mb(16, 128)} {PP2} --decoder-last-pipeline-num-layers 10",
-           165_677, None),
-          ("PP2 interleaved, mbs 16, global 128", 2, 16,
-           f"{mb(16, 128)} {PP2} --num-layers-per-virtual-pipeline-stage 6", 171_802, None),
-          ("ZeRO-1 DP2, mbs 16", 2, 16, f"{mb(16, 32)} --zero-stage 1", 116_186, None),
-          ("ZeRO-2 DP2, mbs 16", 2, 16, f"{mb(16, 32)} --zero-stage 2", 98_807, None),
-          ("ZeRO-3 DP2, mbs 16", 2, 16, f"{mb(16, 32)} --zero-stage 3", 83_923, None),
-          ("1 GPU, mbs 64", 1, 64, mb(64, 64), 217_259, 59.23),
-          ("DP2, mbs 64", 2, 64, mb(64, 128), 213_112, None),
-          ("DP2 overlap, mbs 64", 2, 64, f"{mb(64, 128)} --overlap-grad-reduce", 209_896, None))),
+    *table_rows("s31 2xH200 call 3", (
+        ("1 GPU, mbs 16", 204_871, 18.38),
+        ("DP2, mbs 16", 194_181, 18.35),
+        ("DP2 overlap, mbs 16", 191_464, 19.71),
+        ("TP2, mbs 16 (CUDA graphs by default)", 136_872, None),
+        ("TP2+SP, mbs 16 (CUDA graphs by default)", 128_918, None),
+        ("PP2 1F1B 14+10, mbs 16, global 128", 165_677, None),
+        ("PP2 interleaved, mbs 16, global 128", 171_802, None),
+        ("ZeRO-1 DP2, mbs 16", 116_186, None),
+        ("ZeRO-2 DP2, mbs 16", 98_807, None),
+        ("ZeRO-3 DP2, mbs 16", 83_923, None),
+        ("1 GPU, mbs 64", 217_259, 59.23),
+        ("DP2, mbs 64", 213_112, None),
+        ("DP2 overlap, mbs 64", 209_896, None),
+    )),
 ]
 
 

@@ -10,6 +10,7 @@ smaller global batch is only fewer micro-batches (data/loader.py reads on from w
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 
@@ -74,6 +75,7 @@ class StepSchedule:
     steps: tuple[tuple[int, int], ...]  # (threshold in samples, global batch), thresholds increasing from 0
 
     @classmethod
+    @functools.lru_cache(maxsize=8)  # rampup_of parses it for every iteration's batch
     def parse(cls, text: str, seq_length: int) -> "StepSchedule":
         steps = []
         for entry in text.strip().replace(",", " ").split():

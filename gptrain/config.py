@@ -416,13 +416,14 @@ class ParallelConfig:
              "micro-pipelined all-gather/reduce-scatter matmuls over symmetric memory), the linear layers on "
              "torch's matmuls; benchmarks/RESULTS.md says what it was measured to give"))
     # gptrain's own: the column-parallel layers' input gradients summed by copy-engine transfers beside their
-    # weight gradients (parallel/copy_engine.py)
+    # weight gradients (parallel/copy_engine.py); with sequence parallelism every gather and scatter of the regions
+    # as copy-engine trades under the matmuls (parallel/sequence_parallel_ce.py)
     tp_comm_copy_engine: bool = field(default=False, metadata=flag(
         "--tp-comm-copy-engine", group="distributed",
-        help="tensor parallelism over two GPUs of one host, without --sequence-parallel: in the backward, sum each "
-             "column-parallel layer's input gradient by copies into the other GPU's memory (the copy engines) while "
-             "its weight gradients compute, instead of NCCL's all-reduce, which holds SMs; experimental: measured "
-             "once on two GPUs (benchmarks/RESULTS.md)"))
+        help="TP over two GPUs of one host: activations moved by copies into the other GPU's memory (copy engines), "
+             "not NCCL's kernels. Without --sequence-parallel: column-parallel input gradients summed beside their "
+             "weight gradients; with it: every gather and scatter of the regions, half the tokens under the "
+             "matmuls (benchmarks/RESULTS.md)"))
     # interleaved 1F1B (Megatron's virtual pipeline stages)
     layers_per_virtual_stage: int | None = field(default=None, metadata=flag(
         "--num-layers-per-virtual-pipeline-stage", group="distributed",

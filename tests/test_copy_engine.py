@@ -127,13 +127,13 @@ def test_the_planner_counts_its_buffers():
 
 
 @pytest.mark.parametrize("extra,world,message", [
-    (["--tensor-model-parallel-size", "2", "--sequence-parallel"], 2, "without --sequence-parallel"),
+    (["--tensor-model-parallel-size", "2", "--sequence-parallel", "--tp-comm-overlap"], 2, "without --tp-comm-overlap"),
     (["--tensor-model-parallel-size", "4"], 4, "it needs --tensor-model-parallel-size 2 (got 4)"),
     ([], 2, "it needs --tensor-model-parallel-size 2 (got 1)"),
 ])
 def test_tensor_parallel_layouts_it_cannot_serve_are_refused(extra, world, message):
     cfg, _ = parse_megatron_args(TINY + ["--train-iters", "1", "--tp-comm-copy-engine", *extra], world_size=world)
-    with pytest.raises(ValueError, match="--tp-comm-copy-engine sums a tensor-parallel pair's input gradients"):
+    with pytest.raises(ValueError, match="--tp-comm-copy-engine moves a tensor-parallel pair's activations"):
         parallel_dims(cfg, world)
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
         parallel_dims(cfg, world)
@@ -243,6 +243,96 @@ def test_tensor_parallel_with_it_equals_the_nccl_run(extra):
     nccl = losses(torchrun(2, flags))
     out = torchrun(2, flags + ["--tp-comm-copy-engine"])
     assert "input gradients summed by the copy engines" in out
+    copy_engine = losses(out)
+    assert sorted(copy_engine) == [1, 2, 3, 4]
+    rel = 1e-2 if extra else 1e-5
+    assert all(copy_engine[i] == pytest.approx(nccl[i], rel=rel) for i in nccl)
+
+
+# ---- --tp-comm-copy-engine with --sequence-parallel: the regions' gathers and scatters as copy-engine trades, half
+# the tokens at a time under the matmuls (parallel/sequence_parallel_ce.py)
+
+
+def _sp_regions(rank: int, device: str, compiled: bool = False) -> None:
+    """A column-parallel entry, a row-parallel exit and the fused MLP region with sequence parallelism, each rank on
+    its half of the tokens: the outputs and every gradient through the copy-engine ops equal those through the
+    functional all-gather and reduce-scatter (on CPU the trades are gloo's send and receive, in fp32; on GPUs the
+    copy engines, in bf16)."""
+    from gptrain.parallel.tensor_parallel import (_ColumnFusedMLP, _ColumnParallel, _ExitRegion, _FusedMLPCE,
+                                                  _GatherColumnCE, _RowScatterCE)
+    from gptrain.model.linear import linear_weight
+
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    if device == "cuda":
+        from gptrain.parallel.peer_swap import set_up_swap
+
+        torch.cuda.set_device(rank)
+        dist.init_process_group("nccl", device_id=torch.device("cuda", rank))
+        set_up_swap(dist.group.WORLD, 8 * 16, dtype, torch.device("cuda", rank), 60.0)
+    else:
+        dist.init_process_group("gloo")
+    group = dist.group.WORLD.group_name
+    gen = torch.Generator().manual_seed(0)  # the same whole tensors on both ranks
+    tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
+
+    def draw(*shape):
+        return torch.randn(*shape, generator=gen).to(device, dtype)
+    seq, tuned = 8, device == "cuda"
+    x, w, b, w_row, h = draw(2, seq, 16), draw(12, 16), draw(12), draw(16, 12), draw(2, seq, 12)
+    w1, b1, w2 = draw(24, 16), draw(24), draw(16, 24)
+    grads = {"col": draw(2, seq, 6), "row": draw(1, seq, 16), "mlp": draw(1, seq, 16)}
+    x_mine = x.view(-1, 16)[rank * seq:(rank + 1) * seq].view(1, seq, 16)  # this rank's half of the 16 tokens
+    shards = {"w": w.chunk(2)[rank], "b": b.chunk(2)[rank], "w_row": w_row.chunk(2, dim=1)[rank],
+              "h": h.chunk(2, dim=-1)[rank], "w1": w1.chunk(2)[rank], "b1": b1.chunk(2)[rank],
+              "w2": w2.chunk(2, dim=1)[rank]}
+
+    def regions(xs, p, copy_engine):
+        if copy_engine:
+            col = _GatherColumnCE.apply(xs[0], p["w"], p["b"], group, seq, tuned)
+            row = _RowScatterCE.apply(p["h"], p["w_row"], group, tuned)
+            mlp = _FusedMLPCE.apply(xs[1], p["w1"], p["b1"], p["w2"], group)
+        else:
+            col = _ColumnParallel.apply(xs[0], p["w"], p["b"], group, 2, True, seq, tuned, False)
+            row = _ExitRegion.apply(linear_weight(p["h"], p["w_row"], tuned), group, 2, True)
+            mlp = _ExitRegion.apply(_ColumnFusedMLP.apply(xs[1], p["w1"], p["b1"], p["w2"], group, 2, True, seq,
+                                                          False), group, 2, True)
+        return ((col * grads["col"]).sum() + (row * grads["row"]).sum() + (mlp * grads["mlp"]).sum()), (col, row, mlp)
+
+    got = {}
+    for copy_engine in (False, True):
+        xs = [x_mine.clone().requires_grad_() for _ in range(2)]
+        p = {k: v.clone().requires_grad_() for k, v in shards.items()}
+        run = torch.compile(regions) if compiled and copy_engine else regions
+        loss, outs = run(xs, p, copy_engine)
+        loss.backward()
+        got[copy_engine] = [*outs, xs[0].grad, xs[1].grad] + [p[k].grad for k in sorted(p)]
+    assert [t.shape for t in got[True]] == [t.shape for t in got[False]]
+    for a, c in zip(got[False], got[True]):
+        torch.testing.assert_close(c.float(), a.float(), **tol)
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_sequence_parallel_regions_give_the_same_values_and_gradients_through_the_trades_on_cpu(compiled):
+    spawn(2, _sp_regions, "cpu", compiled)
+
+
+@pytest.mark.gpu
+@TWO_GPUS
+def test_sequence_parallel_regions_give_the_same_values_and_gradients_through_the_copy_engines():
+    spawn(2, _sp_regions, "cuda")
+
+
+@pytest.mark.gpu
+@TWO_GPUS
+@pytest.mark.parametrize("extra", [[], ["--bf16", "--compile"]], ids=["fp32-eager", "bf16-compiled-graphs"])
+def test_sequence_parallel_with_it_equals_the_nccl_run(extra):
+    flags = [f for f in TINY if f not in ("--device", "cpu")] + ["--train-iters", "4", "--tensor-model-parallel-size",
+                                                                  "2", "--sequence-parallel", *extra]
+    nccl = losses(torchrun(2, flags))
+    out = torchrun(2, flags + ["--tp-comm-copy-engine"])
+    assert "sequence-parallel gathers and scatters as copy-engine trades" in out
     copy_engine = losses(out)
     assert sorted(copy_engine) == [1, 2, 3, 4]
     rel = 1e-2 if extra else 1e-5

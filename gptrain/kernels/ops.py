@@ -101,3 +101,43 @@ def linear_dgelu(g: torch.Tensor, w: torch.Tensor, pre: torch.Tensor) -> torch.T
 @linear_dgelu.register_fake
 def _(g, w, pre):
     return torch.empty_like(pre)
+
+
+# ---- the same matmuls written into a given tensor (a row slice of a larger one), for the ops that assemble a
+# sequence-parallel region's output half by half (parallel/sequence_parallel_ce.py); plain functions, called from
+# inside other custom ops. ``tuned``: cuBLASLt on CUDA; otherwise, and off CUDA, torch's matmuls with ``out=``.
+
+
+def linear_fwd_into(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
+                    tuned: bool) -> torch.Tensor:
+    """``out = x @ w.T + bias``."""
+    if tuned and x.is_cuda:
+        epilogue = lt.EPILOGUE_DEFAULT if bias is None else lt.EPILOGUE_BIAS
+        return _lt(x).gemm(x, w, out, trans_b=True, epilogue=epilogue, bias=bias)
+    if bias is None:
+        return torch.mm(x, w.t(), out=out)
+    return torch.addmm(bias, x, w.t(), out=out)
+
+
+def linear_dgrad_into(g: torch.Tensor, w: torch.Tensor, out: torch.Tensor, tuned: bool) -> torch.Tensor:
+    """``out = g @ w``."""
+    if tuned and g.is_cuda:
+        return _lt(g).gemm(g, w, out)
+    return torch.mm(g, w, out=out)
+
+
+def linear_bias_gelu_into(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor, out: torch.Tensor,
+                          pre: torch.Tensor) -> None:
+    """``pre = x @ w.T + bias``, ``out = gelu_tanh(pre)``."""
+    if x.is_cuda:
+        _lt(x).gemm(x, w, out, trans_b=True, epilogue=lt.EPILOGUE_GELU_AUX_BIAS, bias=bias, aux=pre)
+        return
+    torch.addmm(bias, x, w.t(), out=pre)
+    out.copy_(F.gelu(pre, approximate="tanh"))
+
+
+def linear_dgelu_into(g: torch.Tensor, w: torch.Tensor, pre: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``out = (g @ w) * gelu_tanh'(pre)``."""
+    if g.is_cuda:
+        return _lt(g).gemm(g, w, out, epilogue=lt.EPILOGUE_DGELU, aux=pre)
+    return torch.mul(g @ w, gelu_tanh_derivative(pre), out=out)

@@ -101,22 +101,28 @@ class CopyEngineAllReduce:
 _EXCHANGES: dict[tuple[str, torch.dtype], CopyEngineAllReduce] = {}
 
 
-def paired_exchange(group, max_numel: int, dtype: torch.dtype, device: torch.device, timeout_s: float,
-                    flag: str) -> CopyEngineAllReduce:
-    """A ``CopyEngineAllReduce`` over ``group``, made on both ranks or on neither: a reason it cannot run, or a
-    failed mapping, on either rank stops both with one line naming ``flag`` (a collective)."""
+def paired_setup(group, device: torch.device, flag: str, make):
+    """``make()`` (a copy-engine object over ``group``) on both ranks or on neither: a reason it cannot run here, or
+    a failed mapping (a ValueError from ``make``), on either rank stops both with one line naming ``flag`` (a
+    collective)."""
     reason = unavailable_reason(group, device)
-    exchange = error = None
+    made = error = None
     if reason is None:
         try:
-            exchange = CopyEngineAllReduce(group, max_numel, dtype, device, timeout_s)
+            made = make()
         except ValueError as e:
             error = str(e)
     errors = [None] * dist.get_world_size(group)
     dist.all_gather_object(errors, reason or error, group=group)
     if any(errors):
         raise ValueError(f"{flag}: {next(e for e in errors if e)}")
-    return exchange
+    return made
+
+
+def paired_exchange(group, max_numel: int, dtype: torch.dtype, device: torch.device, timeout_s: float,
+                    flag: str) -> CopyEngineAllReduce:
+    """A ``CopyEngineAllReduce`` over ``group``, made on both ranks or on neither (``paired_setup``)."""
+    return paired_setup(group, device, flag, lambda: CopyEngineAllReduce(group, max_numel, dtype, device, timeout_s))
 
 
 def set_up_tp_exchange(group, max_numel: int, dtype: torch.dtype, device: torch.device, timeout_s: float) -> None:

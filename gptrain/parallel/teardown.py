@@ -26,6 +26,8 @@ def end_process_group() -> None:
     if dist.is_available() and dist.is_initialized():
         release_compiled_graphs()
         from gptrain.parallel.copy_engine import release_tp_exchanges
+        from gptrain.parallel.peer_swap import release_swaps
 
         release_tp_exchanges()  # their names may come back with the next group
+        release_swaps()
         dist.destroy_process_group()

@@ -31,6 +31,8 @@ from gptrain.kernels.ops import linear_bias_gelu, linear_dgelu, linear_dgrad, li
 from gptrain.model.gpt import GPT
 from gptrain.model.linear import FusedBiasGeluMLP, TunedLinear, linear_weight
 from gptrain.parallel.copy_engine import all_reduce_beside_wgrads
+from gptrain.parallel.sequence_parallel_ce import (sp_gather_linear, sp_gather_linear_backward, sp_linear_scatter,
+                                                   sp_linear_scatter_backward, sp_mlp, sp_mlp_backward)
 
 _c10d = torch.ops._c10d_functional
 
@@ -195,6 +197,65 @@ class _ColumnFusedMLP(torch.autograd.Function):
         return grad_x, grad_w1, grad_b1, grad_w2, None, None, None, None, None
 
 
+# ---- --tp-comm-copy-engine with --sequence-parallel: the regions' gathers and scatters as copy-engine trades
+# between the two ranks, half the tokens at a time under the matmuls (parallel/sequence_parallel_ce.py)
+
+
+class _GatherColumnCE(torch.autograd.Function):
+    """``_ColumnParallel``'s sequence-parallel entry and matmul as one op: this rank's tokens in, every token's
+    ``x @ w.T + b`` on this rank's rows out."""
+
+    @staticmethod
+    def forward(ctx, x, w, b, group: str, seq: int, tuned: bool):
+        y, gathered = sp_gather_linear(_rows(x).contiguous(), w, b, tuned, group)
+        ctx.save_for_backward(gathered, w)
+        ctx.group, ctx.tuned, ctx.x_shape, ctx.has_bias = group, tuned, x.shape, b is not None
+        return y.view(-1, seq, w.shape[0])
+
+    @staticmethod
+    def backward(ctx, g):
+        gathered, w = ctx.saved_tensors
+        g2 = _rows(g).contiguous()
+        grad_x, grad_w = sp_gather_linear_backward(g2, gathered, w, ctx.tuned, ctx.group)
+        return grad_x.view(ctx.x_shape), grad_w, g2.sum(0) if ctx.has_bias else None, None, None, None
+
+
+class _RowScatterCE(torch.autograd.Function):
+    """A row-parallel matmul and the sequence-parallel exit as one op: every token's partial sums in, this rank's
+    tokens summed out (before the bias)."""
+
+    @staticmethod
+    def forward(ctx, h, w, group: str, tuned: bool):
+        h2 = _rows(h).contiguous()
+        ctx.save_for_backward(h2, w)
+        ctx.group, ctx.tuned, ctx.h_shape = group, tuned, h.shape
+        return sp_linear_scatter(h2, w, tuned, group).view(1, -1, w.shape[0])
+
+    @staticmethod
+    def backward(ctx, g):
+        h2, w = ctx.saved_tensors
+        grad_h, grad_w = sp_linear_scatter_backward(_rows(g).contiguous(), h2, w, ctx.tuned, ctx.group)
+        return grad_h.view(ctx.h_shape), grad_w, None, None
+
+
+class _FusedMLPCE(torch.autograd.Function):
+    """The fused bias-GELU MLP between the sequence-parallel entry and exit as one op (before fc2's bias)."""
+
+    @staticmethod
+    def forward(ctx, x, w1, b1, w2, group: str):
+        out, gathered, act, pre = sp_mlp(_rows(x).contiguous(), w1, b1, w2, group)
+        ctx.save_for_backward(gathered, w1, w2, act, pre)
+        ctx.group, ctx.x_shape = group, x.shape
+        return out.view(x.shape[:-1] + (w2.shape[0],))
+
+    @staticmethod
+    def backward(ctx, g):
+        gathered, w1, w2, act, pre = ctx.saved_tensors
+        grad_x, grad_w1, grad_b1, grad_w2 = sp_mlp_backward(_rows(g).contiguous(), gathered, w1, w2, act, pre,
+                                                            ctx.group)
+        return grad_x.view(ctx.x_shape), grad_w1, grad_b1, grad_w2, None
+
+
 @dataclass(frozen=True)
 class TPGroup:
     """What a tensor-parallel layer needs to talk: the group's name (for the functional
@@ -205,7 +266,9 @@ class TPGroup:
     sequence_parallel: bool
     seq_length: int
     comm_overlap: bool = False  # async TP: bare matmuls after the all-gathers (parallel/async_tp.py)
-    copy_engine: bool = False  # --tp-comm-copy-engine: input gradients summed by the copy engines (copy_engine.py)
+    # --tp-comm-copy-engine: input gradients summed by the copy engines (copy_engine.py); with sequence parallelism
+    # the regions' gathers and scatters by them, under the matmuls (sequence_parallel_ce.py)
+    copy_engine: bool = False
 
     @classmethod
     def of(cls, group, sequence_parallel: bool, seq_length: int, comm_overlap: bool = False,
@@ -230,6 +293,8 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         tp = self.tp
+        if tp.copy_engine and tp.sequence_parallel:
+            return _GatherColumnCE.apply(x, self.weight, self.bias, tp.name, tp.seq_length, self.tuned)
         if tp.comm_overlap and self.bias is not None:  # the bias after the matmul, which async TP can fuse
             return _ColumnParallel.apply(x, self.weight, None, tp.name, tp.size, tp.sequence_parallel,
                                          tp.seq_length, self.tuned, False) + self.bias
@@ -248,8 +313,12 @@ class RowParallelLinear(nn.Module):
         self.bias = linear.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tp = self.tp
+        if tp.copy_engine and tp.sequence_parallel:
+            y = _RowScatterCE.apply(x, self.weight, tp.name, self.tuned)
+            return y if self.bias is None else y + self.bias
         y = linear_weight(x, self.weight, self.tuned)
-        y = _ExitRegion.apply(y, self.tp.name, self.tp.size, self.tp.sequence_parallel)
+        y = _ExitRegion.apply(y, tp.name, tp.size, tp.sequence_parallel)
         return y if self.bias is None else y + self.bias
 
 
@@ -266,6 +335,8 @@ class TensorParallelFusedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         tp = self.tp
+        if tp.copy_engine and tp.sequence_parallel:
+            return _FusedMLPCE.apply(x, self.fc1.weight, self.fc1.bias, self.fc2.weight, tp.name) + self.fc2.bias
         y = _ColumnFusedMLP.apply(x, self.fc1.weight, self.fc1.bias, self.fc2.weight, tp.name, tp.size,
                                   tp.sequence_parallel, tp.seq_length, tp.copy_engine)
         return _ExitRegion.apply(y, tp.name, tp.size, tp.sequence_parallel) + self.fc2.bias

@@ -84,11 +84,9 @@ def parallel_dims(cfg: RunConfig, world_size: int) -> ParallelDims:
     if cfg.parallel.sequence_parallel and cfg.model.seq_length % dims.tp:
         raise ValueError(f"--sequence-parallel: --seq-length {cfg.model.seq_length} is not divisible by "
                          f"tensor-model-parallel size {dims.tp}")
-    if cfg.parallel.tp_comm_copy_engine and (dims.tp != 2 or cfg.parallel.sequence_parallel
-                                            or cfg.parallel.tp_comm_overlap):
-        raise ValueError("--tp-comm-copy-engine sums a tensor-parallel pair's input gradients by the copy engines: "
-                         f"it needs --tensor-model-parallel-size 2 (got {dims.tp}) without --sequence-parallel or "
-                         "--tp-comm-overlap")
+    if cfg.parallel.tp_comm_copy_engine and (dims.tp != 2 or cfg.parallel.tp_comm_overlap):
+        raise ValueError("--tp-comm-copy-engine moves a tensor-parallel pair's activations by the copy engines: "
+                         f"it needs --tensor-model-parallel-size 2 (got {dims.tp}) without --tp-comm-overlap")
     if cfg.parallel.grad_reduce_copy_engine and not overlap_grad_reduce(cfg, dims):
         raise ValueError("--grad-reduce-copy-engine reduces --overlap-grad-reduce's buckets: it needs "
                          "--overlap-grad-reduce with plain data parallelism (no ZeRO stage, no pipeline)")
@@ -181,17 +179,25 @@ def build_training(cfg: RunConfig, device: torch.device, dims: ParallelDims, mes
         offloaded = offloaded_modules(chunks or [train_module], list(model.layers.values()), dims.offload_fraction)
     if cfg.parallel.tp_comm_copy_engine:
         from gptrain.parallel.copy_engine import set_up_tp_exchange
+        from gptrain.parallel.peer_swap import set_up_swap
 
         if torch.distributed.get_backend() == "fake":
             raise ValueError("--tp-comm-copy-engine maps the other GPU's memory: the rank simulator has none "
                              "(leave the flag out of --simulate-world-size runs)")
-        # the input gradients of the column-parallel layers: the micro-batch's tokens x hidden, in the activations'
-        # dtype; set up before anything is compiled
-        set_up_tp_exchange(mesh["tp"].get_group(), cfg.train.micro_batch_size * cfg.model.seq_length *
-                           cfg.model.hidden_size, param_dtype or torch.float32, device,
-                           60 * cfg.parallel.distributed_timeout_minutes)
-        impls["tensor parallel"] = ("the column-parallel layers' input gradients summed by the copy engines beside "
-                                    "their weight gradients (--tp-comm-copy-engine)")
+        # set up before anything is compiled, in the activations' dtype: without sequence parallelism the
+        # column-parallel layers' input gradients (the micro-batch's tokens x hidden), with it the trades of half
+        # of them
+        tokens, timeout_s = cfg.train.micro_batch_size * cfg.model.seq_length, 60 * cfg.parallel.distributed_timeout_minutes
+        if cfg.parallel.sequence_parallel:
+            set_up_swap(mesh["tp"].get_group(), tokens // 2 * cfg.model.hidden_size, param_dtype or torch.float32,
+                        device, timeout_s)
+            impls["tensor parallel"] = ("the sequence-parallel gathers and scatters as copy-engine trades, half the "
+                                        "tokens under the matmuls (--tp-comm-copy-engine)")
+        else:
+            set_up_tp_exchange(mesh["tp"].get_group(), tokens * cfg.model.hidden_size, param_dtype or torch.float32,
+                               device, timeout_s)
+            impls["tensor parallel"] = ("the column-parallel layers' input gradients summed by the copy engines "
+                                        "beside their weight gradients (--tp-comm-copy-engine)")
     forward, layout = parallelize(train_module, model, dims, mesh, cfg.kernels.recompute, param_dtype,
                                   cfg.train.compile, mode, cfg.parallel.sequence_parallel, chunks,
                                   bucket_bytes=overlap_bucket_bytes(cfg, dims, param_dtype),

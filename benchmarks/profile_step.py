@@ -29,6 +29,10 @@ def category(name: str) -> str:
     n = name.lower()
     if "nccl" in n or "allreduce" in n or "allgather" in n or "reducescatter" in n:
         return "communication (NCCL)"
+    if "memcpy" in n:  # the copy engines: --tp-comm-copy-engine's trades (and any other copy the step makes)
+        return "communication (memcpy, copy engines)"
+    if "barrier" in n:  # symmetric memory's barrier kernels between the copy engines' transfers
+        return "communication (barrier kernels)"
     if any(k in n for k in ("gemm", "cutlass", "sm90_xmma", "nvjet", "matmul", "_mm_", "cublas")):
         return "matmul"
     if any(k in n for k in ("flash", "fmha", "cudnn", "attention", "sdpa")):

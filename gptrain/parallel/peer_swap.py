@@ -12,71 +12,103 @@ import torch.distributed as dist
 from gptrain.parallel.copy_engine import paired_setup
 
 
-class _Arriving:
-    """A trade under way: ``wait()`` makes the current stream wait for it and returns what the other rank sent."""
+GATHER, SCATTER = 0, 1  # the two receiving slots: a region's entry trades in one, its exit in the other
 
-    def __init__(self, received: torch.Tensor, event: torch.cuda.Event | None = None, works=(), sent=None):
-        self._received, self._event, self._works = received, event, works
+
+class _Arriving:
+    """A trade under way: ``wait()`` makes the current stream wait for it and returns what the other rank sent;
+    ``on_side(fn)`` runs ``fn(received)`` beside the current stream once it has landed (copies that only a later
+    pass needs), and ``join()`` makes the current stream wait for those."""
+
+    def __init__(self, received: torch.Tensor, side: torch.cuda.Stream | None = None,
+                 landed: torch.cuda.Event | None = None, works=(), sent=None):
+        self._received, self._side, self._landed, self._works = received, side, landed, works
         self._sent = sent  # kept alive until the wait: the side stream reads it
+        self._done = None
 
     def wait(self) -> torch.Tensor:
-        if self._event is not None:
-            torch.cuda.current_stream().wait_event(self._event)
+        if self._landed is not None:
+            torch.cuda.current_stream().wait_event(self._landed)
         for work in self._works:
             work.wait()
-        self._sent = None
+        self._works = ()
         return self._received
+
+    def on_side(self, fn) -> None:
+        if self._side is None:
+            fn(self.wait())
+            return
+        with torch.cuda.stream(self._side):
+            fn(self._received)
+            self._done = torch.cuda.Event()
+            self._done.record()
+
+    def join(self) -> None:
+        if self._done is not None:
+            torch.cuda.current_stream().wait_event(self._done)
+        self._sent = None
 
 
 class PeerSwap:
     """Trades tensors of ``dtype`` of up to ``max_numel`` elements between a group's two GPUs by the copy engines.
-    Both ranks must trade the same sizes in the same order (as with NCCL). What ``wait()`` returns is this rank's
-    receiving buffer: read it on the current stream (or copy it out) before the next trade starts."""
+    Both ranks must trade the same sizes in the same order (as with NCCL). What a trade receives lands in one of
+    two slots of this rank's buffer; read it (on the current stream, or through ``on_side``) before the next trade
+    starts.
+
+    One barrier a trade, after the transfers: a trade writes into the slot the other rank read one trade earlier,
+    which it did before its side of that earlier trade (its reads are queued before the trade after them starts,
+    and the side stream waits for them). A trade into the same slot as the one before it also waits, first, for the
+    other rank to have read that slot. Sequence parallelism alternates entries and exits (every pass starts with an
+    entry and ends with an exit), so it takes the second barrier only where two entries follow each other (SwiGLU's
+    gate and up), also across the forward and backward graphs CUDA graphs replay."""
 
     def __init__(self, group, max_numel: int, dtype: torch.dtype, device: torch.device, timeout_s: float = 600.0):
         import torch.distributed._symmetric_memory as symm_mem
 
         try:
-            self.buf = symm_mem.empty(max_numel, dtype=dtype, device=device)
+            self.buf = symm_mem.empty(2 * max_numel, dtype=dtype, device=device)
             self.handle = symm_mem.rendezvous(self.buf, group.group_name)
         except Exception as e:  # noqa: BLE001 - no peer mappings here (driver, container, GPUs): one line
             raise ValueError(f"the copy-engine trade could not map the other GPU's memory: "
                              f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
         self.rank = self.handle.rank
-        self.peer = self.handle.get_buffer(1 - self.rank, (max_numel,), dtype)
+        self.peer = self.handle.get_buffer(1 - self.rank, (2 * max_numel,), dtype)
         self.max_numel, self.dtype = max_numel, dtype
         self.timeout_ms = int(timeout_s * 1000)
         self.side = torch.cuda.Stream(device)
+        self.last_slot = None
 
-    def start(self, t: torch.Tensor) -> _Arriving:
-        """Send ``t`` (contiguous) into the other rank's receiving buffer, after what the current stream has queued,
-        on the side stream. The first barrier waits until the other rank has queued its side of the trade, which
-        comes after it read its receiving buffer (the reads of the last trade are on its current stream, which its
-        side stream waited for); the second until both transfers have landed."""
+    def start(self, t: torch.Tensor, slot: int) -> _Arriving:
+        """Send ``t`` (contiguous) into the other rank's receiving ``slot``, after what the current stream has
+        queued, on the side stream."""
         n = t.numel()
         if n > self.max_numel or t.dtype != self.dtype or not t.is_contiguous():
             raise ValueError(f"copy-engine trade of {n} {t.dtype} elements: set up for up to {self.max_numel} "
                              f"contiguous {self.dtype}")
+        at = slot * self.max_numel
         self.side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(self.side):
-            self.handle.barrier(channel=0, timeout_ms=self.timeout_ms)
-            self.peer[:n].copy_(t.view(-1))
-            self.handle.barrier(channel=1, timeout_ms=self.timeout_ms)
-            event = torch.cuda.Event()
-            event.record()
-        return _Arriving(self.buf[:n].view(t.shape), event=event, sent=t)
+            if slot == self.last_slot:  # the other rank has read what this slot received last
+                self.handle.barrier(channel=0, timeout_ms=self.timeout_ms)
+            self.peer[at:at + n].copy_(t.view(-1))
+            self.handle.barrier(channel=1, timeout_ms=self.timeout_ms)  # both transfers have landed
+            landed = torch.cuda.Event()
+            landed.record()
+        self.last_slot = slot
+        return _Arriving(self.buf[at:at + n].view(t.shape), side=self.side, landed=landed, sent=t)
 
 
-def start_trade(t: torch.Tensor, group: str) -> _Arriving:
-    """Send ``t`` to the other rank of the two-rank ``group`` and receive its tensor of the same shape: by the
-    copy engines on CUDA (the trade set up by ``set_up_swap``), by point-to-point messages elsewhere."""
+def start_trade(t: torch.Tensor, group: str, slot: int) -> _Arriving:
+    """Send ``t`` to the other rank of the two-rank ``group`` and receive its tensor of the same shape, into
+    ``slot`` (GATHER or SCATTER): by the copy engines on CUDA (the trade set up by ``set_up_swap``), by
+    point-to-point messages elsewhere."""
     t = t.contiguous()
     if t.is_cuda:
         swap = _SWAPS.get((group, t.dtype))
         if swap is None:
             raise ValueError(f"--tp-comm-copy-engine: no trade was set up for group {group} and {t.dtype} "
                              "(train/build.py sets it up before compiling)")
-        return swap.start(t)
+        return swap.start(t, slot)
     pg = dist.distributed_c10d._resolve_process_group(group)
     peer = dist.get_global_rank(pg, 1 - dist.get_rank(pg))
     received = torch.empty_like(t)

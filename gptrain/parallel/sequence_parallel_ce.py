@@ -18,7 +18,7 @@ import torch
 
 from gptrain.kernels.ops import (linear_bias_gelu_into, linear_dgelu_into, linear_dgrad, linear_dgrad_into,
                                  linear_fwd, linear_fwd_into, linear_wgrad)
-from gptrain.parallel.peer_swap import rank_in, start_trade
+from gptrain.parallel.peer_swap import GATHER, SCATTER, rank_in, start_trade
 
 
 def _halves(rank: int, n: int) -> tuple[slice, slice]:
@@ -41,15 +41,20 @@ def _wgrad(g, x, tuned):
 
 def _gather_into(x: torch.Tensor, group: str, each_half) -> torch.Tensor:
     """The all-gather of ``x`` (this rank's tokens) under ``each_half(rows, slice)``, called for this rank's half
-    while it travels, then for the other's: returns the gathered tokens."""
+    while it travels, then for the other's as it landed: returns the gathered tokens, assembled beside the second
+    call."""
     n = x.shape[0]
     mine, theirs = _halves(rank_in(group), n)
-    arriving = start_trade(x, group)
+    arriving = start_trade(x, group, GATHER)
     gathered = x.new_empty(2 * n, *x.shape[1:])
-    gathered[mine].copy_(x)
     each_half(x, mine)
-    gathered[theirs].copy_(arriving.wait())
-    each_half(gathered[theirs], theirs)
+
+    def assemble(received):
+        gathered[mine].copy_(x)
+        gathered[theirs].copy_(received)
+    arriving.on_side(assemble)
+    each_half(arriving.wait(), theirs)
+    arriving.join()
     return gathered
 
 
@@ -57,7 +62,7 @@ def _scatter(partial_of, n: int, group: str, rank: int) -> torch.Tensor:
     """The reduce-scatter of partial sums over both halves: ``partial_of(slice)`` makes one half's; the other's
     first, sent while this rank's own is made; returns this rank's half summed."""
     mine, theirs = _halves(rank, n)
-    arriving = start_trade(partial_of(theirs), group)
+    arriving = start_trade(partial_of(theirs), group, SCATTER)
     own = partial_of(mine)
     return own.add_(arriving.wait())
 
@@ -86,7 +91,7 @@ def sp_gather_linear_backward(g: torch.Tensor, gathered: torch.Tensor, w: torch.
     this rank's own input gradient and the weight gradient."""
     n = g.shape[0] // 2
     mine, theirs = _halves(rank_in(group), n)
-    arriving = start_trade(_dgrad(g[theirs], w, tuned), group)
+    arriving = start_trade(_dgrad(g[theirs], w, tuned), group, SCATTER)
     grad_x = _dgrad(g[mine], w, tuned)
     grad_w = _wgrad(g, gathered, tuned)
     return grad_x.add_(arriving.wait()), grad_w
@@ -158,7 +163,7 @@ def sp_mlp_backward(g: torch.Tensor, gathered: torch.Tensor, w1: torch.Tensor, w
     g_all = _gather_into(g, group, lambda rows, half: linear_dgelu_into(rows, w2, pre[half], grad_pre[half]))
     n = g.shape[0]
     mine, theirs = _halves(rank_in(group), n)
-    arriving = start_trade(linear_dgrad(grad_pre[theirs], w1), group)
+    arriving = start_trade(linear_dgrad(grad_pre[theirs], w1), group, SCATTER)
     grad_x = linear_dgrad(grad_pre[mine], w1)
     grad_w1, grad_w2 = linear_wgrad(grad_pre, gathered), linear_wgrad(g_all, act)
     grad_b1 = grad_pre.sum(0)

@@ -103,6 +103,10 @@ TABLE_LAYOUTS = {
     "PP2 interleaved, mbs 64, global 512": (2, 64, f"{mb(64, 512)} {PP2} --num-layers-per-virtual-pipeline-stage 6"),
     "ZeRO-1 DP2, mbs 64": (2, 64, f"{mb(64, 128)} --zero-stage 1"),
     "ZeRO-2 DP2, mbs 64": (2, 64, f"{mb(64, 128)} --zero-stage 2"),
+    "TP2 copy-engine backward, mbs 16": (2, 16, f"{mb(16, 16)} {TP2} --tp-comm-copy-engine"),
+    "TP2+SP copy-engine trades, mbs 16": (2, 16, f"{mb(16, 16)} {TP2} {SP} --tp-comm-copy-engine"),
+    "TP2+SP copy-engine trades, mbs 32": (2, 32, f"{mb(32, 32)} {TP2} {SP} --tp-comm-copy-engine"),
+    "TP2+SP copy-engine trades, mbs 64": (2, 64, f"{mb(64, 64)} {TP2} {SP} --tp-comm-copy-engine"),
 }
 
 
@@ -405,6 +409,31 @@ ROWS = [
         ("1 GPU, mbs 64", 217_259, 59.23),
         ("DP2, mbs 64", 213_112, None),
         ("DP2 overlap, mbs 64", 209_896, None),
+    )),
+    # two H200s (s32 calls 1 and 2, each on a machine started for it): the sequence-parallel regions' gathers and
+    # scatters as copy-engine trades, in their first form (two barriers a trade, the gathered halves copied on the
+    # compute stream); the TP rows' memory is not measured under CUDA graphs (RESULTS.md, s30's note a)
+    *table_rows("s32 2xH200 call 1", (
+        ("1 GPU, mbs 16", 209_286, 18.38),
+        ("TP2, mbs 16 (CUDA graphs by default)", 138_432, None),
+        ("TP2+SP, mbs 16 (CUDA graphs by default)", 129_359, None),
+        ("TP2+SP copy-engine trades, mbs 16", 155_955, None),
+        ("TP2 copy-engine backward, mbs 16", 143_679, None),
+    )),
+    *table_rows("s32 2xH200 call 2", (
+        ("1 GPU, mbs 64", 216_802, 59.27),
+        ("TP2+SP copy-engine trades, mbs 64", 174_390, None),
+        ("TP2+SP copy-engine trades, mbs 32", 166_393, None),
+    )),
+    # s32 call 3, another machine: the trades' final form (one barrier a trade, the halves assembled on the side
+    # stream), which TRADE_EXPOSED and TRADE_FIXED_S are fitted to (its two copy-engine rows)
+    *table_rows("s32 2xH200 call 3", (
+        ("1 GPU, mbs 16", 210_196, 18.38),
+        ("1 GPU, mbs 64", 219_506, 59.23),
+        ("TP2, mbs 16 (CUDA graphs by default)", 137_788, None),
+        ("TP2+SP copy-engine trades, mbs 16", 158_099, None),
+        ("TP2+SP copy-engine trades, mbs 64", 181_552, None),
+        ("TP2, mbs 64 (CUDA graphs by default)", 164_486, None),
     )),
 ]
 

@@ -14,7 +14,8 @@ prints each against its prediction):
   between kernels;
 - tensor parallelism, not overlapped with compute: 2 all-reduces forward and 2 backward per block (with
   --sequence-parallel 4 all-gathers or reduce-scatters each way), the embedding's and the head's,
-  each its bytes over the link plus a latency;
+  each its bytes over the link plus a latency; with --tp-comm-copy-engine and --sequence-parallel each a trade
+  of half the tokens under a matmul, of which a share and a fixed cost show;
 - data parallelism as gptrain does it: whole replicas all-reduce the fp32 (or bf16) main gradients
   after the backward, exposed, unless --overlap-grad-reduce; ZeRO (FSDP2) gathers parameters and
   reduce-scatters gradients block by block under the compute;
@@ -59,6 +60,12 @@ HOST_DEVICE_SHARPNESS = 8.0  # how fast the wall time approaches max(device, hos
 BF16_REDUCE_CAST_BYTES = 12.0  # per parameter: fp32 read and bf16 written, bf16 read and fp32 written back
 GATHER_EFFICIENCY = 0.83  # all-gather / reduce-scatter bus bandwidth over all-reduce's (NCCL, 2 x H200)
 COLLECTIVE_HOST_S = 30e-6  # the host's time to launch an NCCL collective, beyond the simulator's fake one
+# --tp-comm-copy-engine with --sequence-parallel, a trade of half a micro-batch's activations between two GPUs:
+# the share of its transfer the matmul beside it leaves showing, and what each trade adds besides (its barrier,
+# the received half's add or copy, the halves' smaller matmuls); fitted to s32's 2 x H200 rows at micro-batch 16
+# and 64
+TRADE_EXPOSED = 0.44
+TRADE_FIXED_S = 33.5e-6
 # --cpu-offload, per fp32 parameter of the rank (s25, a 2.7B at ZeRO-2 and ZeRO-3 with 1 and 8 micro-batches):
 # the host's fused AdamW with the step's gradient and parameter copies, none overlapped with the GPU
 OFFLOAD_STEP_S_PER_PARAM = 0.30e-9
@@ -228,6 +235,10 @@ def stage_time(cfg: RunConfig, dims: ParallelDims, gpu: Gpu, layers: int, first:
         launches = 0.0 if math.isinf(tp_gbps) else count * COLLECTIVE_HOST_S
         if cfg.parallel.tp_comm_overlap:  # async TP: the gathers and scatters run under the matmuls
             tp_comm /= 4
+        elif cfg.parallel.tp_comm_copy_engine and sp and t == 2 and not math.isinf(tp_gbps):
+            # copy-engine trades of half the tokens each way, each under the matmul of a half
+            # (parallel/sequence_parallel_ce.py): a share of the transfer shows, and a fixed cost a trade
+            tp_comm = count * (TRADE_EXPOSED * (nbytes / 2) / (tp_gbps * 1e9) + TRADE_FIXED_S)
     if dims.sharded:  # per micro-batch: ZeRO-1/2 gather once a step, ZeRO-1 reduce-scatters once a step
         n_micro = cfg.train.micro_batches_per_step(dims.dp)
         gathers = 2.0 if dims.zero_stage == 3 else 1.0 / n_micro

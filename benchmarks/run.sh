@@ -152,7 +152,8 @@ suite_train() {
 # one reduction a step is spread over them as a training run at that batch spreads it). _hp: the TP group's NCCL
 # on high-priority streams (inside CUDA graphs only with CUDA_GRAPHS_USE_NODE_PRIORITY=1 exported). _ce: the
 # overlapped buckets all-reduced by the copy engines (--grad-reduce-copy-engine), or TP's input gradients summed
-# by them beside the weight gradients (--tp-comm-copy-engine).
+# by them beside the weight gradients (--tp-comm-copy-engine; with --sequence-parallel: _sp_ce, the regions'
+# gathers and scatters as copy-engine trades under the matmuls).
 NO_GRAPHS="--compile-mode default"  # tensor parallelism runs CUDA graphs by default (train/build.py)
 GRAPHS="--compile-mode reduce-overhead"
 LAYOUTS2=("1:16:16:1gpu:" "2:16:32:dp2:" "2:16:32:dp2_overlap:--overlap-grad-reduce --no-baseline"
@@ -175,6 +176,8 @@ LAYOUTS2=("1:16:16:1gpu:" "2:16:32:dp2:" "2:16:32:dp2_overlap:--overlap-grad-red
           "2:16:16:tp2_sp:--tensor-model-parallel-size 2 --sequence-parallel --no-baseline"
           "2:16:16:tp2_sp_no_graphs:--tensor-model-parallel-size 2 --sequence-parallel $NO_GRAPHS --no-baseline"
           "2:16:16:tp2_sp_async:--tensor-model-parallel-size 2 --sequence-parallel --tp-comm-overlap --no-baseline"
+          "2:16:16:tp2_sp_ce:--tensor-model-parallel-size 2 --sequence-parallel --tp-comm-copy-engine --no-baseline"
+          "2:64:64:tp2_sp_ce_mb64:--tensor-model-parallel-size 2 --sequence-parallel --tp-comm-copy-engine --no-baseline"
           "2:16:128:pp2:--pipeline-model-parallel-size 2 --decoder-last-pipeline-num-layers 10 --no-baseline"
           "2:16:128:pp2_interleaved:--pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 6 --no-baseline"
           "1:32:32:1gpu_mb32:" "2:32:64:dp2_mb32:" "2:32:64:zero3_dp2_mb32:--zero-stage 3 --no-baseline"

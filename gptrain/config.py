@@ -423,7 +423,7 @@ class ParallelConfig:
         help="TP over two GPUs of one host: activations moved by copies into the other GPU's memory (copy engines), "
              "not NCCL's kernels. Without --sequence-parallel: column-parallel input gradients summed beside their "
              "weight gradients; with it: every gather and scatter of the regions, half the tokens under the "
-             "matmuls (benchmarks/RESULTS.md)"))
+             "matmuls. Opt-in (benchmarks/RESULTS.md)"))
     # interleaved 1F1B (Megatron's virtual pipeline stages)
     layers_per_virtual_stage: int | None = field(default=None, metadata=flag(
         "--num-layers-per-virtual-pipeline-stage", group="distributed",

@@ -55,12 +55,17 @@ class PeerSwap:
     two slots of this rank's buffer; read it (on the current stream, or through ``on_side``) before the next trade
     starts.
 
-    One barrier a trade, after the transfers: a trade writes into the slot the other rank read one trade earlier,
-    which it did before its side of that earlier trade (its reads are queued before the trade after them starts,
-    and the side stream waits for them). A trade into the same slot as the one before it also waits, first, for the
-    other rank to have read that slot. Sequence parallelism alternates entries and exits (every pass starts with an
-    entry and ends with an exit), so it takes the second barrier only where two entries follow each other (SwiGLU's
-    gate and up), also across the forward and backward graphs CUDA graphs replay."""
+    One barrier a trade, after the transfers: a trade writes into the slot the other rank received in two trades
+    earlier, and the other rank read that before its side of the trade between (its reads are queued before the
+    next trade starts, and the side stream waits for them). A trade into the same slot as the one before it also
+    waits, first, for the other rank to have read that slot.
+
+    Whether a trade repeats the slot is decided in Python when the trade is queued: for a CUDA graph, when it is
+    captured. That holds at replay because every trade follows the same kind of trade at capture as at replay:
+    within a pass (a forward or a backward, whole or cut into several graphs) the order is fixed, and every pass
+    starts with an entry and ends with an exit, whichever pass ran before it. Sequence parallelism alternates
+    entries and exits; two in a row (SwiGLU's gate and up: two entries forward, two exits backward) take the
+    second barrier."""
 
     def __init__(self, group, max_numel: int, dtype: torch.dtype, device: torch.device, timeout_s: float = 600.0):
         import torch.distributed._symmetric_memory as symm_mem

@@ -132,8 +132,9 @@ def stage_memory(cfg: RunConfig, dims: ParallelDims, params: int, layers: int, s
     if overlap_grad_reduce(cfg, dims) and cfg.parallel.grad_reduce_in_bf16:
         mem.buckets = 2.0 * (cfg.parallel.ddp_bucket_size or 40_000_000)  # the bf16 copy of a bucket
     if cfg.parallel.tp_comm_copy_engine and t == 2:
-        # --tp-comm-copy-engine's buffer: a micro-batch's input gradient, or with sequence parallelism half its tokens
-        mem.buckets += (2.0 if half else 4.0) * s * b * h / (2 if sp else 1)
+        # --tp-comm-copy-engine's buffer: a micro-batch's input gradient, or with sequence parallelism two receiving
+        # slots of half its tokens: the same size
+        mem.buckets += (2.0 if half else 4.0) * s * b * h
     if overlap_grad_reduce(cfg, dims) and cfg.parallel.grad_reduce_copy_engine:
         # the copy engines' symmetric buffer: a bucket's two halves, in the reduction's dtype
         mem.buckets += (2.0 if cfg.parallel.grad_reduce_in_bf16 else 4.0) * (cfg.parallel.ddp_bucket_size or 40_000_000)

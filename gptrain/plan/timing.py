@@ -64,8 +64,8 @@ COLLECTIVE_HOST_S = 30e-6  # the host's time to launch an NCCL collective, beyon
 # the share of its transfer the matmul beside it leaves showing, and what each trade adds besides (its barrier,
 # the received half's add or copy, the halves' smaller matmuls); fitted to s32's 2 x H200 rows at micro-batch 16
 # and 64
-TRADE_EXPOSED = 0.44
-TRADE_FIXED_S = 33.5e-6
+TRADE_EXPOSED = 0.425
+TRADE_FIXED_S = 33.3e-6
 # --cpu-offload, per fp32 parameter of the rank (s25, a 2.7B at ZeRO-2 and ZeRO-3 with 1 and 8 micro-batches):
 # the host's fused AdamW with the step's gradient and parameter copies, none overlapped with the GPU
 OFFLOAD_STEP_S_PER_PARAM = 0.30e-9
@@ -236,9 +236,12 @@ def stage_time(cfg: RunConfig, dims: ParallelDims, gpu: Gpu, layers: int, first:
         if cfg.parallel.tp_comm_overlap:  # async TP: the gathers and scatters run under the matmuls
             tp_comm /= 4
         elif cfg.parallel.tp_comm_copy_engine and sp and t == 2 and not math.isinf(tp_gbps):
-            # copy-engine trades of half the tokens each way, each under the matmul of a half
-            # (parallel/sequence_parallel_ce.py): a share of the transfer shows, and a fixed cost a trade
-            tp_comm = count * (TRADE_EXPOSED * (nbytes / 2) / (tp_gbps * 1e9) + TRADE_FIXED_S)
+            # the blocks' gathers and scatters as copy-engine trades of half the tokens each way, each under the
+            # matmul of a half (parallel/sequence_parallel_ce.py): a share of the transfer shows, and a fixed cost
+            # a trade; the embedding's and the head's stay NCCL's
+            trades = tp_collectives(cfg, layers, False, False, sp)  # the blocks' (a full recompute's too)
+            tp_comm = (count - trades) * one + trades * (TRADE_EXPOSED * (nbytes / 2) / (tp_gbps * 1e9)
+                                                         + TRADE_FIXED_S)
     if dims.sharded:  # per micro-batch: ZeRO-1/2 gather once a step, ZeRO-1 reduce-scatters once a step
         n_micro = cfg.train.micro_batches_per_step(dims.dp)
         gathers = 2.0 if dims.zero_stage == 3 else 1.0 / n_micro

@@ -87,6 +87,10 @@ def parallel_dims(cfg: RunConfig, world_size: int) -> ParallelDims:
     if cfg.parallel.tp_comm_copy_engine and (dims.tp != 2 or cfg.parallel.tp_comm_overlap):
         raise ValueError("--tp-comm-copy-engine moves a tensor-parallel pair's activations by the copy engines: "
                          f"it needs --tensor-model-parallel-size 2 (got {dims.tp}) without --tp-comm-overlap")
+    if cfg.parallel.tp_comm_copy_engine and cfg.precision.autocast:
+        # its ops multiply inside themselves, in the parameters' dtype, and trade buffers of that dtype
+        raise ValueError("--tp-comm-copy-engine with --autocast is not built: its buffers and matmuls take the "
+                         "parameters' dtype (use half-precision parameters: leave out --autocast)")
     if cfg.parallel.grad_reduce_copy_engine and not overlap_grad_reduce(cfg, dims):
         raise ValueError("--grad-reduce-copy-engine reduces --overlap-grad-reduce's buckets: it needs "
                          "--overlap-grad-reduce with plain data parallelism (no ZeRO stage, no pipeline)")

@@ -45,8 +45,10 @@ def _gather_into(x: torch.Tensor, group: str, each_half) -> torch.Tensor:
     call."""
     n = x.shape[0]
     mine, theirs = _halves(rank_in(group), n)
-    arriving = start_trade(x, group, GATHER)
+    # allocated before the trade starts: the side stream, which writes it, waits for what the current stream queued
+    # until then, so also for the last use of the memory the allocator hands out here
     gathered = x.new_empty(2 * n, *x.shape[1:])
+    arriving = start_trade(x, group, GATHER)
     each_half(x, mine)
 
     def assemble(received):

@@ -34,9 +34,7 @@ def linear_fwd(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> t
     """``x @ w.T + bias``."""
     if not x.is_cuda:
         return F.linear(x, w, bias)
-    out = x.new_empty(x.shape[0], w.shape[0])
-    epilogue = lt.EPILOGUE_DEFAULT if bias is None else lt.EPILOGUE_BIAS
-    return _lt(x).gemm(x, w, out, trans_b=True, epilogue=epilogue, bias=bias)
+    return linear_fwd_into(x, w, bias, x.new_empty(x.shape[0], w.shape[0]), tuned=True)
 
 
 @linear_fwd.register_fake
@@ -49,7 +47,7 @@ def linear_dgrad(g: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """``g @ w``: the gradient at a linear layer's input."""
     if not g.is_cuda:
         return g @ w
-    return _lt(g).gemm(g, w, g.new_empty(g.shape[0], w.shape[1]))
+    return linear_dgrad_into(g, w, g.new_empty(g.shape[0], w.shape[1]), tuned=True)
 
 
 @linear_dgrad.register_fake
@@ -80,7 +78,7 @@ def linear_bias_gelu(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor) -> tu
         return F.gelu(pre, approximate="tanh"), pre
     pre = x.new_empty(x.shape[0], w.shape[0])
     out = torch.empty_like(pre)
-    _lt(x).gemm(x, w, out, trans_b=True, epilogue=lt.EPILOGUE_GELU_AUX_BIAS, bias=bias, aux=pre)
+    linear_bias_gelu_into(x, w, bias, out, pre)
     return out, pre
 
 
@@ -95,7 +93,7 @@ def linear_dgelu(g: torch.Tensor, w: torch.Tensor, pre: torch.Tensor) -> torch.T
     """``(g @ w) * gelu_tanh'(pre)``: from the gradient at fc2's output to the one at fc1's output."""
     if not g.is_cuda:
         return (g @ w) * gelu_tanh_derivative(pre)
-    return _lt(g).gemm(g, w, torch.empty_like(pre), epilogue=lt.EPILOGUE_DGELU, aux=pre)
+    return linear_dgelu_into(g, w, pre, torch.empty_like(pre))
 
 
 @linear_dgelu.register_fake
@@ -141,3 +139,11 @@ def linear_dgelu_into(g: torch.Tensor, w: torch.Tensor, pre: torch.Tensor, out: 
     if g.is_cuda:
         return _lt(g).gemm(g, w, out, epilogue=lt.EPILOGUE_DGELU, aux=pre)
     return torch.mul(g @ w, gelu_tanh_derivative(pre), out=out)
+
+
+def linear_matmuls(tuned: bool):
+    """(forward ``(x, w, bias)``, input gradient ``(g, w)``, weight gradient ``(g, x)``) of a linear layer: the
+    cuBLASLt ops or torch's."""
+    if tuned:
+        return linear_fwd, linear_dgrad, linear_wgrad
+    return (lambda x, w, b: F.linear(x, w, b)), (lambda g, w: g @ w), (lambda g, x: g.t() @ x)

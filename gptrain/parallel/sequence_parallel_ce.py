@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from gptrain.kernels.ops import (linear_bias_gelu_into, linear_dgelu_into, linear_dgrad, linear_dgrad_into,
-                                 linear_fwd, linear_fwd_into, linear_wgrad)
+                                 linear_fwd, linear_fwd_into, linear_matmuls, linear_wgrad)
 from gptrain.parallel.peer_swap import GATHER, SCATTER, rank_in, start_trade
 
 
@@ -25,18 +25,6 @@ def _halves(rank: int, n: int) -> tuple[slice, slice]:
     """(this rank's rows, the other's) of a tensor over both halves."""
     first, second = slice(0, n), slice(n, 2 * n)
     return (first, second) if rank == 0 else (second, first)
-
-
-def _fwd(x, w, tuned):
-    return linear_fwd(x, w, None) if tuned else x @ w.t()
-
-
-def _dgrad(g, w, tuned):
-    return linear_dgrad(g, w) if tuned else g @ w
-
-
-def _wgrad(g, x, tuned):
-    return linear_wgrad(g, x) if tuned else g.t() @ x
 
 
 def _gather_into(x: torch.Tensor, group: str, each_half) -> torch.Tensor:
@@ -93,9 +81,10 @@ def sp_gather_linear_backward(g: torch.Tensor, gathered: torch.Tensor, w: torch.
     this rank's own input gradient and the weight gradient."""
     n = g.shape[0] // 2
     mine, theirs = _halves(rank_in(group), n)
-    arriving = start_trade(_dgrad(g[theirs], w, tuned), group, SCATTER)
-    grad_x = _dgrad(g[mine], w, tuned)
-    grad_w = _wgrad(g, gathered, tuned)
+    _, dgrad, wgrad = linear_matmuls(tuned)
+    arriving = start_trade(dgrad(g[theirs], w), group, SCATTER)
+    grad_x = dgrad(g[mine], w)
+    grad_w = wgrad(g, gathered)
     return grad_x.add_(arriving.wait()), grad_w
 
 
@@ -110,7 +99,8 @@ def _(g, gathered, w, tuned, group):
 @torch.library.custom_op("gptrain::sp_linear_scatter", mutates_args=())
 def sp_linear_scatter(h: torch.Tensor, w: torch.Tensor, tuned: bool, group: str) -> torch.Tensor:
     """``h @ w.T`` summed over both ranks, this rank's tokens only."""
-    return _scatter(lambda half: _fwd(h[half], w, tuned), h.shape[0] // 2, group, rank_in(group))
+    fwd = linear_matmuls(tuned)[0]
+    return _scatter(lambda half: fwd(h[half], w, None), h.shape[0] // 2, group, rank_in(group))
 
 
 @sp_linear_scatter.register_fake
@@ -125,7 +115,7 @@ def sp_linear_scatter_backward(g: torch.Tensor, h: torch.Tensor, w: torch.Tensor
     gathered half by half under the input gradient's matmuls."""
     grad_h = h.new_empty(h.shape)
     gathered = _gather_into(g, group, lambda rows, half: linear_dgrad_into(rows, w, grad_h[half], tuned))
-    return grad_h, _wgrad(gathered, h, tuned)
+    return grad_h, linear_matmuls(tuned)[2](gathered, h)
 
 
 @sp_linear_scatter_backward.register_fake

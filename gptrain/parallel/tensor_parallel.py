@@ -27,7 +27,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 
-from gptrain.kernels.ops import linear_bias_gelu, linear_dgelu, linear_dgrad, linear_fwd, linear_wgrad
+from gptrain.kernels.ops import linear_bias_gelu, linear_dgelu, linear_dgrad, linear_fwd, linear_matmuls, linear_wgrad
 from gptrain.model.gpt import GPT
 from gptrain.model.linear import FusedBiasGeluMLP, TunedLinear, linear_weight
 from gptrain.parallel.copy_engine import all_reduce_beside_wgrads
@@ -128,13 +128,6 @@ def _beside_wgrads(t: torch.Tensor, grads: list[torch.Tensor], inputs: list[torc
     return all_reduce_beside_wgrads(t.contiguous(), grads, inputs, tuned, group)
 
 
-def _matmuls(tuned: bool):
-    """(forward, input gradient, weight gradient) of a linear layer: the cuBLASLt ops or torch's."""
-    if tuned:
-        return linear_fwd, linear_dgrad, linear_wgrad
-    return (lambda x, w, b: F.linear(x, w, b)), (lambda g, w: g @ w), (lambda g, x: g.t() @ x)
-
-
 def _out_shape(x: torch.Tensor, rows: int, width: int, sp: bool, seq: int) -> tuple[int, ...]:
     # with sequence parallelism the region's output covers every token of the micro-batch
     return (rows // seq, seq, width) if sp else (*x.shape[:-1], width)
@@ -147,7 +140,7 @@ class _ColumnParallel(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, w, b, group: str, size: int, sp: bool, seq: int, tuned: bool, copy_engine: bool):
-        fwd, _, _ = _matmuls(tuned)
+        fwd, _, _ = linear_matmuls(tuned)
         x2 = _enter(_rows(x), group, size, sp)
         ctx.save_for_backward(x2, w)
         ctx.group, ctx.size, ctx.sp, ctx.tuned, ctx.x_shape = group, size, sp, tuned, x.shape
@@ -157,7 +150,7 @@ class _ColumnParallel(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         x2, w = ctx.saved_tensors
-        _, dgrad, wgrad = _matmuls(ctx.tuned)
+        _, dgrad, wgrad = linear_matmuls(ctx.tuned)
         g2 = _rows(g)
         grad_b = g2.sum(0) if ctx.has_bias else None
         if ctx.copy_engine:  # the sum by the copy engines beside the weight gradient, one op
@@ -395,7 +388,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, h, w_local, labels, vocab_size: int, group: str, rank: int, tuned: bool):
-        fwd, _, _ = _matmuls(tuned)
+        fwd, _, _ = linear_matmuls(tuned)
         width = w_local.shape[0]
         first = rank * width
         logits = fwd(h, w_local, None)
@@ -414,7 +407,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_losses):
         h, w_local, logits, row_max, sum_exp, index, local = ctx.saved_tensors
-        _, dgrad, wgrad = _matmuls(ctx.tuned)
+        _, dgrad, wgrad = linear_matmuls(ctx.tuned)
         probs = torch.exp(_masked(logits, ctx.first, ctx.vocab_size) - row_max[:, None]) / sum_exp[:, None]
         # minus the one-hot of each label this rank holds, elementwise (no scatter, no data-dependent shape)
         column = torch.arange(logits.shape[1], device=logits.device)

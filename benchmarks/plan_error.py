@@ -17,6 +17,7 @@ serving, and options the planner does not take in (max-autotune, the bias-GELU f
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import sys
 from dataclasses import dataclass
@@ -69,6 +70,20 @@ ZERO_HISTORY = ("ZeRO at micro-batch 16 moves 7-27% between runs (ZeRO-1 125,346
                 "114,147 tokens/s in fresh processes in s24/s26, held above; 107,528, 124,716 and 93,938 in s30 and "
                 "116,186, 98,807 and 83,923 in s31, after eight to ten other rows in the same process): not yet told "
                 "apart from the process's history")
+
+
+ZERO1_ON_FSDP2 = ("ZeRO-1 over whole replicas ran on FSDP2 before s33; it is Megatron's distributed optimizer since "
+                  "(parallel/distributed_optimizer.py), which the planner predicts")
+
+
+def _session(source: str) -> int:
+    return int(source.split()[0].lstrip("s"))
+
+
+def zero1_on_fsdp2(row: "Row") -> bool:
+    """A ZeRO-1 row over whole replicas (no pipeline, no offload) measured before the distributed optimizer."""
+    return ("--zero-stage 1" in row.flags and "--pipeline-model-parallel-size" not in row.flags
+            and "--cpu-offload" not in row.flags and row.world > 1 and not row.simulated and _session(row.source) < 33)
 
 
 def mb(mbs: int, gbs: int) -> str:
@@ -436,6 +451,9 @@ ROWS = [
         ("TP2, mbs 64 (CUDA graphs by default)", 164_486, None),
     )),
 ]
+
+
+ROWS = [dataclasses.replace(r, excluded=ZERO1_ON_FSDP2) if zero1_on_fsdp2(r) and not r.excluded else r for r in ROWS]
 
 
 @dataclass

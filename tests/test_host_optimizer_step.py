@@ -10,7 +10,8 @@ import pytest
 import torch
 import torch.nn as nn
 
-from gptrain.train.host_optimizer_step import OverlappedHostStep, _BlockStep
+from gptrain.train.fused_step import FusedStep
+from gptrain.train.host_optimizer_step import OverlappedHostStep
 
 
 def _model() -> nn.Sequential:
@@ -58,7 +59,7 @@ def test_a_blocks_forward_waits_for_its_own_update_only(monkeypatch):
     opt = _adamw(model)
     host = OverlappedHostStep(opt, _blocks(model))
     release, started_last = threading.Event(), threading.Event()
-    step = _BlockStep.step
+    step = FusedStep.step
 
     def held(self, *args):
         if self is host.steps[-1]:  # the last block's update waits for the test
@@ -66,7 +67,7 @@ def test_a_blocks_forward_waits_for_its_own_update_only(monkeypatch):
             assert release.wait(10)
         step(self, *args)
 
-    monkeypatch.setattr(_BlockStep, "step", held)
+    monkeypatch.setattr(FusedStep, "step", held)
     model(torch.randn(3, 8)).sum().backward()
     host.launch()
     assert started_last.wait(10)
@@ -88,7 +89,7 @@ def test_a_failure_on_the_thread_reaches_the_main_thread(monkeypatch):
     def broken(self, *args):
         raise MemoryError("host memory")
 
-    monkeypatch.setattr(_BlockStep, "step", broken)
+    monkeypatch.setattr(FusedStep, "step", broken)
     model(torch.randn(3, 8)).sum().backward()
     host.launch()
     with pytest.raises(RuntimeError, match="the host's optimizer step failed") as err:

@@ -87,7 +87,7 @@ def test_two_nodes_through_c10d_rendezvous(one_process):
 
 # ---- fp16: an overflow on one rank skips the step on every rank
 
-def _fp16_run(rank: int, bad_call: int, out_path: str) -> None:
+def _fp16_run(rank: int, bad_call: int, out_path: str, flags: list[str]) -> None:
     from gptrain.model.gpt import GPT as Model
     from gptrain.train.run import train_main
 
@@ -104,19 +104,20 @@ def _fp16_run(rank: int, bad_call: int, out_path: str) -> None:
 
     Model.forward = forward
     lines = []
-    rc = train_main(TINY + ["--fp16", "--train-iters", "5", "--initial-loss-scale", "1024", "--hysteresis", "1"],
-                    log=lines.append).exit_code
+    rc = train_main(TINY + ["--fp16", "--train-iters", "5", "--initial-loss-scale", "1024", "--hysteresis", "1"]
+                    + flags, log=lines.append).exit_code
     if rank == 0:
         with open(out_path, "w") as f:
             json.dump({"rc": rc, "lines": lines}, f)
 
 
 @pytest.mark.slow
-def test_fp16_overflow_on_one_rank_skips_on_all(tmp_path):
+@pytest.mark.parametrize("flags", [[], ["--use-distributed-optimizer"]], ids=["dp2", "distributed-optimizer"])
+def test_fp16_overflow_on_one_rank_skips_on_all(flags, tmp_path):
     # step 3's last micro-batch overflows: in one process that is its 4th micro-batch of the step
-    spawn(1, _fp16_run, 3 * 4, str(tmp_path / "one.json"))
+    spawn(1, _fp16_run, 3 * 4, str(tmp_path / "one.json"), [])
     # at DP2 each rank runs 2 micro-batches per step: the last rank's 6th forward is in step 3
-    spawn(2, _fp16_run, 3 * 2, str(tmp_path / "two.json"))
+    spawn(2, _fp16_run, 3 * 2, str(tmp_path / "two.json"), flags)
     one, two = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("one", "two"))
     assert one["rc"] == two["rc"] == 0
     it = [[line for line in run["lines"] if line.startswith(" iteration")] for run in (one, two)]

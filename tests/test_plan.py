@@ -71,12 +71,12 @@ def _fsdp_params(module):
 
 
 @pytest.mark.parametrize("layout", [["--zero-stage", "1"], ["--zero-stage", "2"], ["--zero-stage", "3"],
-                                    ["--tensor-model-parallel-size", "2"]], ids=["zero1", "zero2", "zero3", "tp2"])
+                                    ["--tensor-model-parallel-size", "2"]], ids=["zero1-distributed-optimizer", "zero2", "zero3", "tp2"])
 def test_state_bytes_of_a_rank_of_two_equal_a_simulated_cpu_rank(layout):
     """Rank 0 of two through the rank simulator (fake process group, this process), each kind of state
-    where it peaks: ZeRO-1's whole fp32 gradients in the first of two micro-batches (reduce-scattered
-    after the last), ZeRO-2/3's gradient shards, the half-precision copies ZeRO-1/2 gather for the
-    step, and ZeRO-3's: the root's and the running block's (and the next block, which a GPU prefetches)."""
+    where it peaks: the distributed optimizer's (ZeRO-1's) whole fp32 gradient buffer and its rows of the main
+    weights, ZeRO-2/3's gradient shards, the half-precision copies ZeRO-2 gathers for the step, and ZeRO-3's:
+    the root's and the running block's (and the next block, which a GPU prefetches)."""
     with simulate.simulated_world(2):
         cfg, _ = parse_megatron_args(TINY_FLAGS + RUN + ["--num-layers", "4", "--micro-batch-size", "2",
                                                          "--global-batch-size", "8", "--bf16"] + layout, world_size=2)
@@ -88,13 +88,11 @@ def test_state_bytes_of_a_rank_of_two_equal_a_simulated_cpu_rank(layout):
 
         def half_copies(*_):
             gathered.append(_unique_bytes(p for p in model.parameters() if not isinstance(p, DTensor)))
-        if zero == 1:
-            parts.train_module.set_requires_gradient_sync(False)  # as train/loop.py runs a first micro-batch
         if zero == 3:
             model.layers["1"].mlp.register_forward_hook(half_copies)
         tokens = torch.randint(0, 1000, (2, 16))
         loss = parts.forward(tokens, tokens, None)
-        if zero in (1, 2):
+        if zero == 2:
             half_copies()
         loss.backward()
         if parts.main is not None:
@@ -105,9 +103,7 @@ def test_state_bytes_of_a_rank_of_two_equal_a_simulated_cpu_rank(layout):
         assert optimizer == pytest.approx(predicted.optimizer, rel=0.02)
         if dims.sharded:
             assert _local_bytes(model.parameters()) == pytest.approx(predicted.main_params, rel=0.02)
-            grads = [f.unsharded_accumulated_grad for f in _fsdp_params(parts.train_module)] if zero == 1 else \
-                [p.grad for p in model.parameters()]
-            assert _local_bytes(grads) == pytest.approx(predicted.grads, rel=0.02)
+            assert _local_bytes([p.grad for p in model.parameters()]) == pytest.approx(predicted.grads, rel=0.02)
             prefetched = 2 * block_params(cfg, 1) if zero == 3 else 0
             assert gathered[0] + prefetched == pytest.approx(predicted.weights, rel=0.02)
         else:

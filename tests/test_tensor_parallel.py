@@ -35,8 +35,9 @@ def one_process(tmp_path_factory):
 @pytest.mark.slow
 @pytest.mark.parametrize("nproc, tp, flags", [
     (2, 2, []), (2, 2, ["--sequence-parallel"]), (4, 2, []), (4, 2, ["--zero-stage", "3"]), (4, 4, []),
-    (4, 2, ["--sequence-parallel", "--overlap-grad-reduce", "--ddp-bucket-size", "5000"])],
-    ids=["tp2", "tp2+sp", "tp2xdp2", "tp2xzero3", "tp4", "tp2+spxdp2-overlap"])  # TP2 x PP2 + SP: test_pipeline_parallel
+    (4, 2, ["--sequence-parallel", "--overlap-grad-reduce", "--ddp-bucket-size", "5000"]),
+    (4, 2, ["--sequence-parallel", "--use-distributed-optimizer"])],
+    ids=["tp2", "tp2+sp", "tp2xdp2", "tp2xzero3", "tp4", "tp2+spxdp2-overlap", "tp2+spxdp2-distributed-optimizer"])  # TP2 x PP2 + SP: test_pipeline_parallel
 def test_tensor_parallel_equals_one_process(nproc, tp, flags, one_process, tmp_path):
     out = torchrun(nproc, TINY + STEPS + ["--tensor-model-parallel-size", str(tp), "--save", str(tmp_path),
                                           "--verbose"] + flags)

@@ -40,15 +40,23 @@ class ParallelDims:
         return self.world_size > 1
 
     @property
+    def distributed_optimizer(self) -> bool:
+        """ZeRO-1 on whole replicas (Megatron's distributed optimizer, parallel/distributed_optimizer.py):
+        over several data-parallel ranks, without pipelines or offload (FSDP2 keeps ZeRO-1 there)."""
+        return self.zero_stage == 1 and self.dp > 1 and self.pp == 1 and not self.cpu_offload
+
+    @property
     def sharded(self) -> bool:
-        """Parameters live in FSDP2 (the ZeRO stages); plain data parallelism keeps whole replicas, and
-        ZeRO over one rank shards nothing (Megatron's scripts pass --use-distributed-optimizer on one GPU),
-        but ZeRO-3 with --cpu-offload on one rank still moves the state to host memory (ZeRO-Offload)."""
-        return self.zero_stage > 0 and (self.dp > 1 or self.cpu_offload)
+        """Parameters live in FSDP2 (ZeRO-2/3, and ZeRO-1 where the distributed optimizer does not reach);
+        plain data parallelism keeps whole replicas, and ZeRO over one rank shards nothing (Megatron's scripts
+        pass --use-distributed-optimizer on one GPU), but ZeRO-3 with --cpu-offload on one rank still moves
+        the state to host memory (ZeRO-Offload)."""
+        return self.zero_stage > 0 and (self.dp > 1 or self.cpu_offload) and not self.distributed_optimizer
 
     @property
     def replicated(self) -> bool:
-        """Plain data parallelism: every rank holds the whole model and the gradients are all-reduced."""
+        """Every data-parallel rank holds the whole model: the gradients are all-reduced (plain data
+        parallelism) or, under the distributed optimizer, reduce-scattered."""
         return self.dp > 1 and not self.sharded
 
     def validate(self, num_layers: int, num_heads: int, micro_batch_size: int, global_batch_size: int,

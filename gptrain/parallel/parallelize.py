@@ -1,7 +1,8 @@
 """Apply the layout and the run-time transformations to a built (meta-device) model: activation
 recompute -> tensor parallelism -> compile -> FSDP2.
 
-Every ZeRO stage runs on FSDP2 ``fully_shard`` with a mixed-precision policy: the parameters the
+ZeRO-2, ZeRO-3 and ZeRO-1 with pipelines or --cpu-offload run on FSDP2 ``fully_shard`` with a
+mixed-precision policy (ZeRO-1 elsewhere: parallel/distributed_optimizer.py): the parameters the
 optimizer sees are fp32 shards (the main parameters), each block computes in bf16/fp16 on an
 all-gathered copy. ZeRO-2 and ZeRO-3 reduce-scatter the gradients in fp32 as each block's backward
 finishes, so communication overlaps compute; ZeRO-1 keeps them whole (fp32) across the step's
@@ -15,7 +16,8 @@ step (parallel/data_parallel.py), or bucket by bucket during the backward with -
 (parallel/grad_buckets.py; the step then compiled in graphs cut where the buckets end,
 parallel/bucketed_compile.py). Measured faster than FSDP2 without
 resharding, whose per-block hooks cut the compiled graph into blocks and add host work
-(benchmarks/RESULTS.md, s5).
+(benchmarks/RESULTS.md, s5). For the same reason ZeRO-1 over whole replicas (no pipeline, no offload) is
+Megatron's distributed optimizer on that path (parallel/distributed_optimizer.py), not FSDP2.
 """
 from __future__ import annotations
 
@@ -36,6 +38,10 @@ def apply_recompute(model: GPT, mode: str | None) -> None:
 
 
 def describe_sharding(dims: ParallelDims, overlap: bool = False, reduce_bf16: bool = False) -> str:
+    if dims.distributed_optimizer:
+        return (f"ZeRO-1 over {dims.dp} ranks as Megatron's distributed optimizer: whole model on each, each rank's "
+                f"1/{dims.dp} of every parameter's rows in fp32 with AdamW's state, gradients reduce-scattered in "
+                f"{'bf16' if reduce_bf16 else 'fp32'} once per step, the updated weights all-gathered")
     if dims.replicated:
         when = "in buckets during the last micro-batch's backward" if overlap else "once per step, after the backward"
         return (f"data parallel over {dims.dp} ranks: whole model on each, fp32 main parameters and gradients, "

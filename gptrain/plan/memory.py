@@ -224,7 +224,11 @@ def state_memory(cfg: RunConfig, dims: ParallelDims, params: int, layers: int) -
         return Memory(weights=(2.0 if half else 4.0) * gathered,
                       main_params=4.0 * params / d, optimizer=8.0 * params / d,
                       grads=4.0 * params if whole else 4.0 * params / d)
+    # the distributed optimizer: its rows' fp32 main weights and moments; the whole gradient buffer (beside the
+    # model's fp32 gradients when those are fp32; the reduced rows fit in the freed half-precision gradients)
+    d = dims.dp if dims.distributed_optimizer else 1
     if not half:
         autocast_copies = 2.0 * params if cfg.precision.autocast else 0.0
-        return Memory(weights=4.0 * params + autocast_copies, grads=4.0 * params, optimizer=8.0 * params)
-    return Memory(weights=2.0 * params, main_params=4.0 * params, grads=4.0 * params, optimizer=8.0 * params)
+        return Memory(weights=4.0 * params + autocast_copies, main_params=4.0 * params / d if d > 1 else 0.0,
+                      grads=4.0 * params * (2 if d > 1 else 1), optimizer=8.0 * params / d)
+    return Memory(weights=2.0 * params, main_params=4.0 * params / d, grads=4.0 * params, optimizer=8.0 * params / d)

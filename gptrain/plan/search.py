@@ -111,7 +111,7 @@ def predict(cfg: RunConfig, world: int, gpu: Gpu, gpus_per_node: int) -> Predict
     time.dp_comm = data_parallel_s(cfg, dims, gpu, params[biggest], stages[biggest], n_micro, layer_counts[biggest],
                                    dp_gbps)
     time.compute += grad_accumulation_s(cfg, dims, gpu, params[biggest], n_micro)
-    local_params = params[biggest] / (dims.dp if dims.sharded else 1)
+    local_params = params[biggest] / (dims.dp if dims.sharded or dims.distributed_optimizer else 1)
     if dims.cpu_offload:  # the gradient norm on the host where train/build.py cannot sum it on the GPU
         share = offloaded_share(cfg, dims)
         time.optimizer = offload_s(local_params * share, dims.zero_stage, n_micro, host_norm=not sums_on_device(dims),

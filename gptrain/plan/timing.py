@@ -265,6 +265,8 @@ def data_parallel_s(cfg: RunConfig, dims: ParallelDims, gpu: Gpu, params: int, s
         low = cfg.parallel.grad_reduce_in_bf16
         grad_bytes = (2.0 if low else 4.0) * params
         reduce = all_reduce_s(grad_bytes, d, gbps)
+        if dims.distributed_optimizer:  # reduce-scattered, the new weights all-gathered in their dtype and copied in
+            reduce = gather_s(grad_bytes, d, gbps) + gather_s(half * params, d, gbps) + gpu.memory_s(2.0 * half * params)
         # --grad-reduce-in-bf16: the fp32 gradients cast down before and copied back after, on the device
         cast = gpu.memory_s(BF16_REDUCE_CAST_BYTES * params) if low else 0.0
         if overlap_grad_reduce(cfg, dims):  # hidden under the last micro-batch's backward but its last bucket

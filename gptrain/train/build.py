@@ -28,6 +28,7 @@ from gptrain.parallel.parallelize import describe_sharding, parallelize
 from gptrain.parallel.tensor_parallel import ShardLayout
 from gptrain.parallel.pipeline import Pipeline, StageShapes, check_micro_batches, pipeline_chunks, prune_for_stage, stage_layer_counts, virtual_stages
 from gptrain.train.checkpoint import init_optimizer_state
+from gptrain.parallel.distributed_optimizer import ShardedMainParams
 from gptrain.train.main_params import MainParams
 from gptrain.train.rampup import rampup_of
 
@@ -49,7 +50,9 @@ class TrainingParts:
     model: GPT
     train_module: TrainModule
     forward: Callable  # (tokens, labels, loss_mask) -> mean loss
-    main: MainParams | None  # one device with bf16/fp16 parameters: the fp32 main copies
+    # the fp32 main copies: whole (one device, plain data parallelism, bf16/fp16 parameters) or this rank's rows
+    # (the distributed optimizer, any precision)
+    main: MainParams | ShardedMainParams | None
     opt_params: dict[str, torch.Tensor]  # what the optimizer updates and checkpoints hold, by name
     optimizer: torch.optim.Optimizer
     dims: ParallelDims
@@ -61,6 +64,7 @@ class TrainingParts:
     grad_buckets: object = None  # --overlap-grad-reduce: parallel/grad_buckets.GradBuckets
     host_step: object = None  # --overlap-cpu-optimizer-d2h-h2d: train/host_optimizer_step.OverlappedHostStep
     grad_squares: object = None  # --cpu-offload: parallel/reduced_grad_norm.ReducedGradSquares
+    local_step: object = None  # the distributed optimizer: train/fused_step.FusedStep over its DTensors' local rows
 
 
 def parallel_dims(cfg: RunConfig, world_size: int) -> ParallelDims:
@@ -101,7 +105,7 @@ def parallel_dims(cfg: RunConfig, world_size: int) -> ParallelDims:
     if cfg.parallel.overlap_cpu_optimizer and dims.pp > 1:
         raise ValueError("--overlap-cpu-optimizer-d2h-h2d with pipeline parallelism is not built yet (the stages' "
                          "forwards are the schedule's): leave it out or use --pipeline-model-parallel-size 1")
-    if (dims.sharded or dims.tp > 1 or dims.pp > 1) and cfg.precision.fp8:
+    if (dims.sharded or dims.distributed_optimizer or dims.tp > 1 or dims.pp > 1) and cfg.precision.fp8:
         raise ValueError("--fp8 with ZeRO, tensor or pipeline parallelism is not built yet (fp8 runs on one "
                          "device or with plain data parallelism)")
     virtual = virtual_stages(cfg.model.num_layers, dims.pp, cfg.parallel.layers_per_virtual_stage)
@@ -224,7 +228,9 @@ def build_training(cfg: RunConfig, device: torch.device, dims: ParallelDims, mes
     model.tie_output_layer()  # to_empty made new tensors
     model.init_weights(cfg.data.seed, layout.region if dims.tp > 1 else None)
     main = None
-    if p.half_params and not dims.sharded:
+    if dims.distributed_optimizer:  # this rank's rows of the fp32 main weights, whatever the parameters' dtype
+        main = ShardedMainParams(model, param_dtype or torch.float32, mesh["dp"])
+    elif p.half_params and not dims.sharded:
         # one device: bf16/fp16 model, fp32 main copies taken from the exact initialisation
         main = MainParams(model, compute_dtype)
         if chunks:  # the schedule runs every micro-batch's backward: accumulate in fp32 as they come
@@ -244,6 +250,14 @@ def build_training(cfg: RunConfig, device: torch.device, dims: ParallelDims, mes
                                        f"({len(buckets.spans)} buckets), the compiled step cut where they end"
                                        + (", all-reduced by the copy engines" if buckets.copy_engine else ""))
     optimizer = build_optimizer(opt_params, cfg)
+    local_step = None
+    if dims.distributed_optimizer:
+        from gptrain.train.fused_step import FusedStep
+
+        local_step = FusedStep(optimizer, {id(p) for p in opt_params.values()})
+        if cfg.parallel.overlap_grad_reduce:
+            impls["gradient reduction"] = ("reduce-scattered once after the backward: --overlap-grad-reduce is not "
+                                           "built for the distributed optimizer yet")
     # AdamW's state exists from the start (what fused AdamW would create at its first step), so a
     # checkpoint written before the first update (fp16's first steps are skipped) holds it all
     init_optimizer_state(opt_params, optimizer)
@@ -280,7 +294,7 @@ def build_training(cfg: RunConfig, device: torch.device, dims: ParallelDims, mes
                             shapes)
         impls["pipeline"] = pipeline.describe()
     return TrainingParts(model, train_module, forward, main, opt_params, optimizer, dims, mesh, impls, fp8_layers,
-                         pipeline, layout, buckets, host_step, grad_squares)
+                         pipeline, layout, buckets, host_step, grad_squares, local_step)
 
 
 def materialize(train_module: nn.Module, offloaded: set[nn.Module], device: torch.device) -> None:
@@ -319,7 +333,7 @@ def overlap_bucket_bytes(cfg: RunConfig, dims: ParallelDims, param_dtype: torch.
 def overlap_grad_reduce(cfg: RunConfig, dims: ParallelDims) -> bool:
     """--overlap-grad-reduce where gptrain does it: plain data parallelism without pipelines (ZeRO's
     FSDP2 reduce-scatters during the backward anyway; a pipeline reduces after its schedule)."""
-    return cfg.parallel.overlap_grad_reduce and dims.replicated and dims.pp == 1
+    return cfg.parallel.overlap_grad_reduce and dims.replicated and dims.pp == 1 and not dims.distributed_optimizer
 
 
 def parameter_count(model: GPT) -> int:

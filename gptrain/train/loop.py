@@ -259,12 +259,16 @@ class Trainer(CheckpointLoading):
         if buckets is not None:  # reduced during the backward: the last buckets launched (each checked first), waited
             buckets.wait()
         bucket_flag = buckets.take_nonfinite() if buckets is not None else None
-        self.nan_check.record(loss_acc, [local(g) for _, g in named] if own else None, self.iteration + 1,
-                              bucket_flag)
-        if buckets is None and dims.replicated:  # plain data parallelism: average the whole gradients over the replicas
+        rows = dims.distributed_optimizer  # self.main: a ShardedMainParams, its gradient whole until reduced
+        own_grads = ([self.main.grad_flat] if rows else [local(g) for _, g in named]) if own else None
+        self.nan_check.record(loss_acc, own_grads, self.iteration + 1, bucket_flag)
+        if buckets is None and dims.replicated:  # data parallelism: average the whole gradients over the replicas
             group = self.parts.mesh["dp"].get_group()
             low = torch.bfloat16 if self.cfg.parallel.grad_reduce_in_bf16 else None
-            if self.main is not None:
+            if rows:  # each rank receives the average of its own rows
+                self.main.reduce_scatter(low)
+                named = [(n, p.grad) for n, p in self.opt_params.items()]
+            elif self.main is not None:
                 average_flat(self.main.grad_flat, group, dims.dp, low)
             else:
                 average_gradients([g for _, g in named], group, dims.dp, low)
@@ -276,7 +280,9 @@ class Trainer(CheckpointLoading):
             if self.pipeline.last and not self.pipeline.first:  # the tied copy counts once, on the first stage
                 tied = self._tied_gradient()
                 named = [(n, g) for n, g in named if g is not tied]
-        if self.main is not None and dims.tp == 1 and dims.pp == 1:  # whole main gradients, equal on every replica
+        if rows and dims.tp == 1:  # each rank's rows once
+            grad_norm, loss_sum = global_norm_and_sum([], loss_acc, squares=self.main.grad_squares())
+        elif self.main is not None and not rows and dims.tp == 1 and dims.pp == 1:  # whole, equal on every replica
             grad_norm, loss_sum = self.main.grad_norm(), all_reduce_(loss_acc.clone())
         elif self.parts.grad_squares is not None:  # --cpu-offload: summed on the GPU before the host copies
             grad_norm, loss_sum = global_norm_and_sum([], loss_acc, squares=self.parts.grad_squares.take())
@@ -339,6 +345,10 @@ class Trainer(CheckpointLoading):
         if self.host_step is not None:
             self.host_step.launch()
             return True
+        if self.parts.local_step is not None:  # the distributed optimizer's rows, on their local tensors
+            self.parts.local_step.step(getattr(self.optimizer, "grad_scale", None),
+                                       getattr(self.optimizer, "found_inf", None))
+            return False
         self.optimizer.step()
         return False
 

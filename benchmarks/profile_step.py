@@ -7,9 +7,11 @@ DTensor dispatches and compiled-region calls per step. Under torchrun rank 0 pri
     torchrun --nproc-per-node 2 benchmarks/profile_step.py ... --tensor-model-parallel-size 2
     python benchmarks/profile_step.py ... --tensor-model-parallel-size 2 --simulate-world-size 2  # one rank alone
 
-PROFILE_TRACE=path.json.gz also writes the profiled steps' Chrome trace (host threads and GPU streams).
+PROFILE_TRACE=path.json.gz also writes the profiled steps' Chrome trace (host threads and GPU streams);
+PROFILE_RANKS=all: every rank reports, in turn (a pipeline's stages).
 """
 import gzip
+import math
 import os
 import sys
 import time
@@ -75,6 +77,15 @@ def timeline(prof, steps: int) -> None:
     print(f"GPU timeline per step: span {ms(span):.1f} ms, compute kernels busy {ms(busy_compute):.1f} ms, "
           f"communication alone {ms(busy_all - busy_compute):.1f} ms, idle {ms(span - busy_all):.1f} ms "
           f"({len(comm) / steps:.0f} communication kernels per step, {ms(_union(comm)):.1f} ms in them)")
+    # the idle time by the length of its gaps: a pipeline's bubble is a few long gaps, waits on the host many short
+    gaps, end = [], None
+    for a, b in sorted((a, b) for a, b, _ in kernels):
+        if end is not None and a > end:
+            gaps.append(a - end)
+        end = b if end is None else max(end, b)
+    for lo, hi in ((0, 1e5), (1e5, 1e6), (1e6, 1e7), (1e7, math.inf)):
+        sel = [g for g in gaps if lo <= g < hi]
+        print(f"  idle gaps {lo / 1e6:g}-{hi / 1e6:g} ms: {len(sel) / steps:.0f} a step, {ms(sum(sel)):.1f} ms")
 
 
 def write_trace(prof, path: str) -> None:
@@ -110,10 +121,24 @@ def main(argv):
             trainer.train_step(loader)
         sync()
     loader.close()
-    if int(os.environ.get("RANK", "0")) != 0:
+    rank = int(os.environ.get("RANK", "0"))
+    if rank != 0 and os.environ.get("PROFILE_RANKS") != "all":
         return
+    if os.environ.get("PROFILE_RANKS") == "all":  # every rank's report (a pipeline's stages differ), one after another
+        for r in range(int(os.environ.get("WORLD_SIZE", "1"))):
+            if r == rank:
+                print(f"== rank {rank}", flush=True)
+                _report(prof, wall, steps, cuda, f".rank{rank}")
+                sys.stdout.flush()
+            torch.distributed.barrier()
+        return
+    _report(prof, wall, steps, cuda)
+
+
+def _report(prof, wall: float, steps: int, cuda: bool, suffix: str = "") -> None:
     if os.environ.get("PROFILE_TRACE"):
-        write_trace(prof, os.environ["PROFILE_TRACE"])
+        path = os.environ["PROFILE_TRACE"]
+        write_trace(prof, path.replace(".json", f"{suffix}.json") if suffix else path)
     host = {e.key: e.count for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CPU}
     print(f"wall time per step (unprofiled): {wall * 1000:.1f} ms")
     for key in ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaMemcpyAsync", "aten::item",

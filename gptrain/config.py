@@ -440,7 +440,8 @@ class ParallelConfig:
     # "not given" (--use-distributed-optimizer or a ds.json may set it, else 0)
     zero_stage: int = field(default=0, metadata=flag(
         "--zero-stage", group="distributed", type=int, choices=(0, 1, 2, 3), default=None,
-        help="ZeRO sharding on FSDP2: 1 optimizer state, 2 + gradients, 3 + parameters"))
+        help="ZeRO sharding: 1 optimizer state (Megatron's distributed optimizer over whole replicas; FSDP2 "
+             "with pipelines or offload), 2 + gradients, 3 + parameters (FSDP2)"))
     # FSDP2's CPUOffloadPolicy at any ZeRO stage
     cpu_offload: bool = field(default=False, metadata=flag(
         "--cpu-offload", "--optimizer-cpu-offload", group="distributed",
@@ -500,8 +501,8 @@ class ParallelConfig:
         help="all-reduce plain data parallelism's gradients in bf16 instead of fp32 (half the bytes)"))
     overlap_param_gather: bool = field(default=False, metadata=flag(
         "--overlap-param-gather", group="distributed",
-        help="accepted, changes nothing: under ZeRO (--use-distributed-optimizer) FSDP2 gathers each block's "
-             "parameters while the block before it computes, with or without this flag"))
+        help="accepted, changes nothing: the distributed optimizer all-gathers the new weights once after the "
+             "update; under FSDP2 each block's parameters are gathered while the block before it computes"))
 
 
 @dataclass

@@ -347,7 +347,10 @@ class HostStager(AsyncStager):
 
     def _buffer(self, t: torch.Tensor) -> torch.Tensor:
         if isinstance(t, DTensor):  # DCP's own way to a host DTensor (the same mesh and placements)
-            return _create_cpu_state_dict({"t": t}, pin_memory=self.pin)["t"]
+            # on a CPU it deep-copies the DTensor, which fails for a view into a larger storage (the distributed
+            # optimizer's rows): a clone of its own then
+            return _create_cpu_state_dict({"t": t.detach().clone() if t.device.type == "cpu" else t},
+                                          pin_memory=self.pin)["t"]
         # allocated pinned at once: DCP's helper pins a pageable copy, twice the work on the first save
         return torch.empty(t.shape, dtype=t.dtype, pin_memory=self.pin)
 

@@ -14,6 +14,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from gptrain.parallel.grad_hooks import on_grad_accumulated
+
 DEFAULT_BUCKET_SIZE = 40_000_000  # elements, Megatron's default
 
 
@@ -172,6 +174,5 @@ def overlap_reduction(params: list[torch.Tensor], main, group, size: int, bucket
     flat, views = flat_grads(params)
     buckets = GradBuckets(flat, views, group, size, bucket_size, reduce_dtype, copy_engine=copy_engine,
                           timeout_s=timeout_s)
-    for i, p in enumerate(params):
-        p.register_post_accumulate_grad_hook(lambda p, i=i: buckets.arrived(i))
+    on_grad_accumulated(params, buckets.arrived)
     return buckets

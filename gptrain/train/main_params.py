@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import torch
 
+from gptrain.parallel.grad_hooks import on_grad_accumulated
+
 
 @torch.no_grad()
 def _cast_parameters(model: torch.nn.Module, dtype: torch.dtype) -> None:
@@ -71,14 +73,13 @@ class MainParams:
     def accumulate_on_backward(self) -> None:
         """For pipeline schedules, which run every micro-batch's backward inside one call: each model
         gradient is added to its fp32 main gradient as soon as autograd has accumulated it."""
-        for i, p in enumerate(self.model_params):
-            p.register_post_accumulate_grad_hook(lambda p, i=i: self._take_grad(i, p))
+        on_grad_accumulated(self.model_params, self._take_grad)
 
     def report_arrivals(self, arrived) -> None:
         """For overlapped data-parallel reduction: ``arrived(i)`` as soon as autograd has accumulated
-        model gradient ``i``; the reduction's buckets hand them back through ``take_grads``."""
-        for i, p in enumerate(self.model_params):
-            p.register_post_accumulate_grad_hook(lambda p, i=i: arrived(i))
+        model gradient ``i`` (a bound method, held weakly); the reduction's buckets hand them back through
+        ``take_grads``."""
+        on_grad_accumulated(self.model_params, arrived)
 
     @torch.no_grad()
     def take_grads(self, indices: list[int], first: bool) -> None:
@@ -100,7 +101,8 @@ class MainParams:
         return self._keep
 
     @torch.no_grad()
-    def _take_grad(self, i: int, p: torch.Tensor) -> None:
+    def _take_grad(self, i: int) -> None:
+        p = self.model_params[i]
         if self.grad_flat is None:
             self._attach_flat_grads()
             self.grad_flat.zero_()

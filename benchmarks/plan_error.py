@@ -66,10 +66,11 @@ ZERO_CUBLASLT = ("cuBLASLt linears, which auto no longer picks under any ZeRO st
                  "(their host calls on top of FSDP2's hooks: 189.5 against 147.0 ms at ZeRO-2 on one machine, s24)")
 
 
-ZERO_HISTORY = ("ZeRO at micro-batch 16 moves 7-27% between runs (ZeRO-1 125,346-130,499, ZeRO-2 111,423 and ZeRO-3 "
-                "114,147 tokens/s in fresh processes in s24/s26, held above; 107,528, 124,716 and 93,938 in s30 and "
-                "116,186, 98,807 and 83,923 in s31, after eight to ten other rows in the same process): not yet told "
-                "apart from the process's history")
+ZERO_HISTORY = ("ZeRO on FSDP2 at micro-batch 16 moves 7-27% between runs (ZeRO-1 125,346-130,499, ZeRO-2 111,423 and "
+                "ZeRO-3 114,147 tokens/s in fresh processes in s24/s26, held above; 107,528, 124,716 and 93,938 in s30, "
+                "116,186, 98,807 and 83,923 in s31 and -, 115,271 and 93,619 in s33, after other rows in the same "
+                "process; in s33 no memory was left by earlier rows, so leaked memory does not explain it): not yet "
+                "told apart from the process's history")
 
 
 ZERO1_ON_FSDP2 = ("ZeRO-1 over whole replicas ran on FSDP2 before s33; it is Megatron's distributed optimizer since "
@@ -479,6 +480,17 @@ ROWS = [
         ("PP2 1F1B 13+11, mbs 16, global 128, torch's linears", 171_976, None),
         ("PP2 interleaved, mbs 16, global 128, torch's linears", 162_894, None),
         ("PP2 1F1B 14+10, mbs 16, global 128", 178_983, None),
+    )),
+    # s33 call 6, a machine started for it: the rows after DP2 overlapped and the pipelines, with the gradient hooks
+    # held weakly (no memory left by earlier rows); memory as the rows' own peaks
+    *table_rows("s33 2xH200 call 6", (
+        ("1 GPU, mbs 16", 205_810, 18.38),
+        ("DP2 overlap, mbs 16", 189_012, 19.71),
+        ("PP2 1F1B 14+10, mbs 16, global 128", 156_522, 18.19),
+        ("PP2 interleaved, mbs 16, global 128", 167_564, 19.34),
+        ("ZeRO-2 DP2, mbs 16", 115_271, 16.43),
+        ("ZeRO-3 DP2, mbs 16", 93_619, 15.83),
+        ("ZeRO-1 DP2, mbs 16", 194_733, 16.37),
     )),
 ]
 

@@ -130,7 +130,8 @@ def main(argv):
                 print(f"== rank {rank}", flush=True)
                 _report(prof, wall, steps, cuda, f".rank{rank}")
                 sys.stdout.flush()
-            torch.distributed.barrier()
+            if torch.distributed.is_initialized():
+                torch.distributed.barrier()
         return
     _report(prof, wall, steps, cuda)
 

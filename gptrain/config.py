@@ -498,7 +498,8 @@ class ParallelConfig:
              "beside them; experimental: on two GPUs it has not yet been faster than NCCL (benchmarks/RESULTS.md)"))
     grad_reduce_in_bf16: bool = field(default=False, metadata=flag(
         "--grad-reduce-in-bf16", group="distributed",
-        help="all-reduce plain data parallelism's gradients in bf16 instead of fp32 (half the bytes)"))
+        help="reduce plain data parallelism's gradients in bf16 instead of fp32 (half the bytes): the all-reduce, "
+             "or the distributed optimizer's reduce-scatter"))
     overlap_param_gather: bool = field(default=False, metadata=flag(
         "--overlap-param-gather", group="distributed",
         help="accepted, changes nothing: the distributed optimizer all-gathers the new weights once after the "

@@ -1,5 +1,5 @@
 """A checkpoint saved by one process resumes at another layout (tensor parallel 2, ZeRO-3 over two
-data-parallel ranks) with the next losses of the straight run (fp32, CPU, gloo). The reverse
+data-parallel ranks, the distributed optimizer's rows over two) with the next losses of the straight run (fp32, CPU, gloo). The reverse
 direction (TP2 -> one process) is in test_tensor_parallel.py."""
 from __future__ import annotations
 
@@ -22,8 +22,9 @@ def saved_by_one_process(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", [["--tensor-model-parallel-size", "2"], ["--zero-stage", "3"]],
-                         ids=["tp2", "zero3-dp2"])
+@pytest.mark.parametrize("layout", [["--tensor-model-parallel-size", "2"], ["--zero-stage", "3"],
+                                    ["--use-distributed-optimizer"]],
+                         ids=["tp2", "zero3-dp2", "distributed-optimizer-dp2"])
 def test_one_process_checkpoint_resumes_at_another_layout(layout, saved_by_one_process):
     straight, ck = saved_by_one_process
     out = torchrun(2, RUN + layout + ["--train-iters", "6", "--load", str(ck)])

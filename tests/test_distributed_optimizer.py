@@ -99,3 +99,44 @@ def test_a_megatron_distributed_optimizer_checkpoint_continues_on_two_ranks(tmp_
                               (mine[name][:rows] - theirs[name][:rows], theirs[name][:rows] - before))
         assert difference.norm() <= 0.05 * update.norm(), (name, difference.norm() / update.norm())
         assert (mine[name][:rows] - theirs[name][:rows]).abs().max() <= 2 * reference["next_lr"], name
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16-params", "fp32-params"])
+def test_the_buffers_hold_memory_only_while_used(dtype):
+    """One process (a group of one): the whole-gradient buffer is held from the first micro-batch to the reduction
+    and again for the all-gather only, so a skipped fp16 step (no all-gather) leaves nothing held; the reduced rows
+    until the update. With fp32 parameters the model's own rows are the main weights (no copy)."""
+    import os
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from distributed import free_port
+    from gptrain.parallel.collectives import local
+    from gptrain.parallel.distributed_optimizer import ShardedMainParams
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Linear(6, 3))
+        rows = ShardedMainParams(model, dtype, init_device_mesh("cpu", (1,)))
+        held = lambda t: t.untyped_storage().nbytes() > 0  # noqa: E731
+        assert rows.in_place == (dtype == torch.float32) and not held(rows.grad_flat) and not held(rows.shard_grad)
+        model(torch.randn(2, 4, dtype=dtype)).float().sum().backward()
+        rows.accumulate_grads()
+        assert held(rows.grad_flat) and all(p.grad is None for p in model.parameters())
+        rows.reduce_scatter()
+        assert not held(rows.grad_flat) and held(rows.shard_grad)
+        assert rows.grad_squares() > 0
+        rows.release_grads()  # a skipped step: no update, no all-gather
+        assert not held(rows.grad_flat) and not held(rows.shard_grad)
+        with torch.no_grad():
+            for m in rows.main:
+                local(m).add_(1.0)
+        rows.copy_to_model()
+        assert not held(rows.grad_flat)
+        for p, m in zip(model.parameters(), rows.main):
+            assert torch.equal(p.float(), local(m).to(dtype).float())
+    finally:
+        dist.destroy_process_group()

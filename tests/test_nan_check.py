@@ -85,7 +85,8 @@ def test_stop_advice_per_precision():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("extra", [[], ["--overlap-grad-reduce"]], ids=["after-backward", "overlapped"])
+@pytest.mark.parametrize("extra", [[], ["--overlap-grad-reduce"], ["--use-distributed-optimizer"]],
+                         ids=["after-backward", "overlapped", "distributed-optimizer"])
 def test_nan_on_one_rank_of_two_is_skipped_on_both_and_named(tmp_path, extra):
     """Overlapped, the gradients are reduced during the backward: the buckets note them before."""
     import os

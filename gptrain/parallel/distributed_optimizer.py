@@ -9,6 +9,8 @@ time. FSDP2 (parallel/parallelize.py) keeps ZeRO-1 where this does not reach (pi
 and ZeRO-2/3: its per-block hooks cut the compiled step into blocks and cost the host time at every
 block, which at small micro-batches left ZeRO-1 far behind plain data parallelism (benchmarks/RESULTS.md).
 
+With fp32 parameters (--fp32, --autocast) the model's own rows are the main weights (no copy).
+
 Layout. Rank r owns rows [r*c, min((r+1)*c, n)) of a parameter of n rows (c = ceil(n / dp); a 1-D
 tensor's rows are its elements): DTensor's Shard(0) split, so the main weights and the optimizer's state
 are DTensors of the (tensor-parallel rank's) whole parameter and a checkpoint reads the same at any
@@ -64,7 +66,9 @@ class ShardedMainParams:
             offset += per_rank * (p.numel() // max(rows, 1))
         self.region = offset  # elements a rank owns, padding included
         device = named[0][1].device
-        self.main_flat = torch.zeros(self.region, device=device)
+        # fp32 parameters (--fp32, --autocast) are their own main weights: the rows are views of the model's
+        self.in_place = dtype == torch.float32 and all(p.dtype == torch.float32 for _, p in named)
+        self.main_flat = None if self.in_place else torch.zeros(self.region, device=device)
         self.grad_flat = torch.empty(self.dp * self.region, device=device)  # the whole gradient, rank-major
         self.shard_grad = torch.zeros(self.region, device=device)  # this rank's rows of it, reduced
         self.main, self._grads = [], []
@@ -73,9 +77,11 @@ class ShardedMainParams:
         with torch.no_grad():
             for (_, p), span in zip(named, self._spans):
                 lo, hi = self._rows(span, self.rank)
-                # the fp32 copies are taken before the cast, so the main weights are the exact initialisation
-                mine = self._view(self.main_flat, span, self.rank, p.shape)
-                mine.copy_(p.detach()[lo:hi])
+                if self.in_place:
+                    mine = p.detach()[lo:hi]
+                else:  # the fp32 copies are taken before the cast, so the main weights are the exact initialisation
+                    mine = self._view(self.main_flat, span, self.rank, p.shape)
+                    mine.copy_(p.detach()[lo:hi])
                 self.main.append(self._dtensor(mine, p.shape, dp_mesh))
                 self._grads.append(self._dtensor(self._view(self.shard_grad, span, self.rank, p.shape), p.shape,
                                                  dp_mesh))
@@ -163,6 +169,7 @@ class ShardedMainParams:
             self.shard_grad.copy_(low)
         for m, g in zip(self.main, self._grads):
             m.grad = g
+        self._free(self.grad_flat)  # held again by copy_to_model (not reached after a skipped fp16 step)
         self._first = True
 
     def grad_squares(self) -> torch.Tensor:
@@ -183,14 +190,22 @@ class ShardedMainParams:
         gathered = self.grad_flat.view(self.dtype)[:n] if self.dtype.itemsize <= 4 else torch.empty(
             n, dtype=self.dtype, device=self.grad_flat.device)
         mine = gathered[self.rank * self.region: (self.rank + 1) * self.region]
-        mine.copy_(self.main_flat)
+        if self.in_place:  # this rank's rows are the model's own: into the gather's input, and not back
+            rows = [(p.detach()[lo:hi], self._view(gathered, span, self.rank, p.shape, self.rank * self.region))
+                    for p, pieces, span in zip(self.model_params, self._pieces, self._spans)
+                    for lo, hi, _ in [pieces[self.rank]] if hi > lo]
+            if rows:
+                torch._foreach_copy_([d for _, d in rows], [r for r, _ in rows])
+        else:
+            mine.copy_(self.main_flat)
         _all_gather(gathered, mine, self.group)
         dst, src = [], []
         for p, pieces, span in zip(self.model_params, self._pieces, self._spans):
             for r, (lo, hi, _) in enumerate(pieces):
-                if hi > lo:
+                if hi > lo and not (self.in_place and r == self.rank):
                     dst.append(p.detach()[lo:hi])
                     src.append(self._view(gathered, span, r, p.shape, r * self.region))
-        torch._foreach_copy_(dst, src)
+        if dst:
+            torch._foreach_copy_(dst, src)
         self._free(self.grad_flat)
         self._first = True

@@ -5,7 +5,10 @@
   first backward to the optimizer step, beside the model's half-precision gradients until they are
   moved into it (after the backward; as they arrive under a pipeline or --overlap-grad-reduce);
 - fp32 parameters (no --bf16/--fp16, or --autocast): weights 4 B, gradients 4 B, moments 8 B;
-- ZeRO on FSDP2 (parallel/parallelize.py): fp32 parameter and moment shards (12 B / dp; in host memory with
+- ZeRO-1 as the distributed optimizer (parallel/distributed_optimizer.py): as whole replicas, but the fp32 main
+  weights and moments of this rank's rows only (12 B / dp; with fp32 parameters the model's own rows, 8 B / dp,
+  beside the whole gradient buffer and the model's gradients, 8 B);
+- ZeRO-2/3 on FSDP2, and ZeRO-1 with pipelines or offload (parallel/parallelize.py): fp32 parameter and moment shards (12 B / dp; in host memory with
   --cpu-offload, 16 B / dp with the gradients, leaving the gathered copies on the GPU, and the fp32
   gradients whole over several micro-batches), gradients whole
   in fp32 at ZeRO-1 over several micro-batches, else fp32 shards; half-precision copies gathered per
@@ -224,11 +227,12 @@ def state_memory(cfg: RunConfig, dims: ParallelDims, params: int, layers: int) -
         return Memory(weights=(2.0 if half else 4.0) * gathered,
                       main_params=4.0 * params / d, optimizer=8.0 * params / d,
                       grads=4.0 * params if whole else 4.0 * params / d)
-    # the distributed optimizer: its rows' fp32 main weights and moments; the whole gradient buffer (beside the
-    # model's fp32 gradients when those are fp32; the reduced rows fit in the freed half-precision gradients)
+    # the distributed optimizer: its rows' fp32 main weights (the model's own with fp32 parameters) and moments; the
+    # whole gradient buffer (beside the model's fp32 gradients when those are fp32, as plain data parallelism's
+    # flattened copy; the reduced rows fit in the freed half-precision gradients)
     d = dims.dp if dims.distributed_optimizer else 1
     if not half:
         autocast_copies = 2.0 * params if cfg.precision.autocast else 0.0
-        return Memory(weights=4.0 * params + autocast_copies, main_params=4.0 * params / d if d > 1 else 0.0,
-                      grads=4.0 * params * (2 if d > 1 else 1), optimizer=8.0 * params / d)
+        return Memory(weights=4.0 * params + autocast_copies, grads=4.0 * params * (2 if d > 1 else 1),
+                      optimizer=8.0 * params / d)
     return Memory(weights=2.0 * params, main_params=4.0 * params / d, grads=4.0 * params, optimizer=8.0 * params / d)

@@ -17,8 +17,9 @@ prints each against its prediction):
   each its bytes over the link plus a latency; with --tp-comm-copy-engine and --sequence-parallel each a trade
   of half the tokens under a matmul, of which a share and a fixed cost show;
 - data parallelism as gptrain does it: whole replicas all-reduce the fp32 (or bf16) main gradients
-  after the backward, exposed, unless --overlap-grad-reduce; ZeRO (FSDP2) gathers parameters and
-  reduce-scatters gradients block by block under the compute;
+  after the backward, exposed, unless --overlap-grad-reduce; the distributed optimizer (ZeRO-1 on whole
+  replicas) reduce-scatters them and all-gathers the new weights in their dtype, exposed, and updates 1/dp of
+  them; ZeRO on FSDP2 gathers parameters and reduce-scatters gradients block by block under the compute;
 - pipeline: the p2p sends, the tied embeddings' gradient sum, and the bubble: one micro-batch through
   each stage but the slowest (over v with interleaving), the slowest setting the pace (the last runs
   the output layer and the loss);

@@ -29,6 +29,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
+from gptrain.train.main_params import cast_parameters
+
 
 def _reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group) -> None:
     # torch 2.13 renames the tensor forms; the GPU machines' 2.11 has only the old names
@@ -39,12 +41,6 @@ def _reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group) -> None:
 def _all_gather(out: torch.Tensor, inp: torch.Tensor, group) -> None:
     fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     fn(out, inp, group=group)
-
-
-def _cast_parameters(model: torch.nn.Module, dtype: torch.dtype) -> None:
-    with torch.no_grad():
-        for p in model.parameters():
-            p.data = p.data.to(dtype)
 
 
 class ShardedMainParams:
@@ -95,12 +91,34 @@ class ShardedMainParams:
                         padding.append(self.grad_flat[start: r * self.region + offset + per_rank * row])
                 self._pieces.append(pieces)
         self._padding = padding
-        self._free(self.grad_flat)
-        self._free(self.shard_grad)
-        _cast_parameters(model, dtype)
+        cast_parameters(model, dtype)
         params = dict(model.named_parameters())
         self.model_params = [params[n] for n in self.names]
+        self._gather_views()
+        self._free(self.grad_flat)
+        self._free(self.shard_grad)
         self._first = True  # the next micro-batch's gradients are copied into the buffer, not added
+
+    def _gather_views(self) -> None:
+        """The all-gather's buffer (the gradient buffer's memory in the parameters' dtype) and the copies between
+        it and the model's rows, made once: this rank's rows in (from the main weights, or the model's own rows
+        with fp32 parameters), every rank's rows out (but the model's own)."""
+        self._gathered = self.grad_flat.view(self.dtype)[:self.dp * self.region]
+        self._mine = self._gathered[self.rank * self.region: (self.rank + 1) * self.region]
+        self._own_in: tuple[list, list] = ([], [])  # (gathered, model rows), with fp32 parameters
+        self._out: tuple[list, list] = ([], [])  # (model rows, gathered)
+        with torch.no_grad():
+            for p, pieces, span in zip(self.model_params, self._pieces, self._spans):
+                for r, (lo, hi, _) in enumerate(pieces):
+                    if hi == lo:
+                        continue
+                    rows, part = p.detach()[lo:hi], self._view(self._gathered, span, r, p.shape, r * self.region)
+                    if self.in_place and r == self.rank:
+                        self._own_in[0].append(part)
+                        self._own_in[1].append(rows)
+                    else:
+                        self._out[0].append(rows)
+                        self._out[1].append(part)
 
     @staticmethod
     def _free(t: torch.Tensor) -> None:
@@ -185,27 +203,14 @@ class ShardedMainParams:
     @torch.no_grad()
     def copy_to_model(self) -> None:
         """Every rank's updated rows into every rank's model: one all-gather in the parameters' dtype."""
-        n = self.dp * self.region
         self._hold(self.grad_flat)  # freed already where no backward ran since (a checkpoint's load)
-        gathered = self.grad_flat.view(self.dtype)[:n] if self.dtype.itemsize <= 4 else torch.empty(
-            n, dtype=self.dtype, device=self.grad_flat.device)
-        mine = gathered[self.rank * self.region: (self.rank + 1) * self.region]
         if self.in_place:  # this rank's rows are the model's own: into the gather's input, and not back
-            rows = [(p.detach()[lo:hi], self._view(gathered, span, self.rank, p.shape, self.rank * self.region))
-                    for p, pieces, span in zip(self.model_params, self._pieces, self._spans)
-                    for lo, hi, _ in [pieces[self.rank]] if hi > lo]
-            if rows:
-                torch._foreach_copy_([d for _, d in rows], [r for r, _ in rows])
+            if self._own_in[0]:
+                torch._foreach_copy_(*self._own_in)
         else:
-            mine.copy_(self.main_flat)
-        _all_gather(gathered, mine, self.group)
-        dst, src = [], []
-        for p, pieces, span in zip(self.model_params, self._pieces, self._spans):
-            for r, (lo, hi, _) in enumerate(pieces):
-                if hi > lo and not (self.in_place and r == self.rank):
-                    dst.append(p.detach()[lo:hi])
-                    src.append(self._view(gathered, span, r, p.shape, r * self.region))
-        if dst:
-            torch._foreach_copy_(dst, src)
+            self._mine.copy_(self.main_flat)
+        _all_gather(self._gathered, self._mine, self.group)
+        if self._out[0]:
+            torch._foreach_copy_(*self._out)
         self._free(self.grad_flat)
         self._first = True

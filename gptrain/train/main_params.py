@@ -17,7 +17,7 @@ from gptrain.parallel.grad_hooks import on_grad_accumulated
 
 
 @torch.no_grad()
-def _cast_parameters(model: torch.nn.Module, dtype: torch.dtype) -> None:
+def cast_parameters(model: torch.nn.Module, dtype: torch.dtype) -> None:
     """Cast every parameter to ``dtype`` in place (a tied parameter once)."""
     for p in model.parameters():
         p.data = p.data.to(dtype)
@@ -29,7 +29,7 @@ class MainParams:
         self.names = [n for n, _ in named]
         # the fp32 copies are taken before the cast, so the main weights are the exact initialisation
         self.main = [p.detach().float().clone() for _, p in named]
-        _cast_parameters(model, dtype)
+        cast_parameters(model, dtype)
         params = dict(model.named_parameters())
         self.model_params = [params[n] for n in self.names]
         self.dtype = dtype

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from gptrain.bench import bench_baseline, measure, synthetic_trainer
+from gptrain.bench import GcPauses, bench_baseline, measure, synthetic_trainer
 from gptrain.config import parse_megatron_args
 from gptrain.parallel.dims import init_distributed, is_logging_rank, world_from_env
 from gptrain.parallel.teardown import end_process_group, release_compiled_graphs
@@ -64,11 +64,14 @@ class Row:
 
 
 # the layouts of two GPUs at micro-batch 16; data parallelism at one micro-batch a step (its reduction once a step,
-# unhidden by accumulation), pipelines at eight (their bubble as a training run at that batch has it)
+# unhidden by accumulation), pipelines at eight (their bubble as a training run at that batch has it); TP2 with its
+# default (the copy engines, on GPUs of one host) and on NCCL
 LAYOUTS = [Row.parse(r) for r in (
     "1gpu:1:16:16:", "dp2:2:16:32:", "dp2_overlap:2:16:32:--overlap-grad-reduce",
     "tp2:2:16:16:--tensor-model-parallel-size 2",
     "tp2_sp:2:16:16:--tensor-model-parallel-size 2 --sequence-parallel",
+    "tp2_nccl:2:16:16:--tensor-model-parallel-size 2 --no-tp-comm-copy-engine",
+    "tp2_sp_nccl:2:16:16:--tensor-model-parallel-size 2 --sequence-parallel --no-tp-comm-copy-engine",
     "pp2:2:16:128:--pipeline-model-parallel-size 2 --decoder-last-pipeline-num-layers 10",
     "pp2_interleaved:2:16:128:--pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 6",
     "zero1_dp2:2:16:32:--zero-stage 1", "zero2_dp2:2:16:32:--zero-stage 2", "zero3_dp2:2:16:32:--zero-stage 3")]
@@ -107,8 +110,10 @@ def _release_layout(groups_before: set) -> None:
     since ``groups_before`` (the mesh's, the pipeline's embedding groups ...)."""
     release_compiled_graphs()
     from gptrain.parallel.copy_engine import release_tp_exchanges
+    from gptrain.parallel.peer_swap import release_swaps
 
     release_tp_exchanges()
+    release_swaps()
     made = _process_groups() - groups_before - {dist.group.WORLD}
     names = dist.distributed_c10d._world.pg_names
     for group in sorted(made, key=lambda g: names.get(g, ""), reverse=True):  # the same order on every rank
@@ -123,6 +128,8 @@ def _release_layout(groups_before: set) -> None:
 class Result:
     row: Row
     seconds: float  # per step
+    host_seconds: float  # per step, until the last timed step returned (near ``seconds``: a host-bound step)
+    gc_seconds: float  # per step, in Python's collector during the timed steps
     peak_gib: float | None  # the row's own: above what was allocated when it started
     left_gib: float | None  # GPU memory still allocated when the row started (what earlier rows left behind)
     loss: float
@@ -222,10 +229,12 @@ def run_row(row: Row, model_flags: list[str], warmup: int, iters: int, baseline:
     device, cfg = trainer.device, trainer.cfg
     wall["build"] = time.perf_counter() - t0
     step = lambda: trainer.train_step(loader)  # noqa: E731
+    pauses = GcPauses()
     try:
-        seconds, _, peak = measure(step, warmup, iters, device, row.name, settle=trainer.settle)
+        seconds, host, peak = measure(step, warmup, iters, device, row.name, settle=trainer.settle, gc_pauses=pauses)
         loss = trainer.mean_unlogged_loss()
     finally:
+        pauses.close()
         trainer.settle()
         loader.close()
     wall["steps"] = time.perf_counter() - t0 - wall["build"]
@@ -240,7 +249,7 @@ def run_row(row: Row, model_flags: list[str], warmup: int, iters: int, baseline:
         wall["baseline"] = time.perf_counter() - t1
     tokens = cfg.train.global_batch_size * cfg.model.seq_length / row.gpus
     own_peak = None if peak is None else peak - (left or 0.0)
-    return Result(row, seconds, own_peak, left, loss, tokens / seconds, base, wall)
+    return Result(row, seconds, host, pauses.seconds / iters, own_peak, left, loss, tokens / seconds, base, wall)
 
 
 def _sharded_alone(row: Row, model_flags: list[str]) -> bool:
@@ -267,7 +276,8 @@ def format_row(r: Result, ref: Result | None, model_flags: list[str], device: to
     fpt = cfg.model.flops_per_token()
     cells = [r.row.name, str(r.row.gpus), str(r.row.micro_batch), str(r.row.global_batch)]
     mfu = f"{100 * r.tokens_per_gpu * fpt / 1e12 / peak_flops:.1f}%" if peak_flops else "n/a"
-    cells += [f"{1000 * r.seconds:.1f}", f"{r.tokens_per_gpu:,.0f}",
+    cells += [f"{1000 * r.seconds:.1f}", f"{1000 * r.host_seconds:.1f} ({1000 * r.gc_seconds:.1f})",
+              f"{r.tokens_per_gpu:,.0f}",
               _percent(r.tokens_per_gpu, ref.tokens_per_gpu if ref else None), mfu,
               "n/a" if r.peak_gib is None else f"{r.peak_gib:.2f}"]
     if p is None:
@@ -288,10 +298,10 @@ def format_row(r: Result, ref: Result | None, model_flags: list[str], device: to
     return "| " + " | ".join(cells) + " |"
 
 
-HEADER = ("| row | GPUs | micro-batch | global batch | ms/iter | tokens/s per GPU | of 1 GPU | MFU (datasheet) | "
+HEADER = ("| row | GPUs | micro-batch | global batch | ms/iter | host ms/iter (in gc) | tokens/s per GPU | of 1 GPU | MFU (datasheet) | "
           "peak GiB | plan: tokens/s (error); peak (error) | mean loss | nanoGPT beside it | "
           "GiB left by earlier rows | row's wall s |\n"
-          "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+          "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
 
 
 def main(argv: list[str]) -> int:

@@ -97,7 +97,11 @@ def ms(step_ms: float, gbs: int, world: int, seq: int = 1024) -> float:
 
 
 S4 = 203_376  # s4's 1-GPU micro-batch 16 figure, the options table's reference
-TP2, SP, PP2 = "--tensor-model-parallel-size 2", "--sequence-parallel", "--pipeline-model-parallel-size 2"
+# every tensor-parallel row before s34 ran its collectives on NCCL; from s34 the copy engines are TP 2's default, and
+# the rows that ran them say so
+TP2, SP, PP2 = "--tensor-model-parallel-size 2 --no-tp-comm-copy-engine", "--sequence-parallel", \
+    "--pipeline-model-parallel-size 2"
+TP2_CE = "--tensor-model-parallel-size 2 --tp-comm-copy-engine"
 # benchmarks/layout_table.py's rows by the names their calls' rows have here: (GPUs, micro-batch, flags)
 TABLE_LAYOUTS = {
     "1 GPU, mbs 16": (1, 16, mb(16, 16)),
@@ -126,10 +130,10 @@ TABLE_LAYOUTS = {
         2, 16, f"{mb(16, 128)} {PP2} --decoder-last-pipeline-num-layers 11 --linear-impl torch"),
     "PP2 interleaved, mbs 16, global 128, torch's linears": (
         2, 16, f"{mb(16, 128)} {PP2} --num-layers-per-virtual-pipeline-stage 6 --linear-impl torch"),
-    "TP2 copy-engine backward, mbs 16": (2, 16, f"{mb(16, 16)} {TP2} --tp-comm-copy-engine"),
-    "TP2+SP copy-engine trades, mbs 16": (2, 16, f"{mb(16, 16)} {TP2} {SP} --tp-comm-copy-engine"),
-    "TP2+SP copy-engine trades, mbs 32": (2, 32, f"{mb(32, 32)} {TP2} {SP} --tp-comm-copy-engine"),
-    "TP2+SP copy-engine trades, mbs 64": (2, 64, f"{mb(64, 64)} {TP2} {SP} --tp-comm-copy-engine"),
+    "TP2 copy-engine backward, mbs 16": (2, 16, f"{mb(16, 16)} {TP2_CE}"),
+    "TP2+SP copy-engine trades, mbs 16": (2, 16, f"{mb(16, 16)} {TP2_CE} {SP}"),
+    "TP2+SP copy-engine trades, mbs 32": (2, 32, f"{mb(32, 32)} {TP2_CE} {SP}"),
+    "TP2+SP copy-engine trades, mbs 64": (2, 64, f"{mb(64, 64)} {TP2_CE} {SP}"),
 }
 
 

@@ -14,7 +14,8 @@
 #               MEGATRON_LM=<a Megatron-LM checkout> also Megatron-LM's own step (megatron_lm_throughput.py:
 #               megatron_1gpu megatron_dp2 megatron_tp2 megatron_tp2_sp megatron_pp2)
 #   table       every 2-GPU layout in one call (issue 36's table): benchmarks/layout_table.py under one torchrun
-#               of 2 processes that stay up from row to row (1 GPU, DP2, DP2 overlapped, TP2, TP2+SP, PP2 1F1B and
+#               of 2 processes that stay up from row to row (1 GPU, DP2, DP2 overlapped, TP2, TP2+SP (each by default
+#               and on NCCL), PP2 1F1B and
 #               interleaved, ZeRO-1/2/3; each also at the planner's fastest micro-batch; nanoGPT beside the 1-GPU
 #               and DP2 rows; the planner's prediction beside every row), after the restart suite and serve_tp.py
 #               (TP2 serving beside 1 GPU's, batch 1 and 32, 32 clients; its fp32 comparison left to `run.sh
@@ -280,7 +281,7 @@ suite_table_warm() {
   # rows:best: the layouts compiled as one graph also at their best micro-batch (compiling those from nothing costs
   # 30-50 s a row); the pipeline's and ZeRO's, compiled block by block, take seconds, and their big micro-batches
   # beside the others would crowd the GPUs' memory
-  for rows in "1gpu dp2 dp2_overlap:1gpu dp2 dp2_overlap" "tp2 tp2_sp:tp2 tp2_sp" "pp2 pp2_interleaved:-" \
+  for rows in "1gpu dp2 dp2_overlap:1gpu dp2 dp2_overlap" "tp2 tp2_sp tp2_nccl tp2_sp_nccl:tp2 tp2_sp" "pp2 pp2_interleaved:-" \
               "zero1_dp2 zero2_dp2 zero3_dp2:-"; do
     IFS=: read -r rows best <<< "$rows"
     i=$((i + 1))

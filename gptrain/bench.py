@@ -9,6 +9,7 @@ bf16 matmul ceiling measured here, peak memory, and the ratio.
 from __future__ import annotations
 
 import argparse
+import gc
 import sys
 import time
 from contextlib import nullcontext
@@ -56,13 +57,39 @@ def _progress(message: str) -> None:
         print(f"{message} [{time.perf_counter() - gptrain.STARTED:.1f} s]", flush=True)
 
 
+class GcPauses:
+    """Time the host spends in Python's garbage collector, from ``reset()`` until ``close()``: a collection
+    the step's own allocations trigger stalls the host at a moment of its choosing (training's answer is
+    ``--manual-gc``)."""
+
+    def __init__(self):
+        self.seconds, self.collections, self._began = 0.0, [0, 0, 0], None
+        gc.callbacks.append(self._on_gc)
+
+    def _on_gc(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._began = time.perf_counter()
+        elif self._began is not None:
+            self.seconds += time.perf_counter() - self._began
+            self.collections[info["generation"]] += 1
+            self._began = None
+
+    def reset(self) -> None:
+        self.seconds, self.collections = 0.0, [0, 0, 0]
+
+    def close(self) -> None:
+        if self._on_gc in gc.callbacks:
+            gc.callbacks.remove(self._on_gc)
+
+
 def measure(step, warmup: int, iters: int, device, label: str = "",
-            settle=lambda: None) -> tuple[float, float, float | None]:
+            settle=lambda: None, gc_pauses: GcPauses | None = None) -> tuple[float, float, float | None]:
     """Seconds per step, host seconds per step (until the last step returns, before the final
     synchronisation: far below the step time means the host runs ahead of the device; close to it
     means either a CPU-bound step or a full launch queue, which only a profile tells apart), and
     peak GPU memory in GiB (None off a GPU). ``settle`` waits for host work a step leaves running
-    (the host's optimizer thread), counted in the step time like the device's."""
+    (the host's optimizer thread), counted in the step time like the device's. ``gc_pauses``: reset as the
+    timed steps start, so it holds their collections only."""
     begin = time.perf_counter()
     _progress(f"{label}: {warmup} warm-up iterations (compilation happens here) ...")
     for _ in range(warmup):
@@ -72,6 +99,8 @@ def measure(step, warmup: int, iters: int, device, label: str = "",
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     _progress(f"{label}: timing {iters} iterations (warm-up took {time.perf_counter() - begin:.1f} s) ...")
+    if gc_pauses is not None:
+        gc_pauses.reset()
     start = time.perf_counter()
     for _ in range(iters):
         step()
@@ -135,6 +164,8 @@ def bench_gptrain(argv: list[str], warmup: int, iters: int):
     impls = {"linear layers": trainer.linear_impl, "attention": trainer.attention_impl,
              "layout": f"dp {dims.dp} tp {dims.tp} pp {dims.pp}, " + trainer.parts.impls["parameters"]
              + (f"; pipeline: {trainer.parts.impls['pipeline']}" if dims.pp > 1 else "")
+             + (f"; tensor parallel: {trainer.parts.impls['tensor parallel']}"
+                if "tensor parallel" in trainer.parts.impls else "")
              + (f"; optimizer: {trainer.parts.impls['optimizer']}" if "optimizer" in trainer.parts.impls else ""),
              "launches": launches}
     dp = trainer.dp_size

@@ -420,10 +420,13 @@ class ParallelConfig:
     # as copy-engine trades under the matmuls (parallel/sequence_parallel_ce.py)
     tp_comm_copy_engine: bool = field(default=False, metadata=flag(
         "--tp-comm-copy-engine", group="distributed",
-        help="TP over two GPUs of one host: activations moved by copies into the other GPU's memory (copy engines), "
-             "not NCCL's kernels. Without --sequence-parallel: column-parallel input gradients summed beside their "
-             "weight gradients; with it: every gather and scatter of the regions, half the tokens under the "
-             "matmuls. Opt-in (benchmarks/RESULTS.md)"))
+        help="TP over two GPUs of one host: activations copied into the other GPU's memory by the copy engines, not "
+             "NCCL's kernels (with --sequence-parallel: every gather and scatter, half the tokens under the matmuls). "
+             "The default where it can run (TP 2, CUDA, one host, no --tp-comm-overlap or --autocast); this flag "
+             "makes it required"))
+    no_tp_comm_copy_engine: bool = field(default=False, metadata=flag(
+        "--no-tp-comm-copy-engine", group="distributed",
+        help="tensor parallelism's collectives on NCCL even where the copy engines could move them"))
     # interleaved 1F1B (Megatron's virtual pipeline stages)
     layers_per_virtual_stage: int | None = field(default=None, metadata=flag(
         "--num-layers-per-virtual-pipeline-stage", group="distributed",

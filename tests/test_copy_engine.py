@@ -157,6 +157,48 @@ def test_a_cpu_tensor_parallel_run_with_it_is_refused_before_the_build():
         check_before_build(cfg)
 
 
+def test_both_flags_together_are_refused():
+    cfg, _ = parse_megatron_args(TINY + ["--train-iters", "1", "--tensor-model-parallel-size", "2",
+                                         "--tp-comm-copy-engine", "--no-tp-comm-copy-engine"], world_size=2)
+    with pytest.raises(ValueError, match="--tp-comm-copy-engine and --no-tp-comm-copy-engine contradict each other"):
+        parallel_dims(cfg, 2)
+
+
+@pytest.mark.parametrize("extra,world,wanted", [
+    (["--tensor-model-parallel-size", "2"], 2, True),  # the default for a pair
+    (["--tensor-model-parallel-size", "2", "--sequence-parallel"], 4, True),  # TP2 x DP2
+    (["--tensor-model-parallel-size", "2", "--no-tp-comm-copy-engine"], 2, False),
+    (["--tensor-model-parallel-size", "2", "--sequence-parallel", "--tp-comm-overlap"], 2, False),  # async TP's own
+    (["--tensor-model-parallel-size", "2", "--bf16", "--autocast"], 2, False),  # its ops take the parameters' dtype
+    (["--tensor-model-parallel-size", "4"], 4, False),
+    ([], 2, False),
+], ids=["tp2", "tp2+spxdp2", "opted-out", "async-tp", "autocast", "tp4", "dp2"])
+def test_the_copy_engines_are_tp2s_default_where_they_can_serve_it(extra, world, wanted):
+    from gptrain.train.build import tp_copy_engine_wanted
+
+    cfg, _ = parse_megatron_args(TINY + ["--train-iters", "1", *extra], world_size=world)
+    assert tp_copy_engine_wanted(cfg, parallel_dims(cfg, world)) is wanted
+
+
+def test_the_planner_prices_the_default_as_the_trades():
+    """TP2 + SP without a flag is predicted as the copy engines' trades (what runs on GPUs of one host), faster than
+    the same layout on NCCL, and with the trades' buffer in its memory."""
+    from gptrain.plan.hardware import load_gpu
+    from gptrain.plan.search import predict
+
+    gpu = load_gpu("h200", None, None, measured=False)
+    m345 = ["--num-layers", "24", "--hidden-size", "1024", "--num-attention-heads", "16", "--seq-length", "1024",
+            "--max-position-embeddings", "1024", "--bf16", "--compile", "--micro-batch-size", "16",
+            "--global-batch-size", "16", "--tensor-model-parallel-size", "2", "--sequence-parallel", "--mock-data",
+            "--train-iters", "1"]
+    p = {name: predict(parse_megatron_args(m345 + extra, world_size=2)[0].with_tokenizer(50257, 50256), 2, gpu, 8)
+         for name, extra in (("default", []), ("required", ["--tp-comm-copy-engine"]),
+                             ("nccl", ["--no-tp-comm-copy-engine"]))}
+    assert p["default"].tokens_per_s_per_gpu == p["required"].tokens_per_s_per_gpu
+    assert p["default"].tokens_per_s_per_gpu > 1.1 * p["nccl"].tokens_per_s_per_gpu
+    assert p["default"].peak_gib > p["nccl"].peak_gib
+
+
 def _layers_backward(rank: int, device: str) -> None:
     """A column-parallel linear and the fused MLP, each rank on its shard: the same gradients through the op as
     through the functional all-reduce (on CPU the op's gloo path in fp32, on GPUs its copy engines in bf16: the
@@ -256,9 +298,10 @@ def test_tensor_parallel_with_it_equals_the_nccl_run(layout, line, extra):
     gradient norm shows the updates before it (the tiny model's loss barely moves in four iterations)."""
     flags = [f for f in TINY if f not in ("--device", "cpu")] + ["--train-iters", "4", "--tensor-model-parallel-size",
                                                                   "2", "--lr", "3e-2", *layout, *extra]
-    nccl_out = torchrun(2, flags)
-    out = torchrun(2, flags + ["--tp-comm-copy-engine"])
-    assert line in out
+    nccl_out = torchrun(2, flags + ["--no-tp-comm-copy-engine"])
+    out = torchrun(2, flags)  # the copy engines by default on two GPUs of one host
+    assert line in out and "(the default; --no-tp-comm-copy-engine: NCCL's)" in out
+    assert "tensor parallel: NCCL's collectives" not in out
     nccl, copy_engine = losses(nccl_out), losses(out)
     assert sorted(copy_engine) == [1, 2, 3, 4]
     rel = 2e-3 if extra else 1e-5

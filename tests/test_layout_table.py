@@ -41,15 +41,16 @@ def test_every_layout_trains_the_same_model_one_row_after_another():
     out = _table([x for r in ROWS for x in ("--row", r)])
     rows = _final_rows(out)
     assert list(rows) == ["1gpu", "1gpu_again", "dp2", "tp", "pp", "zero3", "tp_sp", "overlap", "tp_again"]  # 1 GPU first
-    loss = {name: float(cells[10]) for name, cells in rows.items()}
+    loss = {name: float(cells[11]) for name, cells in rows.items()}
     assert loss["tp_again"] == loss["tp"] and loss["1gpu_again"] == loss["1gpu"]
     assert all(v == pytest.approx(loss["1gpu"], rel=1e-5) for v in loss.values()), loss
-    assert rows["1gpu"][6] == "100.0%" and re.fullmatch(r"\d+\.\d%", rows["tp"][6])  # of the first one-GPU row
+    assert rows["1gpu"][7] == "100.0%" and re.fullmatch(r"\d+\.\d%", rows["tp"][7])  # of the first one-GPU row
+    assert all(re.fullmatch(r"[\d.]+ \([\d.]+\)", cells[5]) for cells in rows.values())  # host ms/iter (in gc)
     # nanoGPT beside the rows it anchors, and only there
-    assert [name for name, cells in rows.items() if cells[11]] == ["1gpu", "dp2"]
-    assert re.fullmatch(r"[\d.]+ ms, [\d,]+", rows["dp2"][11])
-    assert rows["dp2"][12] == ""  # no GPU memory to have been left behind
-    assert re.fullmatch(r"build \d+, steps \d+, baseline \d+", rows["dp2"][13])
+    assert [name for name, cells in rows.items() if cells[12]] == ["1gpu", "dp2"]
+    assert re.fullmatch(r"[\d.]+ ms, [\d,]+", rows["dp2"][12])
+    assert rows["dp2"][13] == ""  # no GPU memory to have been left behind
+    assert re.fullmatch(r"build \d+, steps \d+, baseline \d+", rows["dp2"][14])
 
 
 @pytest.mark.slow

@@ -125,12 +125,12 @@ def paired_exchange(group, max_numel: int, dtype: torch.dtype, device: torch.dev
     return paired_setup(group, device, flag, lambda: CopyEngineAllReduce(group, max_numel, dtype, device, timeout_s))
 
 
-def set_up_tp_exchange(group, max_numel: int, dtype: torch.dtype, device: torch.device, timeout_s: float) -> None:
+def set_up_tp_exchange(group, max_numel: int, dtype: torch.dtype, device: torch.device, timeout_s: float,
+                       flag: str = "--tp-comm-copy-engine") -> None:
     """The tensor-parallel pair's exchange for gradients of ``dtype`` up to ``max_numel`` elements, made before
     anything is compiled (its symmetric memory must not be allocated inside a compiled step's first run, whose
     allocations CUDA graphs take into their pool)."""
-    _EXCHANGES[(group.group_name, dtype)] = paired_exchange(group, max_numel, dtype, device, timeout_s,
-                                                            "--tp-comm-copy-engine")
+    _EXCHANGES[(group.group_name, dtype)] = paired_exchange(group, max_numel, dtype, device, timeout_s, flag)
 
 
 def release_tp_exchanges() -> None:

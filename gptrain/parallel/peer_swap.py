@@ -129,12 +129,13 @@ def rank_in(group: str) -> int:
 _SWAPS: dict[tuple[str, torch.dtype], PeerSwap] = {}
 
 
-def set_up_swap(group, max_numel: int, dtype: torch.dtype, device: torch.device, timeout_s: float) -> None:
+def set_up_swap(group, max_numel: int, dtype: torch.dtype, device: torch.device, timeout_s: float,
+                flag: str = "--tp-comm-copy-engine") -> None:
     """The tensor-parallel pair's trade for activations of ``dtype`` up to ``max_numel`` elements, made on both ranks
     or on neither, before anything is compiled (its symmetric memory must not be allocated inside a compiled step's
     first run, whose allocations CUDA graphs take into their pool)."""
     _SWAPS[(group.group_name, dtype)] = paired_setup(
-        group, device, "--tp-comm-copy-engine", lambda: PeerSwap(group, max_numel, dtype, device, timeout_s))
+        group, device, flag, lambda: PeerSwap(group, max_numel, dtype, device, timeout_s))
 
 
 def release_swaps() -> None:

@@ -34,7 +34,7 @@ import torch
 
 from gptrain.config import RunConfig
 from gptrain.parallel.dims import ParallelDims
-from gptrain.train.build import overlap_grad_reduce
+from gptrain.train.build import overlap_grad_reduce, tp_copy_engine_wanted
 
 GIB = 1024 ** 3
 ALLOCATOR_SLACK = 0.05  # reserved over allocated: fragmentation of the caching allocator
@@ -134,8 +134,8 @@ def stage_memory(cfg: RunConfig, dims: ParallelDims, params: int, layers: int, s
     mem.activations, mem.logits = act, logits
     if overlap_grad_reduce(cfg, dims) and cfg.parallel.grad_reduce_in_bf16:
         mem.buckets = 2.0 * (cfg.parallel.ddp_bucket_size or 40_000_000)  # the bf16 copy of a bucket
-    if cfg.parallel.tp_comm_copy_engine and t == 2:
-        # --tp-comm-copy-engine's buffer: a micro-batch's input gradient, or with sequence parallelism two receiving
+    if tp_copy_engine_wanted(cfg, dims):
+        # the copy engines' buffer (TP 2's default): a micro-batch's input gradient, or with sequence parallelism two receiving
         # slots of half its tokens: the same size
         mem.buckets += (2.0 if half else 4.0) * s * b * h
     if overlap_grad_reduce(cfg, dims) and cfg.parallel.grad_reduce_copy_engine:

@@ -14,8 +14,9 @@ prints each against its prediction):
   between kernels;
 - tensor parallelism, not overlapped with compute: 2 all-reduces forward and 2 backward per block (with
   --sequence-parallel 4 all-gathers or reduce-scatters each way), the embedding's and the head's,
-  each its bytes over the link plus a latency; with --tp-comm-copy-engine and --sequence-parallel each a trade
-  of half the tokens under a matmul, of which a share and a fixed cost show;
+  each its bytes over the link plus a latency; at TP 2 with --sequence-parallel (the copy engines by default,
+  --no-tp-comm-copy-engine: NCCL) each a trade of half the tokens under a matmul, of which a share and a fixed
+  cost show (TP 2's copy-engine backward without sequence parallelism is priced as NCCL's);
 - data parallelism as gptrain does it: whole replicas all-reduce the fp32 (or bf16) main gradients
   after the backward, exposed, unless --overlap-grad-reduce; the distributed optimizer (ZeRO-1 on whole
   replicas) reduce-scatters them and all-gathers the new weights in their dtype, exposed, and updates 1/dp of
@@ -43,7 +44,7 @@ from gptrain.config import RunConfig
 from gptrain.parallel.dims import ParallelDims
 from gptrain.plan.hardware import Gpu
 from gptrain.plan.memory import block_params
-from gptrain.train.build import overlap_grad_reduce, step_compile_mode
+from gptrain.train.build import overlap_grad_reduce, step_compile_mode, tp_copy_engine_wanted
 
 ELEMENTWISE_BYTES = 80.0  # per token, per hidden unit, per block: fitted to the 345M step's element-wise time
 LOSS_BYTES = 8.0  # per token per vocabulary entry: the loss's passes over the half-precision logits
@@ -236,7 +237,7 @@ def stage_time(cfg: RunConfig, dims: ParallelDims, gpu: Gpu, layers: int, first:
         launches = 0.0 if math.isinf(tp_gbps) else count * COLLECTIVE_HOST_S
         if cfg.parallel.tp_comm_overlap:  # async TP: the gathers and scatters run under the matmuls
             tp_comm /= 4
-        elif cfg.parallel.tp_comm_copy_engine and sp and t == 2 and not math.isinf(tp_gbps):
+        elif tp_copy_engine_wanted(cfg, dims) and sp and not math.isinf(tp_gbps):
             # the blocks' gathers and scatters as copy-engine trades of half the tokens each way, each under the
             # matmul of a half (parallel/sequence_parallel_ce.py): a share of the transfer shows, and a fixed cost
             # a trade; the embedding's and the head's stay NCCL's

@@ -88,6 +88,8 @@ def parallel_dims(cfg: RunConfig, world_size: int) -> ParallelDims:
     if cfg.parallel.sequence_parallel and cfg.model.seq_length % dims.tp:
         raise ValueError(f"--sequence-parallel: --seq-length {cfg.model.seq_length} is not divisible by "
                          f"tensor-model-parallel size {dims.tp}")
+    if cfg.parallel.tp_comm_copy_engine and cfg.parallel.no_tp_comm_copy_engine:
+        raise ValueError("--tp-comm-copy-engine and --no-tp-comm-copy-engine contradict each other: give one")
     if cfg.parallel.tp_comm_copy_engine and (dims.tp != 2 or cfg.parallel.tp_comm_overlap):
         raise ValueError("--tp-comm-copy-engine moves a tensor-parallel pair's activations by the copy engines: "
                          f"it needs --tensor-model-parallel-size 2 (got {dims.tp}) without --tp-comm-overlap")
@@ -185,32 +187,12 @@ def build_training(cfg: RunConfig, device: torch.device, dims: ParallelDims, mes
         from gptrain.parallel.offload_split import offloaded_modules
 
         offloaded = offloaded_modules(chunks or [train_module], list(model.layers.values()), dims.offload_fraction)
-    if cfg.parallel.tp_comm_copy_engine:
-        from gptrain.parallel.copy_engine import set_up_tp_exchange
-        from gptrain.parallel.peer_swap import set_up_swap
-
-        if torch.distributed.get_backend() == "fake":
-            raise ValueError("--tp-comm-copy-engine maps the other GPU's memory: the rank simulator has none "
-                             "(leave the flag out of --simulate-world-size runs)")
-        # set up before anything is compiled, in the activations' dtype: without sequence parallelism the
-        # column-parallel layers' input gradients (the micro-batch's tokens x hidden), with it the trades of half
-        # of them
-        tokens, timeout_s = cfg.train.micro_batch_size * cfg.model.seq_length, 60 * cfg.parallel.distributed_timeout_minutes
-        if cfg.parallel.sequence_parallel:
-            set_up_swap(mesh["tp"].get_group(), tokens // 2 * cfg.model.hidden_size, param_dtype or torch.float32,
-                        device, timeout_s)
-            impls["tensor parallel"] = ("the sequence-parallel gathers and scatters as copy-engine trades, half the "
-                                        "tokens under the matmuls (--tp-comm-copy-engine)")
-        else:
-            set_up_tp_exchange(mesh["tp"].get_group(), tokens * cfg.model.hidden_size, param_dtype or torch.float32,
-                               device, timeout_s)
-            impls["tensor parallel"] = ("the column-parallel layers' input gradients summed by the copy engines "
-                                        "beside their weight gradients (--tp-comm-copy-engine)")
+    tp_copy_engine = tp_copy_engine_wanted(cfg, dims) and _set_up_tp_copy_engine(cfg, mesh, device, param_dtype, impls)
     forward, layout = parallelize(train_module, model, dims, mesh, cfg.kernels.recompute, param_dtype,
                                   cfg.train.compile, mode, cfg.parallel.sequence_parallel, chunks,
                                   bucket_bytes=overlap_bucket_bytes(cfg, dims, param_dtype),
                                   comm_overlap=cfg.parallel.tp_comm_overlap, offloaded=offloaded,
-                                  tp_copy_engine=cfg.parallel.tp_comm_copy_engine)
+                                  tp_copy_engine=tp_copy_engine)
     if mode != cfg.train.compile_mode:
         impls["compile"] = ("CUDA graphs over the compiled step (--compile-mode reduce-overhead, the default for "
                             "tensor parallelism on GPUs; --compile-mode default leaves them out)")
@@ -334,6 +316,58 @@ def overlap_grad_reduce(cfg: RunConfig, dims: ParallelDims) -> bool:
     """--overlap-grad-reduce where gptrain does it: plain data parallelism without pipelines (ZeRO's
     FSDP2 reduce-scatters during the backward anyway; a pipeline reduces after its schedule)."""
     return cfg.parallel.overlap_grad_reduce and dims.replicated and dims.pp == 1 and not dims.distributed_optimizer
+
+
+def _set_up_tp_copy_engine(cfg: RunConfig, mesh, device: torch.device, param_dtype, impls: dict) -> bool:
+    """The tensor-parallel pair's copy-engine buffers, set up before anything is compiled (symmetric memory must not
+    be allocated inside a compiled step's first run, whose allocations CUDA graphs take into their pool), in the
+    activations' dtype: without sequence parallelism the column-parallel layers' input gradients (the micro-batch's
+    tokens x hidden), with it the trades of half of them. Whether they run: required (--tp-comm-copy-engine) they
+    run or the build stops with the reason; by default, where they cannot (a CPU, the rank simulator, two hosts, no
+    peer mapping) NCCL's collectives run and ``impls`` says why (decided alike on both ranks)."""
+    from gptrain.parallel.copy_engine import set_up_tp_exchange
+    from gptrain.parallel.peer_swap import set_up_swap
+
+    required = cfg.parallel.tp_comm_copy_engine
+    simulated = torch.distributed.get_backend() == "fake"
+    if simulated and required:
+        raise ValueError("--tp-comm-copy-engine maps the other GPU's memory: the rank simulator has none "
+                         "(leave the flag out of --simulate-world-size runs)")
+    fallback = "(--no-tp-comm-copy-engine: always)"
+    if simulated or device.type != "cuda":
+        impls["tensor parallel"] = (f"NCCL's collectives: the copy engines need two GPUs' memory mapped, and this "
+                                    f"{'simulated rank' if simulated else device.type + ' run'} has none {fallback}")
+        return False
+    group, tokens = mesh["tp"].get_group(), cfg.train.micro_batch_size * cfg.model.seq_length
+    timeout_s, dtype = 60 * cfg.parallel.distributed_timeout_minutes, param_dtype or torch.float32
+    flag_name = "--tp-comm-copy-engine" if required else "the copy engines (the default)"
+    try:
+        if cfg.parallel.sequence_parallel:
+            set_up_swap(group, tokens // 2 * cfg.model.hidden_size, dtype, device, timeout_s, flag_name)
+        else:
+            set_up_tp_exchange(group, tokens * cfg.model.hidden_size, dtype, device, timeout_s, flag_name)
+    except ValueError as e:  # the same reason on both ranks (paired_setup)
+        if required:
+            raise
+        impls["tensor parallel"] = f"NCCL's collectives: {e} {fallback}"
+        return False
+    how = "required by --tp-comm-copy-engine" if required else "the default; --no-tp-comm-copy-engine: NCCL's"
+    impls["tensor parallel"] = (("the sequence-parallel gathers and scatters as copy-engine trades, half the tokens "
+                                 "under the matmuls" if cfg.parallel.sequence_parallel else
+                                 "the column-parallel layers' input gradients summed by the copy engines beside "
+                                 "their weight gradients") + f" ({how})")
+    return True
+
+
+def tp_copy_engine_wanted(cfg: RunConfig, dims: ParallelDims) -> bool:
+    """Whether tensor parallelism's collectives go to the copy engines (parallel/copy_engine.py, peer_swap.py):
+    required by --tp-comm-copy-engine; by default for a pair (TP 2) without --tp-comm-overlap or --autocast, unless
+    --no-tp-comm-copy-engine. Where it is wanted by default, whether it can run (CUDA, one host, the other GPU's
+    memory mapped) is found at the build, which falls back to NCCL; the planner assumes it runs."""
+    p = cfg.parallel
+    if p.tp_comm_copy_engine:
+        return True
+    return dims.tp == 2 and not (p.no_tp_comm_copy_engine or p.tp_comm_overlap or cfg.precision.autocast)
 
 
 def parameter_count(model: GPT) -> int:

@@ -58,15 +58,17 @@ def _progress(message: str) -> None:
 
 
 class GcPauses:
-    """Time the host spends in Python's garbage collector, from ``reset()`` until ``close()``: a collection
+    """Time the host spends in Python's garbage collector, from ``reset()`` until ``stop()``: a collection
     the step's own allocations trigger stalls the host at a moment of its choosing (training's answer is
     ``--manual-gc``)."""
 
     def __init__(self):
-        self.seconds, self.collections, self._began = 0.0, [0, 0, 0], None
+        self.seconds, self.collections, self._began, self._counting = 0.0, [0, 0, 0], None, True
         gc.callbacks.append(self._on_gc)
 
     def _on_gc(self, phase: str, info: dict) -> None:
+        if not self._counting:
+            return
         if phase == "start":
             self._began = time.perf_counter()
         elif self._began is not None:
@@ -75,7 +77,11 @@ class GcPauses:
             self._began = None
 
     def reset(self) -> None:
-        self.seconds, self.collections = 0.0, [0, 0, 0]
+        self.seconds, self.collections, self._counting = 0.0, [0, 0, 0], True
+
+    def stop(self) -> None:
+        """Count no further collections (those after the timed steps)."""
+        self._counting, self._began = False, None
 
     def close(self) -> None:
         if self._on_gc in gc.callbacks:
@@ -89,7 +95,7 @@ def measure(step, warmup: int, iters: int, device, label: str = "",
     means either a CPU-bound step or a full launch queue, which only a profile tells apart), and
     peak GPU memory in GiB (None off a GPU). ``settle`` waits for host work a step leaves running
     (the host's optimizer thread), counted in the step time like the device's. ``gc_pauses``: reset as the
-    timed steps start, so it holds their collections only."""
+    timed steps start and stopped as they end, so it holds their collections only."""
     begin = time.perf_counter()
     _progress(f"{label}: {warmup} warm-up iterations (compilation happens here) ...")
     for _ in range(warmup):
@@ -105,6 +111,8 @@ def measure(step, warmup: int, iters: int, device, label: str = "",
     for _ in range(iters):
         step()
     host = (time.perf_counter() - start) / iters
+    if gc_pauses is not None:
+        gc_pauses.stop()
     settle()
     _sync(device)
     seconds = (time.perf_counter() - start) / iters

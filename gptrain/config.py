@@ -422,8 +422,8 @@ class ParallelConfig:
         "--tp-comm-copy-engine", group="distributed",
         help="TP over two GPUs of one host: activations copied into the other GPU's memory by the copy engines, not "
              "NCCL's kernels (with --sequence-parallel: every gather and scatter, half the tokens under the matmuls). "
-             "The default where it can run (TP 2, CUDA, one host, no --tp-comm-overlap or --autocast); this flag "
-             "makes it required"))
+             "The default for a lone pair (TP 2 without DP/PP, offload, full recompute, --tp-comm-overlap or "
+             "--autocast) on CUDA GPUs of one host; this flag makes it required, there and elsewhere"))
     no_tp_comm_copy_engine: bool = field(default=False, metadata=flag(
         "--no-tp-comm-copy-engine", group="distributed",
         help="tensor parallelism's collectives on NCCL even where the copy engines could move them"))

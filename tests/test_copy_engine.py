@@ -149,6 +149,27 @@ def test_autocast_is_refused_with_it(layout):
         parallel_dims(cfg, 2)
 
 
+def _build_asking_for_it(rank: int) -> None:
+    from gptrain.parallel.dims import init_distributed
+    from gptrain.train.build import build_training
+
+    cfg, _ = parse_megatron_args(TINY + ["--train-iters", "1", "--tensor-model-parallel-size", "2",
+                                         "--tp-comm-copy-engine"], world_size=2)
+    cfg.model.vocab_size = 50257
+    dims = parallel_dims(cfg, 2)
+    device = init_distributed(torch.device("cpu"))
+    with pytest.raises(ValueError, match="--tp-comm-copy-engine joins two GPUs of one host by their copy engines: "
+                                         "the device here is cpu"):
+        build_training(cfg, device, dims, dims.build_mesh("cpu"), log=lambda s: None)
+    dist.destroy_process_group()
+
+
+def test_a_cpu_build_asking_for_it_is_refused_too():
+    """`gptrain bench` and the benchmarks build without check_before_build: the build itself refuses the flag on a
+    CPU (asked for, the copy engines never fall back to NCCL)."""
+    spawn(2, _build_asking_for_it)
+
+
 def test_a_cpu_tensor_parallel_run_with_it_is_refused_before_the_build():
     cfg, _ = parse_megatron_args(TINY + ["--train-iters", "1", "--tensor-model-parallel-size", "2",
                                          "--tp-comm-copy-engine"], world_size=2)
@@ -166,13 +187,19 @@ def test_both_flags_together_are_refused():
 
 @pytest.mark.parametrize("extra,world,wanted", [
     (["--tensor-model-parallel-size", "2"], 2, True),  # the default for a pair
-    (["--tensor-model-parallel-size", "2", "--sequence-parallel"], 4, True),  # TP2 x DP2
+    (["--tensor-model-parallel-size", "2", "--sequence-parallel"], 2, True),
+    (["--tensor-model-parallel-size", "2", "--sequence-parallel"], 4, False),  # TP2 x DP2: not yet run on GPUs
+    (["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"], 4, False),
+    (["--tensor-model-parallel-size", "2", "--recompute-activations", "--recompute-granularity", "full",
+      "--recompute-method", "uniform"], 2, False),
+    (["--tensor-model-parallel-size", "2", "--sequence-parallel", "--tp-comm-copy-engine"], 4, True),  # asked for
     (["--tensor-model-parallel-size", "2", "--no-tp-comm-copy-engine"], 2, False),
     (["--tensor-model-parallel-size", "2", "--sequence-parallel", "--tp-comm-overlap"], 2, False),  # async TP's own
     (["--tensor-model-parallel-size", "2", "--bf16", "--autocast"], 2, False),  # its ops take the parameters' dtype
     (["--tensor-model-parallel-size", "4"], 4, False),
     ([], 2, False),
-], ids=["tp2", "tp2+spxdp2", "opted-out", "async-tp", "autocast", "tp4", "dp2"])
+], ids=["tp2", "tp2+sp", "tp2+spxdp2", "tp2xpp2", "full-recompute", "required", "opted-out", "async-tp", "autocast",
+        "tp4", "dp2"])
 def test_the_copy_engines_are_tp2s_default_where_they_can_serve_it(extra, world, wanted):
     from gptrain.train.build import tp_copy_engine_wanted
 

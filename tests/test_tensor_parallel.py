@@ -45,7 +45,7 @@ def test_tensor_parallel_equals_one_process(nproc, tp, flags, one_process, tmp_p
     for it, loss in one_process[0].items():
         assert got[it] == pytest.approx(loss, rel=1e-5), it
     assert f"data-parallel-size: {nproc // tp}, tensor-model-parallel size: {tp}" in out
-    if tp == 2 and "--tp-comm-overlap" not in flags:  # the copy engines are TP2's default, on GPUs of one host
+    if nproc == tp == 2:  # the copy engines are a lone TP2 pair's default, on GPUs of one host
         assert ("tensor parallel: NCCL's collectives: the copy engines need two GPUs' memory mapped, and this cpu run "
                 "has none (--no-tp-comm-copy-engine: always)") in out
     # saved with the vocabulary rows split over 2 ranks, read whole. Adam turns the rounding of near-zero

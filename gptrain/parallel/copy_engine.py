@@ -50,14 +50,14 @@ class CopyEngineAllReduce:
         try:
             self.buf = symm_mem.empty(2 * self.slot, dtype=dtype, device=device)
             self.handle = symm_mem.rendezvous(self.buf, group.group_name)
+            self.rank = self.handle.rank  # the peer's index in the mapping the handle holds
+            self.peer = self.handle.get_buffer(1 - self.rank, (2 * self.slot,), dtype)
+            self.side = torch.cuda.Stream(device)
         except Exception as e:  # noqa: BLE001 - no peer mappings here (driver, container, GPUs): one line
             raise ValueError(f"the copy-engine all-reduce could not map the other GPU's memory: "
                              f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
-        self.rank = self.handle.rank  # the peer's index in the mapping the handle holds
-        self.peer = self.handle.get_buffer(1 - self.rank, (2 * self.slot,), dtype)
         self.max_numel, self.dtype = max_numel, dtype
         self.timeout_ms = int(timeout_s * 1000)
-        self.side = torch.cuda.Stream(device)
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> None:
         """``x`` summed over the two ranks, into ``out`` (default: ``x`` itself), on the current stream (not while
@@ -110,8 +110,8 @@ def paired_setup(group, device: torch.device, flag: str, make):
     if reason is None:
         try:
             made = make()
-        except ValueError as e:
-            error = str(e)
+        except Exception as e:  # noqa: BLE001 - whatever failed on one rank, both must learn it (else the other waits)
+            error = str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
     errors = [None] * dist.get_world_size(group)
     dist.all_gather_object(errors, reason or error, group=group)
     if any(errors):

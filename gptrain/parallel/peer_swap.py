@@ -73,14 +73,14 @@ class PeerSwap:
         try:
             self.buf = symm_mem.empty(2 * max_numel, dtype=dtype, device=device)
             self.handle = symm_mem.rendezvous(self.buf, group.group_name)
+            self.rank = self.handle.rank
+            self.peer = self.handle.get_buffer(1 - self.rank, (2 * max_numel,), dtype)
+            self.side = torch.cuda.Stream(device)
         except Exception as e:  # noqa: BLE001 - no peer mappings here (driver, container, GPUs): one line
             raise ValueError(f"the copy-engine trade could not map the other GPU's memory: "
                              f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
-        self.rank = self.handle.rank
-        self.peer = self.handle.get_buffer(1 - self.rank, (2 * max_numel,), dtype)
         self.max_numel, self.dtype = max_numel, dtype
         self.timeout_ms = int(timeout_s * 1000)
-        self.side = torch.cuda.Stream(device)
         self.last_slot = None
 
     def start(self, t: torch.Tensor, slot: int) -> _Arriving:

@@ -334,6 +334,9 @@ def _set_up_tp_copy_engine(cfg: RunConfig, mesh, device: torch.device, param_dty
         raise ValueError("--tp-comm-copy-engine maps the other GPU's memory: the rank simulator has none "
                          "(leave the flag out of --simulate-world-size runs)")
     fallback = "(--no-tp-comm-copy-engine: always)"
+    if required and device.type != "cuda":
+        raise ValueError(f"--tp-comm-copy-engine joins two GPUs of one host by their copy engines: the device here is "
+                         f"{device.type} (leave the flag out)")
     if simulated or device.type != "cuda":
         impls["tensor parallel"] = (f"NCCL's collectives: the copy engines need two GPUs' memory mapped, and this "
                                     f"{'simulated rank' if simulated else device.type + ' run'} has none {fallback}")
@@ -355,19 +358,25 @@ def _set_up_tp_copy_engine(cfg: RunConfig, mesh, device: torch.device, param_dty
     impls["tensor parallel"] = (("the sequence-parallel gathers and scatters as copy-engine trades, half the tokens "
                                  "under the matmuls" if cfg.parallel.sequence_parallel else
                                  "the column-parallel layers' input gradients summed by the copy engines beside "
-                                 "their weight gradients") + f" ({how})")
+                                 "their weight gradients") + f" ({how})" + ("" if cfg.parallel.sequence_parallel else
+                                 "; --sequence-parallel would also trade every region's gathers and scatters under "
+                                 "the matmuls, the faster two-GPU layout (benchmarks/RESULTS.md)"))
     return True
 
 
 def tp_copy_engine_wanted(cfg: RunConfig, dims: ParallelDims) -> bool:
     """Whether tensor parallelism's collectives go to the copy engines (parallel/copy_engine.py, peer_swap.py):
-    required by --tp-comm-copy-engine; by default for a pair (TP 2) without --tp-comm-overlap or --autocast, unless
-    --no-tp-comm-copy-engine. Where it is wanted by default, whether it can run (CUDA, one host, the other GPU's
-    memory mapped) is found at the build, which falls back to NCCL; the planner assumes it runs."""
+    required by --tp-comm-copy-engine; by default where they have been run and measured on GPUs: a pair alone (TP 2,
+    no data-parallel or pipeline dimension, no offload) without full recompute, --tp-comm-overlap or --autocast,
+    unless --no-tp-comm-copy-engine (elsewhere the flag asks for them). Where they are wanted by default, whether they
+    can run (CUDA, one host, the other GPU's memory mapped) is found at the build, which falls back to NCCL; the
+    planner assumes they run."""
     p = cfg.parallel
     if p.tp_comm_copy_engine:
         return True
-    return dims.tp == 2 and not (p.no_tp_comm_copy_engine or p.tp_comm_overlap or cfg.precision.autocast)
+    alone = dims.tp == 2 and dims.dp == 1 and dims.pp == 1 and not dims.cpu_offload
+    return alone and cfg.kernels.recompute != "full" and not (
+        p.no_tp_comm_copy_engine or p.tp_comm_overlap or cfg.precision.autocast)
 
 
 def parameter_count(model: GPT) -> int:

@@ -155,9 +155,11 @@ def held_out(rows: list[Row], reasons: dict[str, str]) -> list[Row]:
 
 # s34's table machine: DP2 ran 90.8% of its 1 GPU (93.5-94.8% in s30-s33's calls), PP2 1F1B 161,970 (156,522-181,293 in
 # s33) and DP2 overlapped 79.6%; the overlapped row, within 1.9% in s31 and s33, is left out here
-SLOW_LINK_MACHINE = ("s34's table machine moved gradients more slowly than the others of its kind (DP2 90.8% of its "
-                     "1 GPU against 93.5-94.8% in s30-s33; the same row +0.6% in s31, +1.9% in s33): the planner has "
-                     "one link table per GPU kind")
+SLOW_LINK_MACHINE = ("on s34's table machine the rows with NCCL's large all-reduces and its pipeline sends ran slow "
+                     "(DP2 90.8% of its 1 GPU against 93.5-94.8% in s30-s33, PP2 161,970 against 181,130 on call 1's "
+                     "machine; ZeRO-1 and the TP rows did not), this one most: its buckets' all-reduces run beside the "
+                     "backward's matmuls; the same row was +0.6% in s31 and +1.9% in s33. Not explained; the planner "
+                     "has one table per GPU kind, not per machine")
 # s34 call 4: TP2 + SP's trades at micro-batch 64 right after TP2's copy-engine row in the same process ran 133,823;
 # in a new process (call 5) the same code ran 179,617
 AFTER_EXCHANGE_ROW = ("ran right after TP2's copy-engine row in the same layout_table process: 179,617 in a new process "

@@ -48,6 +48,8 @@ def test_tensor_parallel_equals_one_process(nproc, tp, flags, one_process, tmp_p
     if nproc == tp == 2:  # the copy engines are a lone TP2 pair's default, on GPUs of one host
         assert ("tensor parallel: NCCL's collectives: the copy engines need two GPUs' memory mapped, and this cpu run "
                 "has none (--no-tp-comm-copy-engine: always)") in out
+    elif tp == 2 and "--tp-comm-overlap" not in flags:
+        assert "tensor parallel: NCCL's collectives (the copy engines are the default of a lone pair only" in out
     # saved with the vocabulary rows split over 2 ranks, read whole. Adam turns the rounding of near-zero
     # gradients (the key bias's is zero in exact arithmetic) into differences of about 2e-6 after 5 steps
     weights = _weights(tmp_path)

@@ -187,7 +187,10 @@ def build_training(cfg: RunConfig, device: torch.device, dims: ParallelDims, mes
         from gptrain.parallel.offload_split import offloaded_modules
 
         offloaded = offloaded_modules(chunks or [train_module], list(model.layers.values()), dims.offload_fraction)
-    tp_copy_engine = tp_copy_engine_wanted(cfg, dims) and _set_up_tp_copy_engine(cfg, mesh, device, param_dtype, impls)
+    wanted = tp_copy_engine_wanted(cfg, dims)
+    tp_copy_engine = wanted and _set_up_tp_copy_engine(cfg, mesh, device, param_dtype, impls)
+    if dims.tp == 2 and not wanted and not cfg.parallel.tp_comm_overlap:
+        impls["tensor parallel"] = _why_tp_on_nccl(cfg)
     forward, layout = parallelize(train_module, model, dims, mesh, cfg.kernels.recompute, param_dtype,
                                   cfg.train.compile, mode, cfg.parallel.sequence_parallel, chunks,
                                   bucket_bytes=overlap_bucket_bytes(cfg, dims, param_dtype),
@@ -362,6 +365,16 @@ def _set_up_tp_copy_engine(cfg: RunConfig, mesh, device: torch.device, param_dty
                                  "; --sequence-parallel would also trade every region's gathers and scatters under "
                                  "the matmuls, the faster two-GPU layout (benchmarks/RESULTS.md)"))
     return True
+
+
+def _why_tp_on_nccl(cfg: RunConfig) -> str:
+    """The log's line for a TP-2 run that the copy engines do not serve by default."""
+    if cfg.parallel.no_tp_comm_copy_engine:
+        return "NCCL's collectives (--no-tp-comm-copy-engine)"
+    if cfg.precision.autocast:
+        return "NCCL's collectives (--autocast: the copy engines' ops multiply in the parameters' dtype)"
+    return ("NCCL's collectives (the copy engines are the default of a lone pair only, not yet run beside other "
+            "dimensions, offload or full recompute: --tp-comm-copy-engine asks for them)")
 
 
 def tp_copy_engine_wanted(cfg: RunConfig, dims: ParallelDims) -> bool:

@@ -209,7 +209,7 @@ def test_the_copy_engines_are_tp2s_default_where_they_can_serve_it(extra, world,
 
 def test_the_planner_prices_the_default_as_the_trades():
     """TP2 + SP without a flag is predicted as the copy engines' trades (what runs on GPUs of one host), faster than
-    the same layout on NCCL, and with the trades' buffer in its memory."""
+    the same layout on NCCL, and with the trades' buffer in its memory; TP2 alone as the copy engines' backward."""
     from gptrain.plan.hardware import load_gpu
     from gptrain.plan.search import predict
 
@@ -224,6 +224,12 @@ def test_the_planner_prices_the_default_as_the_trades():
     assert p["default"].tokens_per_s_per_gpu == p["required"].tokens_per_s_per_gpu
     assert p["default"].tokens_per_s_per_gpu > 1.1 * p["nccl"].tokens_per_s_per_gpu
     assert p["default"].peak_gib > p["nccl"].peak_gib
+    # without sequence parallelism: the backward's sums beside the weight gradients, a few percent (s30-s34)
+    plain = [a for a in m345 if a != "--sequence-parallel"]
+    tp2 = {name: predict(parse_megatron_args(plain + extra, world_size=2)[0].with_tokenizer(50257, 50256), 2, gpu, 8)
+           for name, extra in (("default", []), ("nccl", ["--no-tp-comm-copy-engine"]))}
+    gain = tp2["default"].tokens_per_s_per_gpu / tp2["nccl"].tokens_per_s_per_gpu
+    assert 1.01 < gain < 1.1, gain
 
 
 def _layers_backward(rank: int, device: str) -> None:

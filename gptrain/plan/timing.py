@@ -16,7 +16,8 @@ prints each against its prediction):
   --sequence-parallel 4 all-gathers or reduce-scatters each way), the embedding's and the head's,
   each its bytes over the link plus a latency; at TP 2 with --sequence-parallel (the copy engines by default,
   --no-tp-comm-copy-engine: NCCL) each a trade of half the tokens under a matmul, of which a share and a fixed
-  cost show (TP 2's copy-engine backward without sequence parallelism is priced as NCCL's);
+  cost show; without it the blocks' backward all-reduces on the copy engines, of which a share hides under the
+  weight gradients' matmuls;
 - data parallelism as gptrain does it: whole replicas all-reduce the fp32 (or bf16) main gradients
   after the backward, exposed, unless --overlap-grad-reduce; the distributed optimizer (ZeRO-1 on whole
   replicas) reduce-scatters them and all-gathers the new weights in their dtype, exposed, and updates 1/dp of
@@ -67,6 +68,10 @@ COLLECTIVE_HOST_S = 30e-6  # the host's time to launch an NCCL collective, beyon
 # the received half's add or copy, the halves' smaller matmuls); fitted to s32's 2 x H200 rows at micro-batch 16
 # and 64
 TRADE_EXPOSED = 0.425
+# TP2's copy-engine backward without sequence parallelism (parallel/copy_engine.py): the share of each column-parallel
+# input gradient's sum that hides under the weight gradients' matmuls beside it; fitted to s30-s34's TP2 rows on copy
+# engines against NCCL's (2.2-2.5 ms a step saved at micro-batch 16, 4.4-6.5 at 64)
+EXCHANGE_HIDDEN = 0.3
 TRADE_FIXED_S = 33.3e-6
 # --cpu-offload, per fp32 parameter of the rank (s25, a 2.7B at ZeRO-2 and ZeRO-3 with 1 and 8 micro-batches):
 # the host's fused AdamW with the step's gradient and parameter copies, none overlapped with the GPU
@@ -244,6 +249,10 @@ def stage_time(cfg: RunConfig, dims: ParallelDims, gpu: Gpu, layers: int, first:
             trades = tp_collectives(cfg, layers, False, False, sp)  # the blocks' (a full recompute's too)
             tp_comm = (count - trades) * one + trades * (TRADE_EXPOSED * (nbytes / 2) / (tp_gbps * 1e9)
                                                          + TRADE_FIXED_S)
+        elif tp_copy_engine_wanted(cfg, dims) and t == 2 and not math.isinf(tp_gbps):
+            # the blocks' column-parallel input gradients (QKV's and fc1's) summed by the copy engines beside the
+            # weight gradients: a share of each hides
+            tp_comm -= EXCHANGE_HIDDEN * 2.0 * layers * one
     if dims.sharded:  # per micro-batch: ZeRO-1/2 gather once a step, ZeRO-1 reduce-scatters once a step
         n_micro = cfg.train.micro_batches_per_step(dims.dp)
         gathers = 2.0 if dims.zero_stage == 3 else 1.0 / n_micro

@@ -298,8 +298,8 @@ def format_row(r: Result, ref: Result | None, model_flags: list[str], device: to
     return "| " + " | ".join(cells) + " |"
 
 
-HEADER = ("| row | GPUs | micro-batch | global batch | ms/iter | host ms/iter (in gc) | tokens/s per GPU | of 1 GPU | MFU (datasheet) | "
-          "peak GiB | plan: tokens/s (error); peak (error) | mean loss | nanoGPT beside it | "
+HEADER = ("| row | GPUs | micro-batch | global batch | ms/iter | host ms/iter (in gc) | tokens/s per GPU | of 1 GPU | "
+          "MFU (datasheet) | peak GiB | plan: tokens/s (error); peak (error) | mean loss | nanoGPT beside it | "
           "GiB left by earlier rows | row's wall s |\n"
           "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
 

@@ -12,6 +12,11 @@ import torch
 import torch.distributed as dist
 
 
+def one_line(e: BaseException) -> str:
+    """An exception as one line: its type and its message's first line."""
+    return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+
+
 def unavailable_reason(group, device: torch.device) -> str | None:
     """Why the copy-engine all-reduce cannot run over ``group`` here (None: it can). A collective over
     ``group``: every rank calls it."""
@@ -54,8 +59,7 @@ class CopyEngineAllReduce:
             self.peer = self.handle.get_buffer(1 - self.rank, (2 * self.slot,), dtype)
             self.side = torch.cuda.Stream(device)
         except Exception as e:  # noqa: BLE001 - no peer mappings here (driver, container, GPUs): one line
-            raise ValueError(f"the copy-engine all-reduce could not map the other GPU's memory: "
-                             f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
+            raise ValueError(f"the copy-engine all-reduce could not map the other GPU's memory: {one_line(e)}") from None
         self.max_numel, self.dtype = max_numel, dtype
         self.timeout_ms = int(timeout_s * 1000)
 
@@ -111,7 +115,7 @@ def paired_setup(group, device: torch.device, flag: str, make):
         try:
             made = make()
         except Exception as e:  # noqa: BLE001 - whatever failed on one rank, both must learn it (else the other waits)
-            error = str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            error = str(e) if isinstance(e, ValueError) else one_line(e)
     errors = [None] * dist.get_world_size(group)
     dist.all_gather_object(errors, reason or error, group=group)
     if any(errors):

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from gptrain.parallel.copy_engine import paired_setup
+from gptrain.parallel.copy_engine import one_line, paired_setup
 
 
 GATHER, SCATTER = 0, 1  # the two receiving slots: a region's entry trades in one, its exit in the other
@@ -77,8 +77,7 @@ class PeerSwap:
             self.peer = self.handle.get_buffer(1 - self.rank, (2 * max_numel,), dtype)
             self.side = torch.cuda.Stream(device)
         except Exception as e:  # noqa: BLE001 - no peer mappings here (driver, container, GPUs): one line
-            raise ValueError(f"the copy-engine trade could not map the other GPU's memory: "
-                             f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
+            raise ValueError(f"the copy-engine trade could not map the other GPU's memory: {one_line(e)}") from None
         self.max_numel, self.dtype = max_numel, dtype
         self.timeout_ms = int(timeout_s * 1000)
         self.last_slot = None

@@ -135,8 +135,8 @@ def stage_memory(cfg: RunConfig, dims: ParallelDims, params: int, layers: int, s
     if overlap_grad_reduce(cfg, dims) and cfg.parallel.grad_reduce_in_bf16:
         mem.buckets = 2.0 * (cfg.parallel.ddp_bucket_size or 40_000_000)  # the bf16 copy of a bucket
     if tp_copy_engine_wanted(cfg, dims):
-        # the copy engines' buffer (TP 2's default): a micro-batch's input gradient, or with sequence parallelism two receiving
-        # slots of half its tokens: the same size
+        # the copy engines' buffer (TP 2's default): a micro-batch's input gradient, or with sequence parallelism
+        # two receiving slots of half its tokens: the same size
         mem.buckets += (2.0 if half else 4.0) * s * b * h
     if overlap_grad_reduce(cfg, dims) and cfg.parallel.grad_reduce_copy_engine:
         # the copy engines' symmetric buffer: a bucket's two halves, in the reduction's dtype

@@ -68,11 +68,11 @@ COLLECTIVE_HOST_S = 30e-6  # the host's time to launch an NCCL collective, beyon
 # the received half's add or copy, the halves' smaller matmuls); fitted to s32's 2 x H200 rows at micro-batch 16
 # and 64
 TRADE_EXPOSED = 0.425
+TRADE_FIXED_S = 33.3e-6
 # TP2's copy-engine backward without sequence parallelism (parallel/copy_engine.py): the share of each column-parallel
 # input gradient's sum that hides under the weight gradients' matmuls beside it; fitted to s30-s34's TP2 rows on copy
 # engines against NCCL's (2.2-2.5 ms a step saved at micro-batch 16, 4.4-6.5 at 64)
 EXCHANGE_HIDDEN = 0.3
-TRADE_FIXED_S = 33.3e-6
 # --cpu-offload, per fp32 parameter of the rank (s25, a 2.7B at ZeRO-2 and ZeRO-3 with 1 and 8 micro-batches):
 # the host's fused AdamW with the step's gradient and parameter copies, none overlapped with the GPU
 OFFLOAD_STEP_S_PER_PARAM = 0.30e-9
@@ -240,16 +240,17 @@ def stage_time(cfg: RunConfig, dims: ParallelDims, gpu: Gpu, layers: int, first:
         compute += count * gpu.memory_s(2.0 * nbytes * (1.0 / t if sp else 1.0))
         tp_comm = count * one
         launches = 0.0 if math.isinf(tp_gbps) else count * COLLECTIVE_HOST_S
+        copy_engines = tp_copy_engine_wanted(cfg, dims) and not math.isinf(tp_gbps)  # TP 2 only
         if cfg.parallel.tp_comm_overlap:  # async TP: the gathers and scatters run under the matmuls
             tp_comm /= 4
-        elif tp_copy_engine_wanted(cfg, dims) and sp and not math.isinf(tp_gbps):
+        elif copy_engines and sp:
             # the blocks' gathers and scatters as copy-engine trades of half the tokens each way, each under the
             # matmul of a half (parallel/sequence_parallel_ce.py): a share of the transfer shows, and a fixed cost
             # a trade; the embedding's and the head's stay NCCL's
             trades = tp_collectives(cfg, layers, False, False, sp)  # the blocks' (a full recompute's too)
             tp_comm = (count - trades) * one + trades * (TRADE_EXPOSED * (nbytes / 2) / (tp_gbps * 1e9)
                                                          + TRADE_FIXED_S)
-        elif tp_copy_engine_wanted(cfg, dims) and t == 2 and not math.isinf(tp_gbps):
+        elif copy_engines:
             # the blocks' column-parallel input gradients (QKV's and fc1's) summed by the copy engines beside the
             # weight gradients: a share of each hides
             tp_comm -= EXCHANGE_HIDDEN * 2.0 * layers * one
